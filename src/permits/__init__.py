@@ -1,0 +1,134 @@
+"""permits: distributed counting semaphores, mutexes and leases on the SQL database you already run.
+
+import permits
+
+with permits.connect() as client:                 # sqlite:///permits.db, or $PERMITS_DATABASE_URL
+    client.create_semaphore("backups", 10, exist_ok=True)
+    with client.lease("backups", ttl=300, timeout=60) as lease:
+        run_backup(fencing_token=lease.token)
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.engine import URL
+
+from permits._async.client import AsyncClient, AsyncHeld
+from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, DEFAULT_URL
+from permits._exceptions import (
+    AcquireTimeout,
+    ConfigurationError,
+    CountExceedsCapacity,
+    IdempotencyConflict,
+    InvalidArgument,
+    LeaseError,
+    LeaseLost,
+    LeaseNotFound,
+    PermitsError,
+    SchemaMismatch,
+    SemaphoreExists,
+    SemaphoreInUse,
+    SemaphoreNotFound,
+    StorageConflict,
+    StorageError,
+    StorageReadOnly,
+    StorageUnavailable,
+    UsageError,
+    error_class,
+    error_codes,
+)
+from permits._models import (
+    CapacityChange,
+    Drift,
+    EndReason,
+    Holder,
+    Lease,
+    ReleaseOutcome,
+    Semaphore,
+    SweepResult,
+    Want,
+)
+from permits._sync.client import Client, Held
+
+__version__ = "0.1.0"
+
+
+def connect(
+    url: str | URL | None = None,
+    *,
+    owner: str | None = None,
+    ttl: float = DEFAULT_TTL,
+    lock_wait_timeout: float = DEFAULT_LOCK_WAIT_TIMEOUT,
+    retries: int = DEFAULT_RETRIES,
+    auto_upgrade: bool | None = None,
+) -> Client:
+    """Open a client. ``url`` picks the backend; ``None`` reads ``$PERMITS_DATABASE_URL``, else uses the
+    embedded default ``sqlite:///permits.db``. See ``Client`` for the options."""
+    return Client(
+        url,
+        owner=owner,
+        ttl=ttl,
+        lock_wait_timeout=lock_wait_timeout,
+        retries=retries,
+        auto_upgrade=auto_upgrade,
+    )
+
+
+def connect_async(
+    url: str | URL | None = None,
+    *,
+    owner: str | None = None,
+    ttl: float = DEFAULT_TTL,
+    lock_wait_timeout: float = DEFAULT_LOCK_WAIT_TIMEOUT,
+    retries: int = DEFAULT_RETRIES,
+    auto_upgrade: bool | None = None,
+) -> AsyncClient:
+    """The asyncio twin of ``connect``: ``async with permits.connect_async(url) as client:``."""
+    return AsyncClient(
+        url,
+        owner=owner,
+        ttl=ttl,
+        lock_wait_timeout=lock_wait_timeout,
+        retries=retries,
+        auto_upgrade=auto_upgrade,
+    )
+
+
+__all__ = [
+    "DEFAULT_URL",
+    "AcquireTimeout",
+    "AsyncClient",
+    "AsyncHeld",
+    "CapacityChange",
+    "Client",
+    "ConfigurationError",
+    "CountExceedsCapacity",
+    "Drift",
+    "EndReason",
+    "Held",
+    "Holder",
+    "IdempotencyConflict",
+    "InvalidArgument",
+    "Lease",
+    "LeaseError",
+    "LeaseLost",
+    "LeaseNotFound",
+    "PermitsError",
+    "ReleaseOutcome",
+    "SchemaMismatch",
+    "Semaphore",
+    "SemaphoreExists",
+    "SemaphoreInUse",
+    "SemaphoreNotFound",
+    "StorageConflict",
+    "StorageError",
+    "StorageReadOnly",
+    "StorageUnavailable",
+    "SweepResult",
+    "UsageError",
+    "Want",
+    "__version__",
+    "connect",
+    "connect_async",
+    "error_class",
+    "error_codes",
+]

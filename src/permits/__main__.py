@@ -1,0 +1,3 @@
+from permits.cli import main
+
+main()

@@ -1,0 +1,312 @@
+"""The client: validates input, picks defaults, waits for room, and hands each attempt to a store."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from types import TracebackType
+from typing import Any
+
+from sqlalchemy.engine import URL
+
+from permits import _validate
+from permits._async.store import AsyncSQLStore
+from permits._backoff import WAIT_BACKOFF
+from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
+from permits._exceptions import AcquireTimeout, UsageError
+from permits._io import async_shield, async_sleep, monotonic
+from permits._models import (
+    CapacityChange,
+    Drift,
+    Holder,
+    Lease,
+    ReleaseOutcome,
+    Semaphore,
+    SweepResult,
+    Want,
+)
+from permits._validate import Seconds, WantsLike
+
+
+class AsyncClient:
+    """A connection to permits.
+
+    ``url`` picks the backend: ``sqlite:///permits.db`` (the default, embedded), ``mysql://`` or
+    ``mariadb://``, ``postgresql://``; ``None`` reads ``$PERMITS_DATABASE_URL``.
+
+    :param owner: the identity that scopes lease keys (default ``$PERMITS_OWNER``, else ``user@host``).
+    :param ttl: the default lease TTL in seconds.
+    :param lock_wait_timeout: how long one transaction may wait for a row lock before it is retried.
+    :param retries: how many times a transaction is retried after a deadlock, a serialization failure, a
+        busy database or a lost connection.
+    :param auto_upgrade: create or upgrade the schema on first use (default: only for SQLite).
+    """
+
+    def __init__(
+        self,
+        url: str | URL | None = None,
+        *,
+        owner: str | None = None,
+        ttl: float = DEFAULT_TTL,
+        lock_wait_timeout: float = DEFAULT_LOCK_WAIT_TIMEOUT,
+        retries: int = DEFAULT_RETRIES,
+        auto_upgrade: bool | None = None,
+    ) -> None:
+        self._settings = Settings.build(
+            url,
+            owner=owner,
+            ttl=ttl,
+            lock_wait_timeout=lock_wait_timeout,
+            retries=retries,
+            auto_upgrade=auto_upgrade,
+        )
+        self._store = AsyncSQLStore(self._settings)
+        self._closed = False
+
+    @property
+    def owner(self) -> str:
+        """The default owner of this client's leases."""
+        return self._settings.owner
+
+    @property
+    def url(self) -> str:
+        """The database URL, without its password."""
+        return self._store.url
+
+    async def __aenter__(self) -> AsyncClient:
+        await self._store.open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool. Held leases stay held until released or expired."""
+        if not self._closed:
+            self._closed = True
+            await self._store.close()
+
+    # ----------------------------------------------------------------------------------------- acquiring
+
+    async def try_acquire(
+        self,
+        wants: WantsLike,
+        *,
+        key: str | None = None,
+        owner: str | None = None,
+        ttl: Seconds | None = None,
+    ) -> Lease | None:
+        """Take every wanted permit at once, or none: a ``Lease``, or ``None`` at once when there is no room.
+
+        ``wants`` is a semaphore name (one permit), a ``{name: count}`` mapping, or a list of names,
+        ``(name, count)`` pairs or ``Want``s. Retrying with the same ``key`` returns the same lease.
+        """
+        owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
+        return await self._store.try_acquire(owner_, key_, wants_, ttl_ms)
+
+    async def acquire(
+        self,
+        wants: WantsLike,
+        *,
+        key: str | None = None,
+        owner: str | None = None,
+        ttl: Seconds | None = None,
+        timeout: Seconds | None = None,
+    ) -> Lease:
+        """Take every wanted permit at once, waiting up to ``timeout`` seconds (``None``: for ever).
+
+        Attempts back off exponentially with jitter, so waiters do not hammer the database. Every attempt
+        uses the same key, so an attempt whose reply was lost can never grant twice. Raises
+        ``AcquireTimeout`` when the time is up.
+        """
+        owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
+        limit = _validate.timeout(timeout)
+        deadline = None if limit is None else monotonic() + limit
+        attempt = 0
+        while True:
+            lease = await self._store.try_acquire(owner_, key_, wants_, ttl_ms)
+            if lease is not None:
+                return lease
+            delay = WAIT_BACKOFF.delay(attempt)
+            if deadline is not None:
+                remaining = deadline - monotonic()
+                if remaining <= 0:
+                    names = ", ".join(f"{w.name}:{w.count}" for w in wants_)
+                    raise AcquireTimeout(f"no room for {names} within {limit} s", key=key_, owner=owner_, timeout=limit)
+                delay = min(delay, remaining)
+            await async_sleep(delay)
+            attempt += 1
+
+    def lease(
+        self,
+        wants: WantsLike,
+        *,
+        key: str | None = None,
+        owner: str | None = None,
+        ttl: Seconds | None = None,
+        timeout: Seconds | None = None,
+    ) -> AsyncHeld:
+        """``async with client.lease("backups") as lease:`` acquires (waiting up to ``timeout``) and
+        releases on exit, also when the body raises."""
+        owner_, key_, wants_, ttl_ = self._request(wants, key, owner, ttl)
+        return AsyncHeld(self, wants_, key_, owner_, ttl_ / 1000, _validate.timeout(timeout))
+
+    def mutex(
+        self,
+        name: str,
+        *,
+        key: str | None = None,
+        owner: str | None = None,
+        ttl: Seconds | None = None,
+        timeout: Seconds | None = None,
+    ) -> AsyncHeld:
+        """A lease on one permit of ``name``: mutual exclusion when ``name`` has capacity 1 (see
+        ``create_mutex``). Sugar over ``lease``: the same code path."""
+        return self.lease({name: 1}, key=key, owner=owner, ttl=ttl, timeout=timeout)
+
+    async def release(self, lease: Lease | str, *, owner: str | None = None) -> ReleaseOutcome:
+        """Give a lease's permits back. Idempotent: ``RELEASED``, ``ALREADY_RELEASED``, ``LOST`` (it had
+        ended by expiry or revocation before this call) or ``NOT_FOUND``."""
+        owner_, key_ = self._lease_ref(lease, owner)
+        return await self._store.release(owner_, key_)
+
+    async def extend(self, lease: Lease | str, ttl: Seconds | None = None, *, owner: str | None = None) -> Lease:
+        """Set a held lease to expire ``ttl`` seconds from now, on the database's clock.
+
+        Raises ``LeaseLost`` if it was released or has expired (its permits may be someone else's now),
+        ``LeaseNotFound`` if it never existed.
+        """
+        owner_, key_ = self._lease_ref(lease, owner)
+        ttl_ms = self._settings.ttl_ms if ttl is None else _validate.ttl_ms(ttl)
+        return await self._store.extend(owner_, key_, ttl_ms)
+
+    async def get_lease(self, key: str, *, owner: str | None = None) -> Lease:
+        """The lease under ``key``, held or ended. Raises ``LeaseNotFound``."""
+        owner_, key_ = self._lease_ref(key, owner)
+        return await self._store.get_lease(owner_, key_)
+
+    async def holders(self, name: str) -> list[Holder]:
+        """The leases holding permits of ``name`` now, in token order (expired ones not yet reclaimed show a
+        negative ``expires_in``)."""
+        return await self._store.holders(_validate.name(name))
+
+    # ---------------------------------------------------------------------------------------- semaphores
+
+    async def create_semaphore(self, name: str, capacity: int, *, exist_ok: bool = False) -> Semaphore:
+        """Create a semaphore of ``capacity`` permits. With ``exist_ok``, an existing semaphore of the same
+        capacity is returned instead of raising ``SemaphoreExists``."""
+        return await self._store.create_semaphore(
+            _validate.name(name), _validate.capacity(capacity), self.owner, bool(exist_ok)
+        )
+
+    async def create_mutex(self, name: str, *, exist_ok: bool = False) -> Semaphore:
+        """Create a semaphore of capacity 1."""
+        return await self.create_semaphore(name, 1, exist_ok=exist_ok)
+
+    async def get_semaphore(self, name: str) -> Semaphore:
+        """Capacity, use and last token of ``name``. Raises ``SemaphoreNotFound``."""
+        return await self._store.get_semaphore(_validate.name(name))
+
+    async def list_semaphores(self, prefix: str = "") -> list[Semaphore]:
+        """Every semaphore whose name starts with ``prefix``, by name."""
+        if not isinstance(prefix, str):
+            raise _validate.InvalidArgument("a prefix must be a string", field="prefix")
+        return await self._store.list_semaphores(prefix)
+
+    async def set_capacity(self, name: str, capacity: int, *, reason: str, who: str | None = None) -> CapacityChange:
+        """Change a capacity, recording who, why and when. Lowering it below the permits in use revokes
+        nothing: no new grant until use drops below the new capacity."""
+        by = self.owner if who is None else _validate.owner(who)
+        return await self._store.set_capacity(
+            _validate.name(name), _validate.capacity(capacity), by, _validate.reason(reason)
+        )
+
+    async def capacity_history(self, name: str, *, limit: int = 100) -> list[CapacityChange]:
+        """The capacity changes of ``name``, newest first (creation included)."""
+        return await self._store.capacity_history(_validate.name(name), _validate.batch_size(limit))
+
+    async def delete_semaphore(self, name: str, *, force: bool = False) -> int:
+        """Delete a semaphore. Refused with ``SemaphoreInUse`` while leases hold its permits, unless
+        ``force``, which revokes those leases (whole leases: a lease is all or nothing). Returns the number
+        of leases revoked. Its fencing tokens are kept: a semaphore created again under the same name
+        carries on above them."""
+        return await self._store.delete_semaphore(_validate.name(name), bool(force))
+
+    # --------------------------------------------------------------------------------------- maintenance
+
+    async def sweep(self, *, batch_size: int = 500, max_batches: int | None = None) -> SweepResult:
+        """End every expired lease, in short transactions of ``batch_size`` leases."""
+        if max_batches is not None:
+            _validate.batch_size(max_batches)
+        return await self._store.sweep(_validate.batch_size(batch_size), max_batches)
+
+    async def reconcile(self, *, repair: bool = False) -> list[Drift]:
+        """Compare each semaphore's count of permits in use with its held permit rows, and report drift.
+        With ``repair``, recount each drifted semaphore under its row lock and store the true count."""
+        return await self._store.reconcile(bool(repair))
+
+    async def upgrade_schema(self) -> str:
+        """Create or upgrade the schema (``permits db upgrade``); returns the revision."""
+        return await self._store.upgrade_schema()
+
+    # ------------------------------------------------------------------------------------------- helpers
+
+    def _request(
+        self, wants: WantsLike, key: str | None, owner: str | None, ttl: Seconds | None
+    ) -> tuple[str, str, tuple[Want, ...], int]:
+        if self._closed:
+            raise UsageError("this client is closed")
+        wants_ = _validate.wants(wants)
+        # A generated key still makes the store's own retries safe (kazoo prefixes its lock nodes with a
+        # uuid for the same reason); a caller that retries across processes passes its own.
+        key_ = uuid.uuid4().hex if key is None else _validate.key(key)
+        owner_ = self.owner if owner is None else _validate.owner(owner)
+        ttl_ms = self._settings.ttl_ms if ttl is None else _validate.ttl_ms(ttl)
+        return owner_, key_, wants_, ttl_ms
+
+    def _lease_ref(self, lease: Lease | str, owner: str | None) -> tuple[str, str]:
+        if self._closed:
+            raise UsageError("this client is closed")
+        if isinstance(lease, Lease):
+            return (lease.owner if owner is None else _validate.owner(owner)), lease.key
+        return (self.owner if owner is None else _validate.owner(owner)), _validate.key(lease)
+
+
+class AsyncHeld:
+    """The context manager behind ``AsyncClient.lease`` and ``AsyncClient.mutex``."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        wants: tuple[Want, ...],
+        key: str,
+        owner: str,
+        ttl: float,
+        timeout: float | None,
+    ) -> None:
+        self._client = client
+        self._wants = wants
+        self._key = key
+        self._owner = owner
+        self._ttl = ttl
+        self._timeout = timeout
+        self.lease: Lease | None = None
+
+    async def __aenter__(self) -> Lease:
+        try:
+            self.lease = await self._client.acquire(
+                self._wants, key=self._key, owner=self._owner, ttl=self._ttl, timeout=self._timeout
+            )
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                # Interrupted (cancelled, Ctrl-C) while the grant may have committed: release by key so the
+                # permits do not wait for the TTL. Releasing a key that was never granted changes nothing.
+                with contextlib.suppress(Exception):
+                    await async_shield(self._client.release(self._key, owner=self._owner))
+            raise
+        return self.lease
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await async_shield(self._client.release(self._key, owner=self._owner))

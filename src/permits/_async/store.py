@@ -1,0 +1,258 @@
+"""The SQL store: runs each flow of ``permits._core.flows`` in one transaction, with retries."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
+
+from permits import _schema
+from permits._backoff import RETRY_BACKOFF
+from permits._config import Settings, redact
+from permits._core import flows
+from permits._core.flows import DuplicateKey, Flow, Restart, Result, Stmt
+from permits._exceptions import SchemaMismatch, StorageError, UsageError
+from permits._io import async_sleep
+from permits._models import (
+    CapacityChange,
+    Drift,
+    Holder,
+    Lease,
+    ReleaseOutcome,
+    Semaphore,
+    SweepResult,
+    Want,
+)
+from permits.dialects.base import Fault, dialect_for_url
+from permits.dialects.mysql import MySQL
+from permits.stores._engine import (
+    READONLY,
+    async_run_sync,
+    engine_args,
+    install_events,
+    sync_engine,
+    translate,
+)
+
+T = TypeVar("T")
+logger = logging.getLogger("permits.store")
+IS_ASYNC = True
+#: A flow may restart itself (for example, to answer a retry from the lease that exists); more than this
+#: many restarts in one call means something is wrong.
+MAX_RESTARTS = 10
+
+
+class AsyncSQLStore:
+    """Carries out operations on SQLite, MariaDB/MySQL or PostgreSQL."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._dialect = dialect_for_url(settings.url)
+        url, options = engine_args(self._dialect, settings, asynchronous=IS_ASYNC)
+        self._engine = create_async_engine(url, **options)
+        install_events(sync_engine(self._engine), self._dialect, settings)
+        self._opened = False
+        self._closed = False
+        #: test hook: called with each statement's name after it ran (fault tests kill the process here)
+        self.after_statement: Callable[[str], None] | None = None
+
+    @property
+    def url(self) -> str:
+        return redact(self._settings.url)
+
+    @property
+    def dialect_name(self) -> str:
+        return self._dialect.name
+
+    async def open(self) -> None:
+        """Check the schema (creating it where auto_upgrade is on). Called on first use."""
+        if self._closed:
+            raise UsageError("this client is closed")
+        if self._opened:
+            return
+        revision = await self._with_retries(self._schema_revision)
+        if self._dialect.name == "mysql" and not getattr(self._engine.dialect, "is_mariadb", True):
+            self._dialect = MySQL()
+        head = _schema.head()
+        if revision != head:
+            if self._settings.auto_upgrade:
+                await self._with_retries(self._upgrade)
+            elif revision is None:
+                raise SchemaMismatch(f"no permits tables at {self.url}: run `permits db upgrade`", url=self.url)
+            else:
+                raise SchemaMismatch(
+                    f"the permits schema at {self.url} is at revision {revision}; this version needs {head}."
+                    " Run `permits db upgrade`",
+                    url=self.url,
+                    revision=revision,
+                    head=head,
+                )
+        self._opened = True
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._engine.dispose()
+
+    async def upgrade_schema(self) -> str:
+        if self._closed:
+            raise UsageError("this client is closed")
+        revision: str = await self._with_retries(self._upgrade)
+        self._opened = False
+        await self.open()
+        return revision
+
+    async def _schema_revision(self) -> str | None:
+        async with self._engine.connect() as conn:
+            await conn.execution_options(**{READONLY: True})
+            async with conn.begin():
+                revision: str | None = await async_run_sync(conn, _schema.current)
+                return revision
+
+    async def _upgrade(self) -> str:
+        async with self._engine.connect() as conn, conn.begin():
+            revision: str = await async_run_sync(conn, _schema.upgrade)
+            return revision
+
+    # ------------------------------------------------------------------------------------------ operations
+
+    async def try_acquire(self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int) -> Lease | None:
+        return await self._run(lambda: flows.try_acquire(self._dialect, owner, key, wants, ttl_ms))
+
+    async def release(self, owner: str, key: str) -> ReleaseOutcome:
+        return await self._run(lambda: flows.release(self._dialect, owner, key))
+
+    async def extend(self, owner: str, key: str, ttl_ms: int) -> Lease:
+        return await self._run(lambda: flows.extend(owner, key, ttl_ms))
+
+    async def get_lease(self, owner: str, key: str) -> Lease:
+        return await self._run(lambda: flows.get_lease(owner, key), readonly=True)
+
+    async def holders(self, name: str) -> list[Holder]:
+        return await self._run(lambda: flows.holders(name), readonly=True)
+
+    async def create_semaphore(self, name: str, capacity: int, by: str, exist_ok: bool) -> Semaphore:
+        return await self._run(lambda: flows.create_semaphore(name, capacity, by, exist_ok))
+
+    async def get_semaphore(self, name: str) -> Semaphore:
+        return await self._run(lambda: flows.get_semaphore(name), readonly=True)
+
+    async def list_semaphores(self, prefix: str) -> list[Semaphore]:
+        return await self._run(lambda: flows.list_semaphores(prefix), readonly=True)
+
+    async def set_capacity(self, name: str, capacity: int, by: str, reason: str) -> CapacityChange:
+        return await self._run(lambda: flows.set_capacity(name, capacity, by, reason))
+
+    async def capacity_history(self, name: str, limit: int) -> list[CapacityChange]:
+        return await self._run(lambda: flows.capacity_history(name, limit), readonly=True)
+
+    async def delete_semaphore(self, name: str, force: bool) -> int:
+        return await self._run(lambda: flows.delete_semaphore(name, force))
+
+    async def sweep(self, batch_size: int, max_batches: int | None) -> SweepResult:
+        # One short transaction per batch: a sweep never holds locks for long.
+        keys: list[tuple[str, str]] = []
+        batches = 0
+        while max_batches is None or batches < max_batches:
+            found, ended = await self._run(lambda: flows.sweep_batch(batch_size))
+            if found:
+                batches += 1
+                keys.extend(ended)
+            if found < batch_size:
+                break
+        return SweepResult(leases=len(keys), batches=batches, keys=keys)
+
+    async def reconcile(self, repair: bool) -> list[Drift]:
+        drift = await self._run(flows.find_drift, readonly=True)
+        if not repair:
+            return drift
+        repaired: list[Drift] = []
+        for found in drift:
+            fixed = await self._run(lambda name=found.name: flows.repair_drift(name))  # type: ignore[misc]
+            if fixed is not None:
+                repaired.append(fixed)
+        return repaired
+
+    # --------------------------------------------------------------------------------------------- driver
+
+    async def _run(self, make_flow: Callable[[], Flow[T]], readonly: bool = False) -> T:
+        """Run a flow in a transaction of its own.
+
+        Conflicts and lost connections are retried with backoff and jitter, each time with a fresh flow.
+        That is safe because every write is idempotent: an acquire is keyed, a release and an extend check
+        the lease's state, so a commit whose reply was lost is answered by the retry from what is stored.
+        """
+        await self.open()
+        restarts = failures = 0
+        while True:
+            try:
+                return await self._attempt(make_flow(), readonly)
+            except Restart as restart:
+                restarts += 1
+                if restarts > MAX_RESTARTS:
+                    raise StorageError("an operation kept restarting; giving up", url=self.url) from None
+                make_flow = restart.flow
+            except DuplicateKey:
+                raise StorageError("unexpected duplicate key", url=self.url) from None
+            except DBAPIError as exc:
+                failures = await self._backoff_or_raise(exc, failures)
+
+    async def _with_retries(self, attempt: Callable[[], Any]) -> Any:
+        failures = 0
+        while True:
+            try:
+                return await attempt()
+            except DBAPIError as exc:
+                failures = await self._backoff_or_raise(exc, failures)
+
+    async def _backoff_or_raise(self, exc: DBAPIError, failures: int) -> int:
+        fault = self._dialect.classify(exc)
+        if not fault.retryable or failures >= self._settings.retries:
+            raise translate(exc, fault, self._dialect, self._settings) from exc
+        logger.debug("retrying after %s (%s)", fault.value, type(exc.orig).__name__)
+        await async_sleep(RETRY_BACKOFF.delay(failures))
+        return failures + 1
+
+    async def _attempt(self, flow: Flow[T], readonly: bool) -> T:
+        async with self._engine.connect() as conn:
+            if readonly:
+                await conn.execution_options(**{READONLY: True})
+            async with conn.begin():
+                return await self._drive(conn, flow)
+
+    async def _drive(self, conn: AsyncConnection, flow: Flow[T]) -> T:
+        try:
+            stmt = next(flow)
+            while True:
+                try:
+                    result = await self._execute(conn, stmt)
+                except DBAPIError as exc:
+                    if self._dialect.classify(exc) is not Fault.DUPLICATE:
+                        raise
+                    stmt = flow.throw(DuplicateKey())
+                    continue
+                stmt = flow.send(result)
+        except StopIteration as stop:
+            value: T = stop.value
+            return value
+
+    async def _execute(self, conn: AsyncConnection, stmt: Stmt) -> Result:
+        clause = self._dialect.clause(stmt.name)
+        if isinstance(stmt.params, Mapping):
+            cursor = await conn.execute(clause, dict(stmt.params))
+            if cursor.returns_rows:
+                rows = [tuple(r) for r in cursor.fetchall()]
+                result = Result(rows, len(rows))
+            else:
+                lastrowid = cursor.lastrowid if self._dialect.name == "mysql" else None
+                result = Result([], cursor.rowcount, lastrowid)
+        else:  # a list of params: once per item (executemany)
+            if not stmt.params:
+                return Result([], 0)
+            many = await conn.execute(clause, [dict(p) for p in stmt.params])
+            result = Result([], many.rowcount)
+        if self.after_statement is not None:
+            self.after_statement(stmt.name)
+        return result

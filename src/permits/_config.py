@@ -1,0 +1,95 @@
+"""Settings and URLs."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import socket
+from dataclasses import dataclass
+
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+
+from permits import _validate
+from permits._exceptions import ConfigurationError, InvalidArgument
+
+#: The embedded default: a SQLite file in the working directory.
+DEFAULT_URL = "sqlite:///permits.db"
+DEFAULT_TTL = 60.0
+DEFAULT_LOCK_WAIT_TIMEOUT = 5.0
+DEFAULT_RETRIES = 5
+
+_SCHEME_ALIASES = {"postgres": "postgresql", "pg": "postgresql"}
+
+
+def default_owner() -> str:
+    """``$PERMITS_OWNER``, else ``user@host``: stable across processes on one machine, so a key acquired by
+    one command can be released by the next."""
+    env = os.environ.get("PERMITS_OWNER")
+    if env:
+        return env
+    try:
+        user = getpass.getuser()
+    except Exception:  # no login name in some containers
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"[: _validate.MAX_OWNER_LENGTH]
+
+
+def parse_url(url: str | URL | None) -> URL:
+    """The URL to use: the argument, else ``$PERMITS_DATABASE_URL``, else the embedded default."""
+    if url is None:
+        url = os.environ.get("PERMITS_DATABASE_URL") or DEFAULT_URL
+    if isinstance(url, URL):
+        return url
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigurationError("a database URL must be a non-empty string", field="url")
+    scheme, sep, rest = url.partition("://")
+    base, plus, driver = scheme.partition("+")
+    if sep and base in _SCHEME_ALIASES:
+        url = f"{_SCHEME_ALIASES[base]}{plus}{driver}{sep}{rest}"
+    try:
+        return make_url(url)
+    except ArgumentError:
+        raise ConfigurationError("cannot parse the database URL (expected e.g. sqlite:///permits.db)") from None
+
+
+def redact(url: URL) -> str:
+    """The URL as it may appear in a message or a log: without its password."""
+    return url.render_as_string(hide_password=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    url: URL
+    owner: str
+    ttl_ms: int
+    lock_wait_timeout: float = DEFAULT_LOCK_WAIT_TIMEOUT
+    retries: int = DEFAULT_RETRIES
+    #: create or upgrade the schema on first use; the default does it for SQLite only
+    auto_upgrade: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        url: str | URL | None,
+        *,
+        owner: str | None,
+        ttl: float,
+        lock_wait_timeout: float,
+        retries: int,
+        auto_upgrade: bool | None,
+    ) -> Settings:
+        parsed = parse_url(url)
+        wait = _validate.timeout(lock_wait_timeout)
+        if wait is None or wait <= 0:
+            raise InvalidArgument("lock_wait_timeout must be a positive number of seconds", field="lock_wait_timeout")
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
+            raise InvalidArgument("retries must be a whole number from 0 to 100", field="retries")
+        return cls(
+            url=parsed,
+            owner=_validate.owner(owner if owner is not None else default_owner()),
+            ttl_ms=_validate.ttl_ms(ttl),
+            lock_wait_timeout=wait,
+            retries=retries,
+            auto_upgrade=parsed.get_backend_name() == "sqlite" if auto_upgrade is None else auto_upgrade,
+        )

@@ -1,0 +1,394 @@
+"""Every operation, written once, as a generator that yields named statements and receives their results.
+
+A flow runs inside one transaction that its driver opens and commits (``stores``); the driver sends each
+statement's ``Result`` back into the generator and takes the generator's return value as the answer.
+The same flow serves the sync and the asyncio store, and every SQL dialect: flows ask for statements by
+name (``dialects``) and never assemble SQL.
+
+Two signals go the other way:
+- the driver throws ``DuplicateKey`` into the flow when a statement hits a unique constraint, and
+- a flow raises ``Restart(next_flow)`` when the transaction must be rolled back and another flow run in a
+  fresh one (not counted as a retry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
+
+from permits._core import decide
+from permits._exceptions import (
+    LeaseNotFound,
+    SemaphoreExists,
+    SemaphoreInUse,
+    SemaphoreNotFound,
+    StorageError,
+)
+from permits._models import (
+    CapacityChange,
+    Drift,
+    EndReason,
+    Holder,
+    Lease,
+    ReleaseOutcome,
+    Semaphore,
+    Want,
+    ms_to_datetime,
+)
+
+if TYPE_CHECKING:
+    from permits.dialects.base import Dialect
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Stmt:
+    """A request to run the dialect's statement ``name``; a list of params runs it once per item."""
+
+    name: str
+    params: Mapping[str, Any] | Sequence[Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    rows: list[tuple[Any, ...]]
+    rowcount: int
+    lastrowid: int | None = None
+
+
+Flow: TypeAlias = Generator[Stmt, Result, T]
+
+
+class DuplicateKey(Exception):
+    """Thrown into a flow: its last statement hit a unique constraint. The transaction is unusable."""
+
+
+class Restart(Exception):
+    """Raised by a flow: roll back, then run ``flow()`` in a new transaction."""
+
+    def __init__(self, flow: Callable[[], Flow[Any]]) -> None:
+        super().__init__("restart")
+        self.flow = flow
+
+
+# ---------------------------------------------------------------------------------------------- acquire
+
+
+def try_acquire(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int) -> Flow[Lease | None]:
+    """Grant every want or none; ``None`` means no room (after reclaiming expired leases).
+
+    The fast path is one conditional UPDATE per semaphore, in name order: it counts the permits and bumps
+    the fencing token on the semaphore row, so capacity is checked by the database at the moment the row
+    is written, and every grant writes the row (multi-primary engines such as Galera certify only rows a
+    transaction writes). Only when a semaphore has no room does the flow look further.
+    """
+    tokens: dict[str, int] = {}
+    for i, want in enumerate(wants):
+        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count})
+        if taken.rowcount == 0:
+            if i == 0:  # nothing written yet: carry on in this transaction
+                return (yield from _acquire_slow(d, owner, key, wants, ttl_ms))
+            raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms))
+        tokens[want.name] = d.taken_token(taken)
+    return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
+
+
+def _acquire_slow(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int) -> Flow[Lease | None]:
+    # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
+    existing = yield from _find_lease(owner, key)
+    if existing is not None:
+        return decide.replay(existing[1], wants)
+
+    locked = yield Stmt("SEMS_LOCK", {"names": [w.name for w in wants]})
+    sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used in locked.rows}
+    for want in wants:
+        if want.name not in sems:
+            raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
+    decide.check_counts(wants, {n: cap for n, (_, cap, _) in sems.items()})
+
+    if not _all_have_room(wants, sems):
+        # Expired leases never block: end those holding these semaphores, in this transaction.
+        expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": sorted(sid for sid, _, _ in sems.values())})
+        if expired.rows:
+            returned, _ = yield from _end_leases([int(r[0]) for r in expired.rows], EndReason.EXPIRED)
+            sems = {n: (sid, cap, used - returned.get(sid, 0)) for n, (sid, cap, used) in sems.items()}
+        if not _all_have_room(wants, sems):
+            return None  # commit: the reclaim stands even though this request waits
+
+    tokens: dict[str, int] = {}
+    for want in wants:
+        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count})
+        if taken.rowcount == 0:  # cannot happen while the rows are locked; start over rather than guess
+            raise Restart(lambda: try_acquire(d, owner, key, wants, ttl_ms))
+        tokens[want.name] = d.taken_token(taken)
+    return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
+
+
+def _all_have_room(wants: Sequence[Want], sems: Mapping[str, tuple[int, int, int]]) -> bool:
+    return all(decide.has_room(w, sems[w.name][1], sems[w.name][2]) for w in wants)
+
+
+def _insert_lease(
+    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, tokens: dict[str, int]
+) -> Flow[Lease]:
+    try:
+        inserted = yield Stmt("LEASE_INSERT", {"owner": owner, "key": key, "ttl_ms": ttl_ms})
+    except DuplicateKey:
+        # The key is taken: this is a retry of a request that was granted (or a race with one). Roll back
+        # the room just taken and answer from the lease that exists.
+        raise Restart(lambda: _replay(owner, key, wants)) from None
+    if d.insert_returning:
+        lease_id, acquired_ms, expires_ms = inserted.rows[0]
+    else:
+        lease_id = inserted.lastrowid
+        times = yield Stmt("LEASE_TIMES", {"id": lease_id})
+        acquired_ms, expires_ms = times.rows[0]
+    yield Stmt(
+        "PERMIT_INSERT",
+        [{"lease_id": lease_id, "name": w.name, "count": w.count, "token": tokens[w.name]} for w in wants],
+    )
+    return Lease(
+        key=key,
+        owner=owner,
+        counts={w.name: w.count for w in wants},
+        tokens=dict(tokens),
+        acquired_at=ms_to_datetime(int(acquired_ms)),
+        expires_at=ms_to_datetime(int(expires_ms)),
+        expires_in=(int(expires_ms) - int(acquired_ms)) / 1000,
+    )
+
+
+def _replay(owner: str, key: str, wants: Sequence[Want]) -> Flow[Lease]:
+    existing = yield from _find_lease(owner, key)
+    if existing is None:  # the conflicting insert was rolled back after all: let the caller try again
+        raise StorageError("a concurrent acquire with the same key did not commit; try again", key=key)
+    return decide.replay(existing[1], wants)
+
+
+def _find_lease(owner: str, key: str) -> Flow[tuple[int, Lease] | None]:
+    found = yield Stmt("LEASE_FIND", {"owner": owner, "key": key})
+    lease = decide.lease_from_rows(found.rows, owner, key)
+    return None if lease is None else (int(found.rows[0][0]), lease)
+
+
+def _end_leases(ids: Sequence[int], reason: EndReason) -> Flow[tuple[dict[int, int], list[int]]]:
+    """End the leases among ``ids`` that are still held and give their permits back.
+
+    Returns the permits returned per semaphore id, and the ids of the leases this call ended. The lease rows
+    are locked first and re-checked, so a lease that another transaction ended meanwhile is not returned
+    twice.
+    """
+    locked = yield Stmt("LEASES_LOCK_HELD", {"ids": sorted(ids)})
+    held = sorted(int(r[0]) for r in locked.rows)
+    if not held:
+        return {}, []
+    sums = yield Stmt("PERMITS_SUM", {"ids": held})
+    returned = {int(sid): int(n) for sid, n in sums.rows}
+    yield Stmt("LEASES_END", {"ids": held, "reason": str(reason)})
+    yield Stmt("SEM_GIVE_BACK", [{"id": sid, "count": n} for sid, n in sorted(returned.items())])
+    return returned, held
+
+
+# --------------------------------------------------------------------------------- release, extend, read
+
+
+def release(d: Dialect, owner: str, key: str) -> Flow[ReleaseOutcome]:
+    """End a held lease and give its permits back; idempotent through the ``state = held`` condition."""
+    if d.has("RELEASE"):
+        done = yield Stmt("RELEASE", {"owner": owner, "key": key})
+        if done.rowcount > 0:
+            return ReleaseOutcome.RELEASED
+    else:
+        ended = yield Stmt("LEASE_END_ONE", {"owner": owner, "key": key})
+        if ended.rows:
+            yield Stmt("SEM_GIVE_BACK_LEASE", {"lease_id": int(ended.rows[0][0])})
+            return ReleaseOutcome.RELEASED
+    # Nothing was held and unexpired under this key. Find out what there is.
+    existing = yield from _find_lease(owner, key)
+    if existing is None:
+        return ReleaseOutcome.NOT_FOUND
+    lease_id, lease = existing
+    if lease.end_reason is None:  # held, but its TTL passed: end it as expired, the holder lost it
+        yield from _end_leases([lease_id], EndReason.EXPIRED)
+        return ReleaseOutcome.LOST
+    return decide.release_outcome(lease)
+
+
+def extend(owner: str, key: str, ttl_ms: int) -> Flow[Lease]:
+    """Push a held lease's expiry to now + ttl on the database's clock."""
+    extended = yield Stmt("LEASE_EXTEND", {"owner": owner, "key": key, "ttl_ms": ttl_ms})
+    existing = yield from _find_lease(owner, key)
+    if existing is None:
+        raise LeaseNotFound(f"no lease under key {key!r} for owner {owner!r}", key=key, owner=owner)
+    lease = existing[1]
+    if extended.rowcount == 0:
+        decide.ensure_held(lease)
+        raise StorageError(f"lease {key!r} could not be extended", key=key)  # pragma: no cover - defensive
+    return lease
+
+
+def get_lease(owner: str, key: str) -> Flow[Lease]:
+    existing = yield from _find_lease(owner, key)
+    if existing is None:
+        raise LeaseNotFound(f"no lease under key {key!r} for owner {owner!r}", key=key, owner=owner)
+    return existing[1]
+
+
+def holders(name: str) -> Flow[list[Holder]]:
+    sem = yield Stmt("SEM_GET", {"name": name})
+    if not sem.rows:
+        raise SemaphoreNotFound(f"no semaphore named {name!r}", name=name)
+    rows = yield Stmt("HOLDERS", {"name": name})
+    return [decide.holder_from_row(r) for r in rows.rows]
+
+
+# ------------------------------------------------------------------------------------------ semaphores
+
+
+def create_semaphore(name: str, capacity: int, by: str, exist_ok: bool) -> Flow[Semaphore]:
+    # A deleted semaphore keeps its row as a tombstone, so its fencing tokens carry on from where they
+    # were: a downstream store that saw token 500 is never handed 1 again.
+    revived = yield Stmt("SEM_REVIVE", {"name": name, "capacity": capacity})
+    if revived.rowcount == 0:
+        try:
+            yield Stmt("SEM_INSERT", {"name": name, "capacity": capacity})
+        except DuplicateKey:
+            raise Restart(lambda: _existing_semaphore(name, capacity, exist_ok)) from None
+    sem = yield from _get(name)
+    yield Stmt(
+        "HISTORY_INSERT",
+        {"name": name, "old": None, "new": capacity, "by": by, "reason": "created"},
+    )
+    return sem
+
+
+def _existing_semaphore(name: str, capacity: int, exist_ok: bool) -> Flow[Semaphore]:
+    sem = yield from _get(name)
+    if exist_ok and sem.capacity == capacity:
+        return sem
+    detail = "" if sem.capacity == capacity else f" with capacity {sem.capacity}"
+    raise SemaphoreExists(f"semaphore {name!r} exists already{detail}", name=name, capacity=sem.capacity)
+
+
+def get_semaphore(name: str) -> Flow[Semaphore]:
+    return (yield from _get(name))
+
+
+def _get(name: str) -> Flow[Semaphore]:
+    found = yield Stmt("SEM_GET", {"name": name})
+    if not found.rows:
+        raise SemaphoreNotFound(f"no semaphore named {name!r}", name=name)
+    return decide.semaphore_from_row(found.rows[0])
+
+
+def list_semaphores(prefix: str) -> Flow[list[Semaphore]]:
+    found = yield Stmt("SEM_LIST")
+    sems = [decide.semaphore_from_row(r) for r in found.rows]
+    # Filtered here rather than with LIKE: semaphores are few, and LIKE's escaping and collation rules
+    # differ between the backends.
+    return sorted((s for s in sems if s.name.startswith(prefix)), key=lambda s: s.name)
+
+
+def set_capacity(name: str, capacity: int, by: str, reason: str) -> Flow[CapacityChange]:
+    """Change a capacity with an audit record. Lowering it below use revokes nothing: acquires simply find
+    no room until use drops below it."""
+    locked = yield Stmt("SEMS_LOCK", {"names": [name]})
+    if not locked.rows:
+        raise SemaphoreNotFound(f"no semaphore named {name!r}", name=name)
+    sem_id, _, old, _ = locked.rows[0]
+    yield Stmt("SEM_SET_CAPACITY", {"id": int(sem_id), "capacity": capacity})
+    yield Stmt("HISTORY_INSERT", {"name": name, "old": int(old), "new": capacity, "by": by, "reason": reason})
+    history = yield Stmt("HISTORY_LIST", {"name": name, "limit": 1})
+    return _change_from_row(history.rows[0])
+
+
+def capacity_history(name: str, limit: int) -> Flow[list[CapacityChange]]:
+    found = yield Stmt("HISTORY_LIST", {"name": name, "limit": limit})
+    if not found.rows:
+        yield from _get(name)  # raises SemaphoreNotFound for a name that never existed
+    return [_change_from_row(r) for r in found.rows]
+
+
+def _change_from_row(row: Sequence[Any]) -> CapacityChange:
+    name, old, new, by, reason, at_ms = row[:6]
+    return CapacityChange(
+        name=str(name),
+        old_capacity=None if old is None else int(old),
+        new_capacity=int(new),
+        changed_by=str(by),
+        reason=str(reason),
+        changed_at=ms_to_datetime(int(at_ms)),
+    )
+
+
+def delete_semaphore(name: str, force: bool) -> Flow[int]:
+    """Delete a semaphore; returns how many leases a forced delete revoked."""
+    locked = yield Stmt("SEMS_LOCK", {"names": [name]})
+    if not locked.rows:
+        raise SemaphoreNotFound(f"no semaphore named {name!r}", name=name)
+    sem_id = int(locked.rows[0][0])
+    holding = yield Stmt("LEASES_HOLDING", {"sem_id": sem_id})
+    live = [int(r[0]) for r in holding.rows if int(r[1]) > int(r[2])]  # id, expires_at_ms, now_ms
+    if live and not force:
+        raise SemaphoreInUse(
+            f"semaphore {name!r} has {len(live)} lease(s) holding permits; use force to revoke them",
+            name=name,
+            leases=len(live),
+        )
+    revoked: list[int] = []
+    if holding.rows:
+        expired = sorted({int(r[0]) for r in holding.rows} - set(live))
+        if expired:
+            yield from _end_leases(expired, EndReason.EXPIRED)
+        if live:
+            _, revoked = yield from _end_leases(live, EndReason.REVOKED)
+    yield Stmt("SEM_TOMBSTONE", {"id": sem_id})
+    return len(revoked)
+
+
+# --------------------------------------------------------------------------------------- maintenance
+
+
+def sweep_batch(limit: int) -> Flow[tuple[int, list[tuple[str, str]]]]:
+    """End up to ``limit`` expired leases (oldest expiry first).
+
+    Returns how many it found and the (owner, key) of those it ended (fewer, if others ended some first).
+    """
+    found = yield Stmt("EXPIRED_BATCH", {"limit": limit})
+    if not found.rows:
+        return 0, []
+    names = {int(r[0]): (str(r[1]), str(r[2])) for r in found.rows}
+    _, ended = yield from _end_leases(sorted(names), EndReason.SWEPT)
+    return len(names), [names[i] for i in ended]
+
+
+def find_drift() -> Flow[list[Drift]]:
+    """Compare each semaphore's stored count with the sum over its held permit rows."""
+    found = yield Stmt("DRIFT_CHECK")
+    return [
+        Drift(name=str(name), recorded=int(used), actual=int(actual))
+        for _, name, used, actual in found.rows
+        if int(used) != int(actual)
+    ]
+
+
+def repair_drift(name: str) -> Flow[Drift | None]:
+    """Recount one semaphore under its row lock and store the true count."""
+    locked = yield Stmt("SEMS_LOCK", {"names": [name]})
+    if not locked.rows:
+        return None
+    sem_id, _, _, used = locked.rows[0]
+    actual = yield Stmt("USED_ACTUAL_ONE", {"sem_id": int(sem_id)})
+    true_used = int(actual.rows[0][0] or 0) if actual.rows else 0
+    if true_used == int(used):
+        return None
+    yield Stmt("SEM_SET_USED", {"id": int(sem_id), "used": true_used})
+    return Drift(name=name, recorded=int(used), actual=true_used, repaired=True)
+
+
+def schema_probe() -> Flow[int]:
+    """The database's clock, in milliseconds: a cheap round trip that also proves the tables exist."""
+    found = yield Stmt("NOW_MS")
+    return int(found.rows[0][0])

@@ -1,0 +1,194 @@
+"""Everything permits raises, in one tree.
+
+Each class has a stable ``code``: it is what the HTTP service puts on the wire, what the docs list and what
+metrics count. ``error_class(code)`` maps a code back to its class, so a remote client raises the same
+exception the embedded library would::
+
+    PermitsError                                  base of everything permits raises
+    ├── InvalidArgument (ValueError)              bad input, refused before anything is written
+    │   └── CountExceedsCapacity                  asked for more permits than the semaphore can ever hold
+    ├── ConfigurationError (ValueError)           bad URL, missing driver, bad setting
+    ├── SemaphoreNotFound (LookupError)
+    ├── SemaphoreExists
+    ├── SemaphoreInUse                            delete refused while permits are held
+    ├── AcquireTimeout (TimeoutError)             waited `timeout`, nothing was granted
+    ├── IdempotencyConflict                       same key, different request
+    ├── LeaseError
+    │   ├── LeaseNotFound (LookupError)           no lease was ever granted under this key
+    │   └── LeaseLost                             the lease ended: released, expired, swept or revoked
+    ├── StorageError                              the database failed; ``__cause__`` is the driver error
+    │   ├── StorageUnavailable (retryable)        cannot connect, or the connection dropped
+    │   ├── StorageConflict (retryable)           deadlock, serialization failure, lock wait timeout, busy
+    │   ├── StorageReadOnly                       a read-only replica was asked to write
+    │   └── SchemaMismatch                        the schema is older or newer than this code
+    └── UsageError (RuntimeError)                 misuse: a closed client, a lease used after release
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+_REGISTRY: dict[str, type[PermitsError]] = {}
+
+
+class PermitsError(Exception):
+    """Base of every exception permits raises.
+
+    ``details`` holds the structured facts of the error (the semaphore's name, the lease's key, ...): they
+    survive pickling and the trip over HTTP.
+    """
+
+    code: ClassVar[str] = "permits_error"
+    #: whether repeating the same call later may succeed
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, Any] = details
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        code = cls.__dict__.get("code")
+        if code is not None:
+            if code in _REGISTRY:  # pragma: no cover - a programming error caught at import
+                raise TypeError(f"error code {code!r} is used twice")
+            _REGISTRY[code] = cls
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.details))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls: type[PermitsError], message: str, details: dict[str, Any]) -> PermitsError:
+    return cls(message, **details)
+
+
+_REGISTRY[PermitsError.code] = PermitsError
+
+
+def error_class(code: str) -> type[PermitsError]:
+    """The exception class for a stable error code; ``PermitsError`` for a code this version does not know."""
+    return _REGISTRY.get(code, PermitsError)
+
+
+def error_codes() -> dict[str, type[PermitsError]]:
+    """Every stable error code and its class."""
+    return dict(_REGISTRY)
+
+
+class InvalidArgument(PermitsError, ValueError):
+    """An argument is malformed or out of range. Nothing was written.
+
+    ``details["field"]`` names the argument.
+    """
+
+    code = "invalid_argument"
+
+
+class CountExceedsCapacity(InvalidArgument):
+    """A want asks for more permits than the semaphore's capacity: it could never be granted."""
+
+    code = "count_exceeds_capacity"
+
+
+class ConfigurationError(PermitsError, ValueError):
+    """The client cannot be set up: a bad URL, a driver that is not installed, a bad setting."""
+
+    code = "configuration_error"
+
+
+class SemaphoreNotFound(PermitsError, LookupError):
+    """No semaphore of that name exists."""
+
+    code = "semaphore_not_found"
+
+
+class SemaphoreExists(PermitsError):
+    """A semaphore of that name exists already."""
+
+    code = "semaphore_exists"
+
+
+class SemaphoreInUse(PermitsError):
+    """The semaphore still has permits held; delete it with ``force=True`` to revoke them."""
+
+    code = "semaphore_in_use"
+
+
+class AcquireTimeout(PermitsError, TimeoutError):
+    """``acquire`` waited for its whole ``timeout`` and nothing was granted."""
+
+    code = "acquire_timeout"
+    retryable = True
+
+
+class IdempotencyConflict(PermitsError):
+    """The key was used before for a different request."""
+
+    code = "idempotency_conflict"
+
+
+class LeaseError(PermitsError):
+    """Base of the errors about one lease."""
+
+    code = "lease_error"
+
+
+class LeaseNotFound(LeaseError, LookupError):
+    """No lease was ever granted under this key for this owner (or it was cleaned up long ago)."""
+
+    code = "lease_not_found"
+
+
+class LeaseLost(LeaseError):
+    """The lease has ended, so its permits and fencing tokens are no longer the holder's.
+
+    ``details["reason"]`` says why: ``released``, ``expired``, ``swept`` or ``revoked``.
+    """
+
+    code = "lease_lost"
+
+    @property
+    def reason(self) -> str:
+        return str(self.details.get("reason", ""))
+
+
+class StorageError(PermitsError):
+    """The database failed in a way permits could not absorb. ``__cause__`` is the driver's error."""
+
+    code = "storage_error"
+
+
+class StorageUnavailable(StorageError):
+    """The database cannot be reached, or the connection dropped and retries ran out."""
+
+    code = "storage_unavailable"
+    retryable = True
+
+
+class StorageConflict(StorageError):
+    """Deadlocks, serialization failures or lock waits kept happening until retries ran out."""
+
+    code = "storage_conflict"
+    retryable = True
+
+
+class StorageReadOnly(StorageError):
+    """The database refused a write because it is a read-only replica: point permits at the primary."""
+
+    code = "storage_read_only"
+
+
+class SchemaMismatch(StorageError):
+    """The database schema is not the one this version needs: run ``permits db upgrade``."""
+
+    code = "schema_mismatch"
+
+
+class UsageError(PermitsError, RuntimeError):
+    """The API was used in a way it does not support, such as a call on a closed client."""
+
+    code = "usage_error"

@@ -1,0 +1,189 @@
+"""The values the API hands out: plain, frozen, and free of any connection."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+
+def ms_to_datetime(ms: int) -> datetime:
+    """A database timestamp (milliseconds since the epoch, UTC) as an aware datetime."""
+    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+
+
+class EndReason(enum.StrEnum):
+    """Why a lease ended. Every ended lease records one."""
+
+    RELEASED = "released"  # its holder released it
+    EXPIRED = "expired"  # its TTL passed; an acquire that needed the room, or a late release, ended it
+    SWEPT = "swept"  # its TTL passed; the batched sweep ended it
+    REVOKED = "revoked"  # an administrator ended it (forced delete of its semaphore, force-release)
+
+
+class ReleaseOutcome(enum.StrEnum):
+    """What ``release`` found."""
+
+    RELEASED = "released"  # the lease was held, and now its permits are back
+    ALREADY_RELEASED = "already_released"  # its holder had released it before; nothing changed
+    LOST = "lost"  # it had ended (or expired) before this call: the holder did not hold it to the end
+    NOT_FOUND = "not_found"  # no lease was ever granted under this key for this owner
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """``count`` permits of the semaphore ``name``: one part of an all-or-nothing request."""
+
+    name: str
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A grant: permits of one or more semaphores, held until released or expired.
+
+    Times come from the database's clock. ``expires_in`` is the time left when the database answered,
+    in seconds; it is the only figure a client should do arithmetic with, since its own clock may differ
+    from the database's.
+    """
+
+    key: str
+    owner: str
+    #: permits held, per semaphore name
+    counts: dict[str, int]
+    #: fencing token per semaphore name; strictly increasing per semaphore, never reused
+    tokens: dict[str, int]
+    acquired_at: datetime
+    expires_at: datetime
+    expires_in: float
+    #: ``None`` while held, else why it ended
+    end_reason: EndReason | None = None
+    ended_at: datetime | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.end_reason is None and self.expires_in > 0
+
+    @property
+    def token(self) -> int:
+        """The fencing token when the lease covers exactly one semaphore (the common case)."""
+        if len(self.tokens) != 1:
+            raise ValueError("this lease covers several semaphores: use .tokens[name]")
+        return next(iter(self.tokens.values()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready view. Tokens stay integers: they fit in a signed 64-bit column."""
+        return {
+            "key": self.key,
+            "owner": self.owner,
+            "counts": dict(self.counts),
+            "tokens": dict(self.tokens),
+            "acquired_at": self.acquired_at.isoformat(),
+            "expires_at": self.expires_at.isoformat(),
+            "expires_in": round(self.expires_in, 3),
+            "end_reason": None if self.end_reason is None else str(self.end_reason),
+            "ended_at": None if self.ended_at is None else self.ended_at.isoformat(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Semaphore:
+    """A named counter of permits, as the database last saw it."""
+
+    name: str
+    capacity: int
+    #: permits held now, including those of leases that expired but were not reclaimed yet
+    used: int
+    #: the highest fencing token handed out so far (0 before the first grant)
+    last_token: int
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def available(self) -> int:
+        return max(0, self.capacity - self.used)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "capacity": self.capacity,
+            "used": self.used,
+            "available": self.available,
+            "last_token": self.last_token,
+            "created_at": self.created_at.isoformat(),
+            "updated_at": self.updated_at.isoformat(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """One lease's share of one semaphore."""
+
+    key: str
+    owner: str
+    count: int
+    token: int
+    acquired_at: datetime
+    expires_at: datetime
+    expires_in: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "owner": self.owner,
+            "count": self.count,
+            "token": self.token,
+            "acquired_at": self.acquired_at.isoformat(),
+            "expires_at": self.expires_at.isoformat(),
+            "expires_in": round(self.expires_in, 3),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityChange:
+    """An audit record: who changed a semaphore's capacity, when, why, from what to what."""
+
+    name: str
+    old_capacity: int | None  # None when the record is the semaphore's creation
+    new_capacity: int
+    changed_by: str
+    reason: str
+    changed_at: datetime
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "old_capacity": self.old_capacity,
+            "new_capacity": self.new_capacity,
+            "changed_by": self.changed_by,
+            "reason": self.reason,
+            "changed_at": self.changed_at.isoformat(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Drift:
+    """A semaphore whose stored count of permits in use disagrees with its held permit rows."""
+
+    name: str
+    recorded: int  # the count on the semaphore row
+    actual: int  # the sum over the permit rows of held leases
+    repaired: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "recorded": self.recorded,
+            "actual": self.actual,
+            "repaired": self.repaired,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    """What one sweep ended."""
+
+    leases: int = 0
+    batches: int = 0
+    keys: list[tuple[str, str]] = field(default_factory=list)  # (owner, key) of each lease it ended

@@ -1,0 +1,56 @@
+"""The versioned schema: Alembic migrations shipped inside the package, run on a connection we own.
+
+Several processes may start at once on a new database (the embedded default upgrades on first use), so
+an upgrade runs under a lock and re-reads the version inside it: SQLite's write lock (the store opens the
+transaction with BEGIN IMMEDIATE), a transaction-scoped advisory lock on PostgreSQL, GET_LOCK on MySQL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, text
+
+VERSION_TABLE = "permits_alembic_version"
+_MIGRATIONS = Path(__file__).with_name("migrations")
+_LOCK_ID = 0x7065726D697473  # "permits"
+
+
+def _config(connection: Connection | None = None) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(_MIGRATIONS))
+    config.attributes["connection"] = connection
+    return config
+
+
+def head() -> str:
+    """The revision this version of permits needs."""
+    revision = ScriptDirectory.from_config(_config()).get_current_head()
+    assert revision is not None
+    return revision
+
+
+def current(connection: Connection) -> str | None:
+    """The revision the database is at, or None for a database permits has never touched."""
+    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+    return context.get_current_revision()
+
+
+def upgrade(connection: Connection) -> str:
+    """Bring the schema to the head revision; safe to run from several processes at once."""
+    backend = connection.dialect.name
+    if backend == "postgresql":
+        connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _LOCK_ID})
+    elif backend == "mysql":
+        connection.execute(text("SELECT GET_LOCK('permits_schema_upgrade', 60)"))
+    try:
+        if current(connection) != head():
+            command.upgrade(_config(connection), "head")
+    finally:
+        if backend == "mysql":
+            connection.execute(text("SELECT RELEASE_LOCK('permits_schema_upgrade')"))
+    return head()

@@ -1,0 +1,403 @@
+"""The ``permits`` command: the library's operations from a shell, and ``permits run``, flock(1) for a fleet.
+
+Every command takes ``--db URL`` (or ``$PERMITS_DATABASE_URL``; default ``sqlite:///permits.db``).
+Exit codes: 0 success; 1 an operation failed (no room, not found, database error); 2 bad input;
+``permits run`` exits with its command's status, or 75 when it could not acquire in time, or 76 when the
+lease was lost while the command ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import click
+
+import permits
+from permits._exceptions import (
+    AcquireTimeout,
+    ConfigurationError,
+    InvalidArgument,
+    LeaseLost,
+    LeaseNotFound,
+    PermitsError,
+)
+from permits._models import Want
+from permits._sync.client import Client
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NOT_ACQUIRED = 75  # EX_TEMPFAIL: try again later
+EXIT_LEASE_LOST = 76
+
+
+def _db_option(fn: F) -> F:
+    return click.option(
+        "--db",
+        "db",
+        envvar="PERMITS_DATABASE_URL",
+        default=None,
+        metavar="URL",
+        help="Database URL (default: $PERMITS_DATABASE_URL, else sqlite:///permits.db).",
+    )(fn)
+
+
+def _owner_option(fn: F) -> F:
+    return click.option(
+        "--owner", default=None, help="Owner that scopes lease keys (default: $PERMITS_OWNER, else user@host)."
+    )(fn)
+
+
+@contextmanager
+def _client(db: str | None, owner: str | None = None) -> Iterator[Client]:
+    """A client whose errors become a one-line message and an exit code, never a traceback."""
+    try:
+        with permits.connect(db, owner=owner) as client:
+            yield client
+    except (InvalidArgument, ConfigurationError) as exc:
+        _fail(exc, EXIT_USAGE)
+    except PermitsError as exc:
+        _fail(exc, EXIT_FAILED)
+
+
+def _fail(exc: PermitsError, code: int) -> None:
+    click.echo(f"permits: {exc.code}: {exc}", err=True)
+    sys.exit(code)
+
+
+def _echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, ensure_ascii=False))
+
+
+def parse_wants(specs: tuple[str, ...]) -> list[Want]:
+    """``NAME`` or ``NAME:COUNT``; the last colon separates the count, so names may contain colons."""
+    wants = []
+    for spec in specs:
+        name, sep, count = spec.rpartition(":")
+        if sep and count.isdigit() and name:
+            wants.append(Want(name, int(count)))
+        else:
+            wants.append(Want(spec, 1))
+    return wants
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(permits.__version__, prog_name="permits")
+def main() -> None:
+    """Distributed counting semaphores, mutexes and leases on a SQL database."""
+
+
+# ------------------------------------------------------------------------------------------------- db
+
+
+@main.group()
+def db() -> None:
+    """Manage the schema."""
+
+
+@db.command("upgrade")
+@_db_option
+def db_upgrade(db: str | None) -> None:
+    """Create the tables, or bring them up to this version's schema."""
+    try:
+        client = permits.connect(db, auto_upgrade=False)
+        revision = client.upgrade_schema()
+        client.close()
+    except PermitsError as exc:
+        _fail(exc, EXIT_USAGE if isinstance(exc, InvalidArgument | ConfigurationError) else EXIT_FAILED)
+    click.echo(f"schema at revision {revision} ({client.url})")
+
+
+# ------------------------------------------------------------------------------------------ semaphores
+
+
+@main.group()
+def sem() -> None:
+    """Create, change, list, show and delete semaphores."""
+
+
+@sem.command("create")
+@click.argument("name")
+@click.option("--capacity", type=int, required=True, help="How many permits it holds.")
+@click.option("--exist-ok", is_flag=True, help="Succeed if it exists already with the same capacity.")
+@_db_option
+def sem_create(name: str, capacity: int, exist_ok: bool, db: str | None) -> None:
+    """Create semaphore NAME."""
+    with _client(db) as client:
+        _echo_json(client.create_semaphore(name, capacity, exist_ok=exist_ok).to_dict())
+
+
+@sem.command("set")
+@click.argument("name")
+@click.option("--capacity", type=int, required=True)
+@click.option("--reason", required=True, help="Why: kept in the capacity history.")
+@_db_option
+def sem_set(name: str, capacity: int, reason: str, db: str | None) -> None:
+    """Change the capacity of NAME (lowering it revokes nothing)."""
+    with _client(db) as client:
+        _echo_json(client.set_capacity(name, capacity, reason=reason).to_dict())
+
+
+@sem.command("ls")
+@click.option("--prefix", default="", help="Only names that start with this.")
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
+@_db_option
+def sem_ls(prefix: str, as_json: bool, db: str | None) -> None:
+    """List semaphores."""
+    with _client(db) as client:
+        sems = client.list_semaphores(prefix)
+    if as_json:
+        _echo_json([s.to_dict() for s in sems])
+        return
+    width = max([4, *(len(s.name) for s in sems)])
+    click.echo(f"{'NAME':<{width}}  {'USED':>8}  {'CAPACITY':>8}  {'LAST TOKEN':>10}")
+    for s in sems:
+        click.echo(f"{s.name:<{width}}  {s.used:>8}  {s.capacity:>8}  {s.last_token:>10}")
+
+
+@sem.command("show")
+@click.argument("name")
+@_db_option
+def sem_show(name: str, db: str | None) -> None:
+    """Show NAME: capacity, use, holders and capacity history."""
+    with _client(db) as client:
+        info = client.get_semaphore(name).to_dict()
+        info["holders"] = [h.to_dict() for h in client.holders(name)]
+        info["capacity_history"] = [c.to_dict() for c in client.capacity_history(name, limit=20)]
+    _echo_json(info)
+
+
+@sem.command("rm")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Revoke the leases that hold permits of it.")
+@_db_option
+def sem_rm(name: str, force: bool, db: str | None) -> None:
+    """Delete NAME (refused while permits are held, unless --force)."""
+    with _client(db) as client:
+        revoked = client.delete_semaphore(name, force=force)
+    click.echo(f"deleted {name}" + (f"; revoked {revoked} lease(s)" if revoked else ""))
+
+
+# -------------------------------------------------------------------------------------------- leases
+
+
+@main.command()
+@click.argument("wants", nargs=-1, required=True, metavar="NAME[:COUNT]...")
+@click.option("--key", required=True, help="Idempotency key: the same key never grants twice.")
+@click.option("--ttl", type=float, default=None, help="Lease TTL in seconds (default 60).")
+@click.option("--timeout", type=float, default=0.0, show_default=True, help="Seconds to wait for room.")
+@_owner_option
+@_db_option
+def acquire(
+    wants: tuple[str, ...], key: str, ttl: float | None, timeout: float, owner: str | None, db: str | None
+) -> None:
+    """Acquire permits of one or more semaphores, all or nothing; prints the lease as JSON."""
+    with _client(db, owner) as client:
+        try:
+            lease = client.acquire(parse_wants(wants), key=key, ttl=ttl, timeout=timeout)
+        except AcquireTimeout as exc:
+            _fail(exc, EXIT_FAILED)
+        _echo_json(lease.to_dict())
+
+
+@main.command()
+@click.argument("key")
+@_owner_option
+@_db_option
+def release(key: str, owner: str | None, db: str | None) -> None:
+    """Release the lease KEY: prints released, already_released, lost or not_found."""
+    with _client(db, owner) as client:
+        outcome = client.release(key)
+    click.echo(str(outcome))
+    if outcome is permits.ReleaseOutcome.NOT_FOUND:
+        sys.exit(EXIT_FAILED)
+
+
+@main.command()
+@click.argument("key")
+@click.option("--ttl", type=float, required=True, help="New TTL in seconds, from now.")
+@_owner_option
+@_db_option
+def extend(key: str, ttl: float, owner: str | None, db: str | None) -> None:
+    """Extend the lease KEY; prints it as JSON."""
+    with _client(db, owner) as client:
+        _echo_json(client.extend(key, ttl).to_dict())
+
+
+@main.command("lease")
+@click.argument("key")
+@_owner_option
+@_db_option
+def show_lease(key: str, owner: str | None, db: str | None) -> None:
+    """Show the lease KEY as JSON."""
+    with _client(db, owner) as client:
+        _echo_json(client.get_lease(key).to_dict())
+
+
+@main.command()
+@click.option("--batch-size", type=int, default=500, show_default=True)
+@_db_option
+def sweep(batch_size: int, db: str | None) -> None:
+    """End every expired lease, in short batches."""
+    with _client(db) as client:
+        result = client.sweep(batch_size=batch_size)
+    click.echo(f"swept {result.leases} lease(s) in {result.batches} batch(es)")
+
+
+@main.command()
+@click.option("--repair", is_flag=True, help="Store the true counts.")
+@_db_option
+def reconcile(repair: bool, db: str | None) -> None:
+    """Check each semaphore's count against its permit rows; exit 1 if drift remains."""
+    with _client(db) as client:
+        drift = client.reconcile(repair=repair)
+    for d in drift:
+        state = "repaired" if d.repaired else "DRIFT"
+        click.echo(f"{state}: {d.name}: recorded {d.recorded}, actual {d.actual}")
+    if not drift:
+        click.echo("no drift")
+    elif not repair:
+        sys.exit(EXIT_FAILED)
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+class _Keepalive(threading.Thread):
+    """Extends the lease every ttl/3 while the command runs; stops the command if the lease is lost."""
+
+    def __init__(self, client: Client, lease: permits.Lease, ttl: float, on_lost: Callable[[str], None]) -> None:
+        super().__init__(name="permits-keepalive", daemon=True)
+        self._client = client
+        self._lease = lease
+        self._ttl = ttl
+        self._on_lost = on_lost
+        self._stop_event = threading.Event()
+        self.lost = False
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self._ttl / 3):
+            try:
+                self._client.extend(self._lease, self._ttl)
+            except (LeaseLost, LeaseNotFound) as exc:
+                self.lost = True
+                self._on_lost(str(exc))
+                return
+            except PermitsError as exc:  # the database may be back before the lease runs out
+                click.echo(f"permits: warning: could not extend the lease: {exc}", err=True)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("wants", nargs=-1, required=True, metavar="NAME[:COUNT]... -- COMMAND [ARGS]...")
+@click.option("--ttl", type=float, default=60.0, show_default=True, help="Lease TTL; renewed every ttl/3.")
+@click.option("--timeout", type=float, default=None, help="Seconds to wait for room (default: for ever).")
+@click.option("--key", default=None, help="Idempotency key (default: a new one).")
+@click.option(
+    "--conflict-exit-code",
+    type=int,
+    default=EXIT_NOT_ACQUIRED,
+    show_default=True,
+    help="Exit status when no permit could be had within --timeout.",
+)
+@_owner_option
+@_db_option
+def run(
+    wants: tuple[str, ...],
+    ttl: float,
+    timeout: float | None,
+    key: str | None,
+    conflict_exit_code: int,
+    owner: str | None,
+    db: str | None,
+) -> None:
+    """Hold permits while COMMAND runs: flock(1) for a fleet.
+
+    Waits for the permits, runs COMMAND, keeps the lease alive, releases it when COMMAND ends and exits
+    with COMMAND's status. If the lease is lost (it expired while the database was unreachable, or was
+    revoked), COMMAND gets SIGTERM and permits exits 76.
+    """
+    args = list(wants)
+    if "--" in sys.argv:
+        # click drops the "--": everything after the last want is the command. Find where it was.
+        after = sys.argv[sys.argv.index("--") + 1 :]
+        specs, command = args[: len(args) - len(after)], after
+    else:
+        raise click.UsageError("put -- between the semaphores and the command: permits run NAME -- CMD")
+    if not specs or not command:
+        raise click.UsageError("permits run needs NAME[:COUNT]... -- COMMAND")
+    with _client(db, owner) as client:
+        try:
+            lease = client.acquire(parse_wants(tuple(specs)), key=key, ttl=ttl, timeout=timeout)
+        except AcquireTimeout as exc:
+            click.echo(f"permits: {exc}", err=True)
+            sys.exit(conflict_exit_code)
+        child: subprocess.Popen[bytes] | None = None
+        try:
+            child = subprocess.Popen(command)
+        except OSError as exc:
+            client.release(lease)
+            click.echo(f"permits: cannot run {command[0]!r}: {exc}", err=True)
+            sys.exit(127)
+
+        def on_lost(why: str) -> None:
+            click.echo(f"permits: lease lost while the command ran ({why}); stopping it", err=True)
+            if child is not None and child.poll() is None:
+                child.terminate()
+
+        # Pass on the signals a supervisor sends, so the command can stop cleanly; we release after it.
+        forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+        def forward(signum: int, _frame: object) -> None:
+            if child is not None:
+                child.send_signal(signum)
+
+        previous = {s: signal.signal(s, forward) for s in forwarded}
+        keepalive = _Keepalive(client, lease, ttl, on_lost)
+        keepalive.start()
+        try:
+            status = child.wait()
+        finally:
+            keepalive.stop()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            client.release(lease)
+    if keepalive.lost:
+        sys.exit(EXIT_LEASE_LOST)
+    sys.exit(status if status >= 0 else 128 - status)
+
+
+# --------------------------------------------------------------------------------------------- demo
+
+
+@main.command()
+@click.option("--workers", type=int, default=6, show_default=True, help="Processes competing for permits.")
+@click.option("--capacity", type=int, default=2, show_default=True)
+@click.option("--hold", type=float, default=0.6, show_default=True, help="Seconds each worker holds a permit.")
+@click.option("--rounds", type=int, default=2, show_default=True, help="Turns each worker takes.")
+@_db_option
+def demo(workers: int, capacity: int, hold: float, rounds: int, db: str | None) -> None:
+    """A live demo: several processes share one semaphore through `permits run`; capacity holds."""
+    from permits._demo import run_demo
+
+    try:
+        ok = run_demo(db, workers=workers, capacity=capacity, hold=hold, rounds=rounds)
+    except PermitsError as exc:
+        _fail(exc, EXIT_FAILED)
+    sys.exit(0 if ok else EXIT_FAILED)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(prog_name=os.path.basename(sys.argv[0]))

@@ -1,0 +1,278 @@
+"""The portable statements, and what every dialect must say about itself.
+
+Statements are data: a name, the SQL, and a contract comment. ``{now}`` stands for the database's clock
+in milliseconds since the epoch: every lease time is computed by the database, never by a client, so
+clients whose clocks disagree still agree on when a lease expires. Each dialect overrides only the
+statements it writes differently (the SQLAlchemy shape: portable base, dialect differences).
+
+Tables (all prefixed ``permits_``):
+- ``permits_semaphore``: one row per name. ``used`` counts the permits held and ``last_token`` is the last
+  fencing token handed out; both change in the transaction that grants or returns permits. A deleted
+  semaphore stays as a tombstone (``deleted = 1``) so its tokens never restart.
+- ``permits_lease``: one row per grant, keyed by (owner, lease_key) for idempotency. ``state`` is 1 while
+  held and 0 once ended, with ``end_reason``; it never goes back.
+- ``permits_permit``: the grant's share of each semaphore: count and fencing token. The record of truth that
+  the reconciliation check sums.
+- ``permits_capacity_change``: the audit trail of capacity changes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from sqlalchemy import TextClause, bindparam, text
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+
+from permits._core.flows import Result
+from permits._exceptions import ConfigurationError
+
+
+class Fault(enum.Enum):
+    """How a database error should be handled."""
+
+    CONFLICT = "conflict"  # deadlock, serialization failure, lock wait timeout, busy: retry the transaction
+    UNAVAILABLE = "unavailable"  # cannot connect or connection lost: retry on a fresh connection
+    DUPLICATE = "duplicate"  # unique constraint: the flow decides
+    READ_ONLY = "read_only"  # a replica refused a write: do not retry, point at the primary
+    SCHEMA = "schema"  # a table is missing: the schema needs `permits db upgrade`
+    OTHER = "other"
+
+    @property
+    def retryable(self) -> bool:
+        return self in (Fault.CONFLICT, Fault.UNAVAILABLE)
+
+
+# Parameters that carry a list, expanded into IN (...) by SQLAlchemy.
+_EXPANDING = ("names", "ids", "sem_ids")
+
+PORTABLE_SQL: dict[str, str] = {
+    # -> now_ms
+    "NOW_MS": "SELECT {now}",
+    # Take room on one semaphore and bump its fencing token, only if the room is there.
+    # params: name, count -> rowcount 1 and the new token, or rowcount 0 (no room, or no such semaphore)
+    "SEM_TAKE": """
+        UPDATE permits_semaphore
+        SET used = used + :count, last_token = last_token + 1, updated_at_ms = {now}
+        WHERE name = :name AND deleted = 0 AND used + :count <= capacity
+        RETURNING last_token""",
+    # Lock the named semaphores in name order, so two multi-semaphore acquires never wait in a cycle.
+    # params: names -> id, name, capacity, used
+    "SEMS_LOCK": """
+        SELECT id, name, capacity, used FROM permits_semaphore
+        WHERE name IN :names AND deleted = 0 ORDER BY name{for_update}""",
+    # Every row of one lease, one per semaphore. params: owner, key
+    # -> id, state, end_reason, acquired_at_ms, expires_at_ms, ended_at_ms, now_ms, name, count, token
+    "LEASE_FIND": """
+        SELECT l.id, l.state, l.end_reason, l.acquired_at_ms, l.expires_at_ms, l.ended_at_ms, {now},
+               s.name, p.count, p.token
+        FROM permits_lease l
+        JOIN permits_permit p ON p.lease_id = l.id
+        JOIN permits_semaphore s ON s.id = p.semaphore_id
+        WHERE l.owner = :owner AND l.lease_key = :key
+        ORDER BY s.name""",
+    # params: owner, key, ttl_ms -> id, acquired_at_ms, expires_at_ms (unique (owner, lease_key))
+    "LEASE_INSERT": """
+        INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
+        VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms)
+        RETURNING id, acquired_at_ms, expires_at_ms""",
+    # params: id -> acquired_at_ms, expires_at_ms (for engines without INSERT ... RETURNING)
+    "LEASE_TIMES": "SELECT acquired_at_ms, expires_at_ms FROM permits_lease WHERE id = :id",
+    # One row per want, run once per want. params: lease_id, name, count, token
+    "PERMIT_INSERT": """
+        INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
+        SELECT :lease_id, id, :count, :token FROM permits_semaphore WHERE name = :name AND deleted = 0""",
+    # Held leases past their expiry that hold any of these semaphores. params: sem_ids -> id
+    "EXPIRED_FOR_SEMS": """
+        SELECT DISTINCT l.id FROM permits_lease l
+        JOIN permits_permit p ON p.lease_id = l.id
+        WHERE l.state = 1 AND l.expires_at_ms <= {now} AND p.semaphore_id IN :sem_ids""",
+    # Lock leases and keep those still held: the re-check under lock means no lease is ended twice.
+    # params: ids -> id
+    "LEASES_LOCK_HELD": "SELECT id FROM permits_lease WHERE id IN :ids AND state = 1 ORDER BY id{for_update}",
+    # params: ids -> semaphore_id, sum(count)
+    "PERMITS_SUM": """
+        SELECT semaphore_id, SUM(count) FROM permits_permit WHERE lease_id IN :ids
+        GROUP BY semaphore_id ORDER BY semaphore_id""",
+    # params: ids, reason
+    "LEASES_END": """
+        UPDATE permits_lease SET state = 0, end_reason = :reason, ended_at_ms = {now}
+        WHERE id IN :ids AND state = 1""",
+    # Run once per semaphore. params: id, count
+    "SEM_GIVE_BACK": "UPDATE permits_semaphore SET used = used - :count, updated_at_ms = {now} WHERE id = :id",
+    # Release, step 1 (engines without a one-statement RELEASE). params: owner, key -> id of the ended lease
+    "LEASE_END_ONE": """
+        UPDATE permits_lease SET state = 0, end_reason = 'released', ended_at_ms = {now}
+        WHERE owner = :owner AND lease_key = :key AND state = 1 AND expires_at_ms > {now}
+        RETURNING id""",
+    # Release, step 2: return the lease's permits to each of its semaphores. params: lease_id
+    "SEM_GIVE_BACK_LEASE": """
+        UPDATE permits_semaphore
+        SET used = used - (SELECT p.count FROM permits_permit p
+                           WHERE p.lease_id = :lease_id AND p.semaphore_id = permits_semaphore.id),
+            updated_at_ms = {now}
+        WHERE id IN (SELECT semaphore_id FROM permits_permit WHERE lease_id = :lease_id)""",
+    # params: owner, key, ttl_ms -> rowcount 1 if the lease was held and unexpired
+    "LEASE_EXTEND": """
+        UPDATE permits_lease SET expires_at_ms = {now} + :ttl_ms
+        WHERE owner = :owner AND lease_key = :key AND state = 1 AND expires_at_ms > {now}""",
+    # params: name -> owner, lease_key, count, token, acquired_at_ms, expires_at_ms, now_ms
+    "HOLDERS": """
+        SELECT l.owner, l.lease_key, p.count, p.token, l.acquired_at_ms, l.expires_at_ms, {now}
+        FROM permits_semaphore s
+        JOIN permits_permit p ON p.semaphore_id = s.id
+        JOIN permits_lease l ON l.id = p.lease_id
+        WHERE s.name = :name AND s.deleted = 0 AND l.state = 1
+        ORDER BY p.token""",
+    # Bring a deleted semaphore back; its fencing tokens carry on. params: name, capacity
+    "SEM_REVIVE": """
+        UPDATE permits_semaphore
+        SET deleted = 0, capacity = :capacity, used = 0, created_at_ms = {now}, updated_at_ms = {now}
+        WHERE name = :name AND deleted = 1""",
+    # params: name, capacity (unique name)
+    "SEM_INSERT": """
+        INSERT INTO permits_semaphore (name, capacity, used, last_token, deleted, created_at_ms, updated_at_ms)
+        VALUES (:name, :capacity, 0, 0, 0, {now}, {now})""",
+    # params: name -> name, capacity, used, last_token, created_at_ms, updated_at_ms
+    "SEM_GET": """
+        SELECT name, capacity, used, last_token, created_at_ms, updated_at_ms
+        FROM permits_semaphore WHERE name = :name AND deleted = 0""",
+    "SEM_LIST": """
+        SELECT name, capacity, used, last_token, created_at_ms, updated_at_ms
+        FROM permits_semaphore WHERE deleted = 0 ORDER BY name""",
+    # params: id, capacity
+    "SEM_SET_CAPACITY": "UPDATE permits_semaphore SET capacity = :capacity, updated_at_ms = {now} WHERE id = :id",
+    # params: name, old, new, by, reason
+    "HISTORY_INSERT": """
+        INSERT INTO permits_capacity_change (name, old_capacity, new_capacity, changed_by, reason, changed_at_ms)
+        VALUES (:name, :old, :new, :by, :reason, {now})""",
+    # params: name, limit -> name, old_capacity, new_capacity, changed_by, reason, changed_at_ms (newest first)
+    "HISTORY_LIST": """
+        SELECT name, old_capacity, new_capacity, changed_by, reason, changed_at_ms
+        FROM permits_capacity_change WHERE name = :name
+        ORDER BY changed_at_ms DESC, id DESC LIMIT :limit""",
+    # Held leases (expired or not) with permits of one semaphore. params: sem_id -> id, expires_at_ms, now_ms
+    "LEASES_HOLDING": """
+        SELECT l.id, l.expires_at_ms, {now} FROM permits_lease l
+        JOIN permits_permit p ON p.lease_id = l.id
+        WHERE p.semaphore_id = :sem_id AND l.state = 1""",
+    # params: id
+    "SEM_TOMBSTONE": "UPDATE permits_semaphore SET deleted = 1, used = 0, updated_at_ms = {now} WHERE id = :id",
+    # Oldest expired leases first. params: limit -> id, owner, lease_key
+    "EXPIRED_BATCH": """
+        SELECT id, owner, lease_key FROM permits_lease
+        WHERE state = 1 AND expires_at_ms <= {now}
+        ORDER BY expires_at_ms LIMIT :limit""",
+    # Each semaphore's stored count beside the sum over its held permit rows, in one statement so both come
+    # from one snapshot. -> id, name, used, actual
+    "DRIFT_CHECK": """
+        SELECT s.id, s.name, s.used,
+               COALESCE((SELECT SUM(p.count) FROM permits_permit p
+                         JOIN permits_lease l ON l.id = p.lease_id
+                         WHERE p.semaphore_id = s.id AND l.state = 1), 0)
+        FROM permits_semaphore s WHERE s.deleted = 0 ORDER BY s.name""",
+    # params: sem_id -> sum(count) over held leases
+    "USED_ACTUAL_ONE": """
+        SELECT COALESCE(SUM(p.count), 0) FROM permits_lease l
+        JOIN permits_permit p ON p.lease_id = l.id
+        WHERE l.state = 1 AND p.semaphore_id = :sem_id""",
+    # params: id, used
+    "SEM_SET_USED": "UPDATE permits_semaphore SET used = :used, updated_at_ms = {now} WHERE id = :id",
+}
+
+
+class Dialect:
+    """What permits needs to know about one kind of database."""
+
+    name: ClassVar[str] = "base"
+    #: SQL for the database's clock in milliseconds since the epoch
+    now_sql: ClassVar[str] = ""
+    #: appended to locking reads; empty where the engine has no row locks
+    for_update: ClassVar[str] = " FOR UPDATE"
+    #: INSERT ... RETURNING is available
+    insert_returning: ClassVar[bool] = True
+    #: statements this dialect writes differently, or only it has (e.g. a one-statement RELEASE)
+    overrides: ClassVar[Mapping[str, str | None]] = {}
+    sync_driver: ClassVar[str] = ""
+    async_driver: ClassVar[str] = ""
+    #: the optional dependency that installs the drivers
+    extra: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        sql = {**PORTABLE_SQL, **self.overrides}
+        self._sql = {name: s for name, s in sql.items() if s is not None}
+        self._clauses: dict[str, TextClause] = {}
+        for name, template in self._sql.items():
+            clause = text(template.format(now=self.now_sql, for_update=self.for_update).strip())
+            expanding: list[Any] = [bindparam(p, expanding=True) for p in _EXPANDING if f":{p}" in template]
+            self._clauses[name] = clause.bindparams(*expanding) if expanding else clause
+
+    def has(self, name: str) -> bool:
+        return name in self._clauses
+
+    def clause(self, name: str) -> TextClause:
+        return self._clauses[name]
+
+    def sql(self, name: str) -> str:
+        """The SQL text of a statement, as sent (for docs and tests)."""
+        return str(self._clauses[name])
+
+    def taken_token(self, result: Result) -> int:
+        """The fencing token that ``SEM_TAKE`` just handed out."""
+        return int(result.rows[0][0])
+
+    # ---- engine set-up
+
+    def engine_url(self, url: URL, asynchronous: bool) -> URL:
+        driver = self.async_driver if asynchronous else self.sync_driver
+        return url.set(drivername=f"{url.get_backend_name()}+{driver}")
+
+    def engine_options(self, lock_wait_timeout: float) -> dict[str, Any]:
+        return {}
+
+    def check_driver(self, asynchronous: bool) -> None:
+        """Raise ConfigurationError naming the extra to install when the driver is missing."""
+
+    def classify(self, exc: DBAPIError) -> Fault:
+        if exc.connection_invalidated:
+            return Fault.UNAVAILABLE
+        return self._classify(exc.orig)
+
+    def _classify(self, orig: BaseException | None) -> Fault:
+        return Fault.OTHER
+
+
+def _missing(extra: str, module: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"the {module} driver is not installed: pip install 'permits[{extra}]'", extra=extra, module=module
+    )
+
+
+def require_module(module: str, extra: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise _missing(extra, module)
+
+
+def dialect_for_url(url: URL) -> Dialect:
+    """The dialect for a URL's backend: sqlite, mysql/mariadb, or postgresql."""
+    backend = url.get_backend_name()
+    if backend == "sqlite":
+        from permits.dialects.sqlite import SQLite
+
+        return SQLite()
+    if backend in ("mysql", "mariadb"):
+        from permits.dialects.mysql import MariaDB
+
+        return MariaDB()
+    if backend == "postgresql":
+        from permits.dialects.postgresql import PostgreSQL
+
+        return PostgreSQL()
+    raise ConfigurationError(
+        f"unsupported database {backend!r}: use sqlite://, mysql://, mariadb:// or postgresql://",
+        backend=backend,
+    )

@@ -1,0 +1,111 @@
+"""MariaDB and MySQL (InnoDB), through PyMySQL and aiomysql."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from permits._core.flows import Result
+from permits.dialects.base import Dialect, Fault, require_module
+
+# Error numbers, from the server (1xxx) and the client library (2xxx).
+_CONFLICT = {
+    1205,  # ER_LOCK_WAIT_TIMEOUT
+    1213,  # ER_LOCK_DEADLOCK; also a Galera certification failure
+    1614,  # ER_XA_RBDEADLOCK
+}
+_UNAVAILABLE = {
+    1040,  # ER_CON_COUNT_ERROR: too many connections
+    1047,  # ER_UNKNOWN_COM_ERROR: Galera node not ready ("WSREP has not yet prepared node")
+    1053,  # ER_SERVER_SHUTDOWN
+    1152,  # ER_ABORTING_CONNECTION
+    1927,  # ER_CONNECTION_KILLED
+    2002,  # CR_CONNECTION_ERROR
+    2003,  # CR_CONN_HOST_ERROR
+    2006,  # CR_SERVER_GONE_ERROR
+    2013,  # CR_SERVER_LOST
+    2055,  # CR_SERVER_LOST_EXTENDED
+    4031,  # ER_CLIENT_INTERACTION_TIMEOUT
+}
+_READ_ONLY = {
+    1290,  # ER_OPTION_PREVENTS_STATEMENT: --read-only / --super-read-only
+    1792,  # ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION
+    1836,  # ER_READ_ONLY_MODE
+}
+_DUPLICATE = {1062}  # ER_DUP_ENTRY
+_SCHEMA = {1146}  # ER_NO_SUCH_TABLE
+
+
+class MariaDB(Dialect):
+    name = "mysql"
+    # UNIX_TIMESTAMP of the statement's start time; sessions run in UTC (see engine_options) so no daylight
+    # saving hour is ever ambiguous.
+    now_sql = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000 AS SIGNED)"
+    sync_driver = "pymysql"
+    async_driver = "aiomysql"
+    extra = "mysql"
+    overrides: ClassVar[dict[str, str | None]] = {
+        # No UPDATE ... RETURNING here: LAST_INSERT_ID(expr) stores the new token in the session and the
+        # server sends it back in the OK packet (cursor.lastrowid), so it costs no extra round trip.
+        "SEM_TAKE": """
+            UPDATE permits_semaphore
+            SET used = used + :count, last_token = LAST_INSERT_ID(last_token + 1), updated_at_ms = {now}
+            WHERE name = :name AND deleted = 0 AND used + :count <= capacity""",
+        # Release in one statement: end the lease and give back each of its semaphores' permits. A lease
+        # has one permit row per semaphore, so each semaphore row matches once (a multi-table UPDATE
+        # changes a row at most once, which is why batches use LEASES_END + SEM_GIVE_BACK instead).
+        "RELEASE": """
+            UPDATE permits_lease l
+            JOIN permits_permit p ON p.lease_id = l.id
+            JOIN permits_semaphore s ON s.id = p.semaphore_id
+            SET l.state = 0, l.end_reason = 'released', l.ended_at_ms = {now},
+                s.used = s.used - p.count, s.updated_at_ms = {now}
+            WHERE l.owner = :owner AND l.lease_key = :key AND l.state = 1 AND l.expires_at_ms > {now}""",
+        "LEASE_END_ONE": None,
+        "SEM_GIVE_BACK_LEASE": None,
+    }
+
+    def taken_token(self, result: Result) -> int:
+        if result.lastrowid is None:  # pragma: no cover - the driver always reports it
+            raise RuntimeError("the MySQL driver did not report LAST_INSERT_ID")
+        return int(result.lastrowid)
+
+    def engine_options(self, lock_wait_timeout: float) -> dict[str, Any]:
+        # Waiting long on a row lock only holds a connection: fail fast and let the retry loop back off.
+        seconds = max(1, round(lock_wait_timeout))
+        return {
+            "connect_args": {
+                "init_command": f"SET SESSION innodb_lock_wait_timeout = {seconds}, time_zone = '+00:00'",
+                "connect_timeout": 5,
+            },
+            "pool_recycle": 3600,
+        }
+
+    def check_driver(self, asynchronous: bool) -> None:
+        require_module("aiomysql" if asynchronous else "pymysql", self.extra)
+
+    def _classify(self, orig: BaseException | None) -> Fault:
+        args = getattr(orig, "args", ())
+        code = args[0] if args and isinstance(args[0], int) else None
+        if code in _CONFLICT:
+            return Fault.CONFLICT
+        if code in _UNAVAILABLE:
+            return Fault.UNAVAILABLE
+        if code in _DUPLICATE:
+            return Fault.DUPLICATE
+        if code in _READ_ONLY:
+            return Fault.READ_ONLY
+        if code in _SCHEMA:
+            return Fault.SCHEMA
+        return Fault.OTHER
+
+
+class MySQL(MariaDB):
+    """Oracle MySQL 8: like MariaDB, but without INSERT ... RETURNING."""
+
+    insert_returning = False
+    overrides: ClassVar[dict[str, str | None]] = {
+        **MariaDB.overrides,
+        "LEASE_INSERT": """
+            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
+            VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms)""",
+    }

@@ -1,0 +1,69 @@
+"""PostgreSQL, through psycopg 3 (one driver for sync and async)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from permits.dialects.base import Dialect, Fault, require_module
+
+_CONFLICT = {
+    "40001",  # serialization_failure
+    "40P01",  # deadlock_detected
+    "55P03",  # lock_not_available: lock_timeout passed
+}
+_UNAVAILABLE_PREFIXES = ("08",)  # connection_exception
+_UNAVAILABLE = {
+    "57P01",  # admin_shutdown
+    "57P02",  # crash_shutdown
+    "57P03",  # cannot_connect_now: starting up, or a standby being promoted
+    "53300",  # too_many_connections
+}
+_READ_ONLY = {"25006"}  # read_only_sql_transaction: a hot standby
+_DUPLICATE = {"23505"}  # unique_violation
+_SCHEMA = {"42P01"}  # undefined_table
+
+
+class PostgreSQL(Dialect):
+    name = "postgresql"
+    # statement_timestamp(): the time the statement started, the same everywhere in one statement.
+    now_sql = "CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)"
+    sync_driver = "psycopg"
+    async_driver = "psycopg"
+    extra = "postgresql"
+    overrides: ClassVar[dict[str, str | None]] = {
+        # Release in one statement: the CTE ends the lease and the outer UPDATE gives back the permits of
+        # each of its semaphores (one permit row per semaphore, so each semaphore row is matched once).
+        "RELEASE": """
+            WITH ended AS (
+                UPDATE permits_lease SET state = 0, end_reason = 'released', ended_at_ms = {now}
+                WHERE owner = :owner AND lease_key = :key AND state = 1 AND expires_at_ms > {now}
+                RETURNING id)
+            UPDATE permits_semaphore s SET used = s.used - p.count, updated_at_ms = {now}
+            FROM permits_permit p, ended e
+            WHERE p.lease_id = e.id AND s.id = p.semaphore_id""",
+        "LEASE_END_ONE": None,
+        "SEM_GIVE_BACK_LEASE": None,
+    }
+
+    def engine_options(self, lock_wait_timeout: float) -> dict[str, Any]:
+        ms = max(1, round(lock_wait_timeout * 1000))
+        return {"connect_args": {"options": f"-c lock_timeout={ms} -c timezone=UTC", "connect_timeout": 5}}
+
+    def check_driver(self, asynchronous: bool) -> None:
+        require_module("psycopg", self.extra)
+
+    def _classify(self, orig: BaseException | None) -> Fault:
+        state = getattr(orig, "sqlstate", None) or ""
+        if state in _CONFLICT:
+            return Fault.CONFLICT
+        if state in _UNAVAILABLE or state.startswith(_UNAVAILABLE_PREFIXES):
+            return Fault.UNAVAILABLE
+        if state in _DUPLICATE:
+            return Fault.DUPLICATE
+        if state in _READ_ONLY:
+            return Fault.READ_ONLY
+        if state in _SCHEMA:
+            return Fault.SCHEMA
+        if not state and orig is not None and type(orig).__name__ == "OperationalError":
+            return Fault.UNAVAILABLE  # psycopg reports a refused connection with no SQLSTATE
+        return Fault.OTHER

@@ -1,0 +1,85 @@
+"""Engine set-up shared by the sync and async SQL stores: drivers, pools, per-connection settings, and the
+translation of driver errors into permits errors (the one choke point)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, event
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+
+from permits._config import Settings, redact
+from permits._exceptions import (
+    PermitsError,
+    SchemaMismatch,
+    StorageConflict,
+    StorageError,
+    StorageReadOnly,
+    StorageUnavailable,
+)
+from permits.dialects.base import Dialect, Fault
+
+#: execution option that marks a transaction as read-only (SQLite then skips the write lock)
+READONLY = "permits_readonly"
+
+
+def engine_args(dialect: Dialect, settings: Settings, asynchronous: bool) -> tuple[URL, dict[str, Any]]:
+    dialect.check_driver(asynchronous)
+    options = dialect.engine_options(settings.lock_wait_timeout)
+    return dialect.engine_url(settings.url, asynchronous), options
+
+
+def install_events(engine: Engine, dialect: Dialect, settings: Settings) -> None:
+    """Per-connection settings that cannot go through connect_args."""
+    if dialect.name != "sqlite":
+        return
+    busy_ms = max(1, round(settings.lock_wait_timeout * 1000))
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        # WAL: readers do not block the writer, and several processes share the file. synchronous=FULL
+        # syncs the WAL at every commit, so an acknowledged grant survives a power cut, not only a crash.
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        readonly = connection.get_execution_options().get(READONLY, False)
+        connection.exec_driver_sql("BEGIN" if readonly else "BEGIN IMMEDIATE")
+
+
+def translate(exc: DBAPIError, fault: Fault, dialect: Dialect, settings: Settings) -> PermitsError:
+    """A permits error for a driver error: the URL without its password and the driver's own first line,
+    never the SQL or the parameters."""
+    where = redact(settings.url)
+    first_line = str(exc.orig).strip().splitlines()[0] if exc.orig is not None and str(exc.orig).strip() else ""
+    detail = f": {first_line}" if first_line else ""
+    if fault is Fault.UNAVAILABLE:
+        return StorageUnavailable(f"database unavailable at {where}{detail}", url=where)
+    if fault is Fault.CONFLICT:
+        return StorageConflict(f"database kept reporting conflicts at {where}{detail}", url=where)
+    if fault is Fault.READ_ONLY:
+        return StorageReadOnly(
+            f"the database at {where} is a read-only replica; point permits at the primary", url=where
+        )
+    if fault is Fault.SCHEMA:
+        return SchemaMismatch(f"the permits tables are missing at {where}: run `permits db upgrade`", url=where)
+    return StorageError(f"database error at {where}{detail}", url=where)
+
+
+async def async_run_sync(connection: Any, fn: Any) -> Any:
+    """Run a function written for a sync Connection (Alembic) on an AsyncConnection."""
+    return await connection.run_sync(fn)
+
+
+def sync_run_sync(connection: Any, fn: Any) -> Any:
+    return fn(connection)
+
+
+def sync_engine(engine: Any) -> Engine:
+    """The sync Engine behind an AsyncEngine (or the Engine itself), where events are installed."""
+    return getattr(engine, "sync_engine", engine)  # type: ignore[no-any-return]
