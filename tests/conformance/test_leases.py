@@ -1,0 +1,216 @@
+"""Acquire, release, extend, idempotency, expiry and the sweep. Every backend, both clients."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import permits
+from permits import EndReason, ReleaseOutcome
+
+
+def test_acquire_and_release(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 2)
+    first = client.acquire(f"{ns}s", ttl=30)
+    assert first.counts == {f"{ns}s": 1} and first.held
+    assert 29 <= first.expires_in <= 30
+    assert first.expires_at > first.acquired_at
+    second = client.try_acquire({f"{ns}s": 1})
+    assert second is not None and second.token > first.token
+    assert client.try_acquire(f"{ns}s") is None  # full
+    assert client.get_semaphore(f"{ns}s").used == 2
+    assert client.release(first) == ReleaseOutcome.RELEASED
+    assert client.release(first) == ReleaseOutcome.ALREADY_RELEASED
+    assert client.release(f"{ns}never-granted") == ReleaseOutcome.NOT_FOUND
+    assert client.get_semaphore(f"{ns}s").used == 1
+    assert client.get_lease(first.key).end_reason == EndReason.RELEASED
+
+
+def test_counts_and_all_or_nothing(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}a", 5)
+    client.create_semaphore(f"{ns}b", 2)
+    lease = client.try_acquire({f"{ns}a": 3, f"{ns}b": 2})
+    assert lease.counts == {f"{ns}a": 3, f"{ns}b": 2}
+    assert set(lease.tokens) == {f"{ns}a", f"{ns}b"}
+    # b is full: asking for a and b takes nothing from a either.
+    assert client.try_acquire({f"{ns}a": 1, f"{ns}b": 1}) is None
+    assert client.get_semaphore(f"{ns}a").used == 3
+    assert client.try_acquire([(f"{ns}a", 2)]) is not None
+    assert client.try_acquire({f"{ns}a": 1}) is None
+    client.release(lease)
+    assert client.get_semaphore(f"{ns}a").used == 2 and client.get_semaphore(f"{ns}b").used == 0
+
+
+def test_tokens_strictly_increase(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 3)
+    seen = []
+    for _ in range(10):
+        lease = client.try_acquire(f"{ns}s")
+        seen.append(lease.token)
+        client.release(lease)
+    assert seen == sorted(seen) and len(set(seen)) == len(seen)
+    assert client.get_semaphore(f"{ns}s").last_token == seen[-1]
+
+
+def test_retry_with_same_key_never_grants_twice(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 1)
+    lease = client.try_acquire(f"{ns}s", key=f"{ns}job-42")
+    again = client.try_acquire(f"{ns}s", key=f"{ns}job-42")  # a retry: no room, but it is the same request
+    assert again == lease or (again.tokens, again.key) == (lease.tokens, lease.key)
+    assert client.acquire(f"{ns}s", key=f"{ns}job-42", timeout=0).tokens == lease.tokens
+    assert client.get_semaphore(f"{ns}s").used == 1
+    assert len(client.holders(f"{ns}s")) == 1
+
+
+def test_same_key_different_request_conflicts(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 3)
+    client.try_acquire({f"{ns}s": 1}, key=f"{ns}k")
+    with pytest.raises(permits.IdempotencyConflict):
+        client.try_acquire({f"{ns}s": 2}, key=f"{ns}k")
+    assert client.get_semaphore(f"{ns}s").used == 1
+
+
+def test_released_key_is_not_granted_again(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 1)
+    lease = client.try_acquire(f"{ns}s", key=f"{ns}once")
+    client.release(lease)
+    with pytest.raises(permits.LeaseLost) as lost:
+        client.try_acquire(f"{ns}s", key=f"{ns}once")  # a late retry must not grant again
+    assert lost.value.reason == "released"
+    assert client.get_semaphore(f"{ns}s").used == 0
+
+
+def test_keys_are_scoped_by_owner(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 2)
+    mine = client.try_acquire(f"{ns}s", key=f"{ns}shared-key", owner="alice")
+    theirs = client.try_acquire(f"{ns}s", key=f"{ns}shared-key", owner="bob")
+    assert mine.token != theirs.token and (mine.owner, theirs.owner) == ("alice", "bob")
+    assert client.release(f"{ns}shared-key", owner="bob") == ReleaseOutcome.RELEASED
+    assert client.get_lease(f"{ns}shared-key", owner="alice").held
+
+
+def test_extend(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 1)
+    lease = client.try_acquire(f"{ns}s", ttl=2)
+    extended = client.extend(lease, 120)
+    assert 119 <= extended.expires_in <= 120 and extended.tokens == lease.tokens
+    assert client.extend(lease.key).expires_in > 50  # default ttl (60 s)
+    client.release(lease)
+    with pytest.raises(permits.LeaseLost):
+        client.extend(lease, 10)
+    with pytest.raises(permits.LeaseNotFound):
+        client.extend(f"{ns}no-such-key", 10)
+
+
+def test_expired_lease_never_blocks(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 1)
+    old = client.try_acquire(f"{ns}s", ttl=0.3)
+    assert client.try_acquire(f"{ns}s") is None
+    time.sleep(0.5)
+    with pytest.raises(permits.LeaseLost) as lost:
+        client.extend(old, 10)
+    assert lost.value.reason == "expired"
+    # The acquire that needs the room reclaims the expired lease in its own transaction.
+    new = client.try_acquire(f"{ns}s")
+    assert new is not None and new.token > old.token
+    assert client.get_lease(old.key).end_reason == EndReason.EXPIRED
+    assert client.release(old) == ReleaseOutcome.LOST
+    assert client.get_semaphore(f"{ns}s").used == 1
+
+
+def test_release_after_expiry_reports_lost(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 1)
+    lease = client.try_acquire(f"{ns}s", ttl=0.2)
+    time.sleep(0.4)
+    assert client.release(lease) == ReleaseOutcome.LOST
+    assert client.get_semaphore(f"{ns}s").used == 0
+    assert client.get_lease(lease.key).end_reason == EndReason.EXPIRED
+
+
+def test_sweep(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 5)
+    short = [client.try_acquire(f"{ns}s", ttl=0.2) for _ in range(3)]
+    keep = client.try_acquire(f"{ns}s", ttl=60)
+    time.sleep(0.4)
+    result = client.sweep(batch_size=2)
+    swept = {key for owner, key in result.keys}
+    assert {lease.key for lease in short} <= swept and keep.key not in swept
+    assert all(client.get_lease(lease.key).end_reason == EndReason.SWEPT for lease in short)
+    assert client.get_semaphore(f"{ns}s").used == 1
+    assert client.reconcile() == []
+
+
+def test_holders(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 5)
+    a = client.try_acquire({f"{ns}s": 2}, key=f"{ns}a", owner="alice")
+    b = client.try_acquire({f"{ns}s": 1}, key=f"{ns}b", owner="bob")
+    holders = client.holders(f"{ns}s")
+    assert [(h.owner, h.key, h.count, h.token) for h in holders] == [
+        ("alice", f"{ns}a", 2, a.token),
+        ("bob", f"{ns}b", 1, b.token),
+    ]
+    assert all(h.expires_in > 0 for h in holders)
+    client.release(a)
+    assert [h.key for h in client.holders(f"{ns}s")] == [f"{ns}b"]
+
+
+def test_acquire_waits_then_times_out(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 1)
+    client.try_acquire(f"{ns}s")
+    started = time.monotonic()
+    with pytest.raises(permits.AcquireTimeout):
+        client.acquire(f"{ns}s", timeout=0.5)
+    assert 0.45 <= time.monotonic() - started < 3
+
+
+def test_acquire_waits_for_a_release(make_client: Any, ns: str) -> None:
+    holder, waiter = make_client(), make_client()
+    holder.create_semaphore(f"{ns}s", 1)
+    lease = holder.try_acquire(f"{ns}s")
+    timer = threading.Timer(0.4, holder.release, args=(lease,))
+    timer.start()
+    got = waiter.acquire(f"{ns}s", timeout=10)
+    timer.join()
+    assert got.token > lease.token
+
+
+def test_context_manager_releases(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 1)
+    with client.lease(f"{ns}s", ttl=10) as lease:
+        assert client.get_semaphore(f"{ns}s").used == 1
+        assert client.get_lease(lease.key).held
+    assert client.get_semaphore(f"{ns}s").used == 0
+    with pytest.raises(RuntimeError), client.lease(f"{ns}s"):
+        raise RuntimeError("the body failed")
+    assert client.get_semaphore(f"{ns}s").used == 0
+
+
+def test_mutex(client: Any, ns: str) -> None:
+    client.create_mutex(f"{ns}m")
+    assert client.get_semaphore(f"{ns}m").capacity == 1
+    with client.mutex(f"{ns}m") as lease:
+        assert client.try_acquire(f"{ns}m") is None
+        assert lease.counts == {f"{ns}m": 1}
+    assert client.try_acquire(f"{ns}m") is not None
+
+
+def test_reconcile_finds_and_repairs_drift(client: Any, db_url: str, ns: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    client.create_semaphore(f"{ns}s", 5)
+    client.try_acquire({f"{ns}s": 2})
+    assert client.reconcile() == []
+    url = db_url.replace("mysql://", "mysql+pymysql://").replace("postgresql://", "postgresql+psycopg://")
+    engine = create_engine(url)
+    with engine.begin() as conn:  # damage the count behind permits' back
+        conn.execute(text("UPDATE permits_semaphore SET used = 4 WHERE name = :n"), {"n": f"{ns}s"})
+    engine.dispose()
+    drift = [d for d in client.reconcile() if d.name == f"{ns}s"]
+    assert [(d.recorded, d.actual, d.repaired) for d in drift] == [(4, 2, False)]
+    repaired = [d for d in client.reconcile(repair=True) if d.name == f"{ns}s"]
+    assert [(d.recorded, d.actual, d.repaired) for d in repaired] == [(4, 2, True)]
+    assert client.get_semaphore(f"{ns}s").used == 2
+    assert [d for d in client.reconcile() if d.name == f"{ns}s"] == []

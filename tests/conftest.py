@@ -1,0 +1,185 @@
+"""Real databases for every test: SQLite files, and a fresh database per test session on the MariaDB and
+PostgreSQL servers (dropped at the end), so runs never see each other's rows.
+
+Server URLs: $PERMITS_TEST_MYSQL_URL (default mysql://root@127.0.0.1:3306/test) and
+$PERMITS_TEST_POSTGRESQL_URL (default postgresql://postgres@127.0.0.1:5432/test); only their server part
+is used. An unreachable server fails the run when CI=true, and skips its tests otherwise (scripts/test
+starts or installs the servers first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import URL, make_url
+
+import permits
+
+SERVER_URLS = {
+    "mysql": os.environ.get("PERMITS_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test"),
+    "postgresql": os.environ.get("PERMITS_TEST_POSTGRESQL_URL", "postgresql://postgres@127.0.0.1:5432/test"),
+}
+BACKENDS = ["sqlite", "mysql", "postgresql"]
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+_SESSION_DB = f"permits_t_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+
+
+def _admin_url(backend: str) -> URL:
+    url = make_url(SERVER_URLS[backend])
+    driver = "pymysql" if backend == "mysql" else "psycopg"
+    return url.set(drivername=f"{backend}+{driver}")
+
+
+class _Servers:
+    """Creates one database per server on first use, and drops them all at the end of the session."""
+
+    def __init__(self) -> None:
+        self.created: dict[str, URL] = {}
+        self.failed: dict[str, str] = {}
+
+    def url_for(self, backend: str) -> URL:
+        if backend in self.created:
+            return self.created[backend]
+        if backend in self.failed:
+            self._unreachable(backend, self.failed[backend])
+        admin = _admin_url(backend)
+        try:
+            engine = create_engine(admin, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5})
+            with engine.connect() as conn:
+                conn.execute(text(f"CREATE DATABASE {_SESSION_DB}"))
+            engine.dispose()
+        except Exception as exc:  # any failure to reach or use the server
+            self.failed[backend] = str(exc).splitlines()[0]
+            self._unreachable(backend, self.failed[backend])
+        url = make_url(SERVER_URLS[backend]).set(database=_SESSION_DB)
+        with permits.connect(url, auto_upgrade=True) as client:
+            client.list_semaphores()  # creates the schema
+        self.created[backend] = url
+        return url
+
+    def _unreachable(self, backend: str, why: str) -> None:
+        message = f"{backend} server unreachable at {_admin_url(backend).render_as_string()}: {why}"
+        if IN_CI:
+            pytest.fail(message + " (CI=true: a missing database is a failure)", pytrace=False)
+        pytest.skip(message + " (run scripts/ensure-databases)")
+
+    def drop_all(self) -> None:
+        for backend in self.created:
+            engine = create_engine(_admin_url(backend), isolation_level="AUTOCOMMIT")
+            with engine.connect() as conn:
+                if backend == "postgresql":
+                    conn.execute(text(f"DROP DATABASE IF EXISTS {_SESSION_DB} WITH (FORCE)"))
+                else:
+                    conn.execute(text(f"DROP DATABASE IF EXISTS {_SESSION_DB}"))
+            engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[_Servers]:
+    holder = _Servers()
+    yield holder
+    holder.drop_all()
+
+
+@pytest.fixture(scope="session")
+def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'permits.db'}"
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def db_url(backend: str, servers: _Servers, sqlite_url: str) -> str:
+    """A URL (with its password, if any) to a database with the current schema."""
+    if backend == "sqlite":
+        return sqlite_url
+    return servers.url_for(backend).render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def ns() -> str:
+    """A prefix that keeps one test's semaphores apart from every other test's on a shared database."""
+    return f"t{uuid.uuid4().hex[:10]}-"
+
+
+class AsyncFacade:
+    """Drives an AsyncClient from synchronous test code, so one test body checks both clients.
+
+    The coroutines run on an event loop in a thread of their own; ``lease``/``mutex`` return context
+    managers that enter and exit the async ones on that loop.
+    """
+
+    def __init__(self, client: permits.AsyncClient) -> None:
+        self._client = client
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if name in ("lease", "mutex"):
+            return lambda *a, **kw: _AsyncCM(self, attr(*a, **kw))
+        if asyncio.iscoroutinefunction(attr):
+            return lambda *a, **kw: self._call(attr(*a, **kw))
+        return attr
+
+    def close(self) -> None:
+        self._call(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+class _AsyncCM:
+    def __init__(self, facade: AsyncFacade, cm: permits.AsyncHeld) -> None:
+        self._facade = facade
+        self._cm = cm
+
+    def __enter__(self) -> permits.Lease:
+        lease: permits.Lease = self._facade._call(self._cm.__aenter__())
+        return lease
+
+    def __exit__(self, *exc: Any) -> None:
+        self._facade._call(self._cm.__aexit__(*exc))
+
+
+@pytest.fixture(params=["sync", "async"])
+def flavour(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def make_client(db_url: str, flavour: str) -> Iterator[Callable[..., Any]]:
+    """Open clients of the current flavour (sync or async) on the current backend; closed at the end."""
+    opened: list[Any] = []
+
+    def make(**options: Any) -> Any:
+        client: Any
+        if flavour == "sync":
+            client = permits.connect(db_url, **options)
+        else:
+            client = AsyncFacade(permits.connect_async(db_url, **options))
+        opened.append(client)
+        return client
+
+    yield make
+    for client in opened:
+        client.close()
+
+
+@pytest.fixture
+def client(make_client: Callable[..., Any]) -> Any:
+    return make_client()
