@@ -138,6 +138,9 @@ class AsyncFacade:
 
     def close(self) -> None:
         self._call(self._client.aclose())
+
+    def shutdown(self) -> None:
+        self.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -177,7 +180,7 @@ def make_client(db_url: str, flavour: str) -> Iterator[Callable[..., Any]]:
 
     yield make
     for client in opened:
-        client.close()
+        client.shutdown() if isinstance(client, AsyncFacade) else client.close()
 
 
 @pytest.fixture

@@ -94,7 +94,6 @@ def connect_async(
 
 
 __all__ = [
-    "DEFAULT_URL",
     "AcquireTimeout",
     "AsyncClient",
     "AsyncHeld",
@@ -102,6 +101,10 @@ __all__ = [
     "Client",
     "ConfigurationError",
     "CountExceedsCapacity",
+    "DEFAULT_LOCK_WAIT_TIMEOUT",
+    "DEFAULT_RETRIES",
+    "DEFAULT_TTL",
+    "DEFAULT_URL",
     "Drift",
     "EndReason",
     "Held",
@@ -126,9 +129,9 @@ __all__ = [
     "SweepResult",
     "UsageError",
     "Want",
-    "__version__",
     "connect",
     "connect_async",
     "error_class",
     "error_codes",
+    "__version__",
 ]

@@ -226,6 +226,15 @@ class Dialect:
     # ---- engine set-up
 
     def engine_url(self, url: URL, asynchronous: bool) -> URL:
+        """The URL with the driver permits uses for this backend. A URL may name either of our drivers
+        (``mysql+pymysql://``); the sync or async twin is picked to match the client."""
+        named = url.get_driver_name()
+        if "+" in url.drivername and named not in (self.sync_driver, self.async_driver):
+            raise ConfigurationError(
+                f"permits drives {url.get_backend_name()} with {self.sync_driver}/{self.async_driver}, "
+                f"not {named}: drop '+{named}' from the URL",
+                driver=named,
+            )
         driver = self.async_driver if asynchronous else self.sync_driver
         return url.set(drivername=f"{url.get_backend_name()}+{driver}")
 

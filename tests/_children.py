@@ -1,0 +1,138 @@
+"""Child processes for the concurrency and fault tests.
+
+Every child is a real OS process: ``python -m tests._children <command> <json-args>``, started by
+``spawn`` below with the repository root as working directory. Children talk to the parent through
+files and short lines on stdout (never much data through pipes, so no pipe can fill up and block).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import permits
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spawn(command: str, args: dict[str, Any], **popen: Any) -> subprocess.Popen[str]:
+    """Start ``command`` of this module in a fresh interpreter (a real OS process, nothing inherited)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests._children", command, json.dumps(args)],
+        cwd=ROOT,
+        text=True,
+        **popen,
+    )
+
+
+def lease_to_json(lease: permits.Lease) -> dict[str, Any]:
+    return lease.to_dict()
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------------------------------------- cycles
+
+
+def cycles(args: dict[str, Any]) -> None:
+    """Acquire and release ``cycles`` times, recording each holding interval on the system-wide clock.
+
+    Waits for a ``go`` line on stdin after connecting, so that every child starts hammering at once.
+    Writes a JSON list of records to ``args["out"]``; each record is one cycle: the names and tokens held,
+    ``t_call`` (just before acquire was called), ``t_acq`` (just after it returned) and ``t_rel`` (just
+    before release was called), all ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for the machine).
+    """
+    rng = random.Random(args["seed"])
+    a, b = args["names"]
+    choices = [{a: 1}, {b: 1}, {a: 1, b: 1}]
+    weights = [0.4, 0.4, 0.2]
+    records: list[dict[str, Any]] = []
+    with permits.connect(args["url"], owner=args["owner"]) as client:
+        client.get_semaphore(a)  # connect and check the schema before the start signal
+        _say("ready")
+        if sys.stdin.readline().strip() != "go":
+            raise SystemExit("no start signal")
+        for i in range(args["cycles"]):
+            wants = rng.choices(choices, weights)[0]
+            key = f"{args['owner']}-{i}"
+            t_call = time.monotonic()
+            lease = client.acquire(wants, key=key, ttl=args["ttl"], timeout=args["timeout"])
+            t_acq = time.monotonic()
+            hold = rng.uniform(0, args["max_hold"])
+            if hold:
+                time.sleep(hold)
+            t_rel = time.monotonic()
+            outcome = client.release(lease)
+            records.append(
+                {
+                    "key": key,
+                    "counts": lease.counts,
+                    "tokens": lease.tokens,
+                    "t_call": t_call,
+                    "t_acq": t_acq,
+                    "t_rel": t_rel,
+                    "outcome": str(outcome),
+                }
+            )
+    Path(args["out"]).write_text(json.dumps(records))
+
+
+# --------------------------------------------------------------------------------------------------- hold
+
+
+def hold(args: dict[str, Any]) -> None:
+    """Acquire, say ``held <lease json>``, then sleep until killed."""
+    client = permits.connect(args["url"], owner=args["owner"])
+    lease = client.acquire(args["wants"], key=args["key"], ttl=args["ttl"], timeout=10)
+    _say("held " + json.dumps(lease_to_json(lease)))
+    while True:
+        time.sleep(60)
+
+
+# -------------------------------------------------------------------------------------- kill in statement
+
+
+def operate(args: dict[str, Any]) -> None:
+    """Run one acquire or release with a hook after every statement of the store.
+
+    ``kill_after``: SIGKILL this process right after the k-th statement ran (inside the transaction, before
+    it commits). ``kill_at_end``: SIGKILL it right after the operation returned. Otherwise print the names
+    of the statements that ran, as JSON.
+    """
+    kill_after: int | None = args.get("kill_after")
+    ran: list[str] = []
+
+    def after_statement(name: str) -> None:
+        ran.append(name)
+        if kill_after is not None and len(ran) == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    client = permits.connect(args["url"], owner=args["owner"])
+    client._store.open()  # the schema check runs its own statements; only the operation's are counted
+    client._store.after_statement = after_statement
+    if args["op"] == "acquire":
+        result: Any = lease_to_json(client.acquire(args["wants"], key=args["key"], ttl=args["ttl"], timeout=5))
+    elif args["op"] == "release":
+        result = str(client.release(args["key"]))
+    else:
+        raise SystemExit(f"unknown op {args['op']!r}")
+    if args.get("kill_at_end"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    _say(json.dumps({"statements": ran, "result": result}))
+    client.close()
+
+
+COMMANDS = {"cycles": cycles, "hold": hold, "operate": operate}
+
+if __name__ == "__main__":
+    COMMANDS[sys.argv[1]](json.loads(sys.argv[2]))

@@ -1,0 +1,150 @@
+"""Sixteen processes share two semaphores: capacity is never exceeded, fencing tokens follow grant order.
+
+Each child (tests/_children.py ``cycles``) acquires one permit of ``a`` (capacity 3), of ``b`` (capacity
+2) or of both at once, holds it for up to a few milliseconds and releases it, recording every holding
+interval on CLOCK_MONOTONIC, which is one clock for the whole machine. A recorded interval lies inside the
+real one (it starts after the grant committed and ends before the release began), so recorded intervals
+that overlap were really held at the same time.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import permits
+from tests._children import spawn
+
+PROCESSES = 16
+CYCLES = 40
+CAPACITIES = {"a": 3, "b": 2}
+MAX_HOLD = 0.003  # seconds a child holds its permits, at most
+ACQUIRE_TIMEOUT = 25.0
+RUN_TIMEOUT = 60.0
+
+
+def _max_overlap(intervals: list[tuple[float, float, int]]) -> tuple[int, float]:
+    """The largest number of permits held at one instant (sweep line), and that instant.
+
+    At equal times a release is counted before an acquire, which only ever lowers the result; equal
+    readings of the nanosecond clock do not happen in practice anyway.
+    """
+    events = sorted([(start, count) for start, _, count in intervals] + [(end, -count) for _, end, count in intervals])
+    held = peak = 0
+    when = 0.0
+    for t, delta in events:
+        held += delta
+        if held > peak:
+            peak, when = held, t
+    return peak, when
+
+
+def _token_order_violations(records: list[dict[str, Any]], name: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Pairs (A, B) where A's acquire had returned before B's acquire was called, yet token(A) > token(B).
+
+    A's token was handed out before its acquire returned, and B's after its acquire was called, so in such a
+    pair A was granted first and must carry the smaller token. (Comparing A's release with the *return* of
+    B's acquire would not be sound: B may be granted before A and only get to run after A released.)
+    """
+    mine = [r for r in records if name in r["tokens"]]
+    by_return = sorted(mine, key=lambda r: r["t_acq"])
+    by_call = sorted(mine, key=lambda r: r["t_call"])
+    bad: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    best: dict[str, Any] | None = None  # the largest token among acquires that had returned
+    i = 0
+    for later in by_call:
+        while i < len(by_return) and by_return[i]["t_acq"] < later["t_call"]:
+            if best is None or by_return[i]["tokens"][name] > best["tokens"][name]:
+                best = by_return[i]
+            i += 1
+        if best is not None and best["tokens"][name] >= later["tokens"][name]:
+            bad.append((best, later))
+    return bad
+
+
+@pytest.mark.slow
+def test_sixteen_processes_two_semaphores(db_url: str, ns: str, tmp_path: Path) -> None:
+    names = {short: f"{ns}{short}" for short in CAPACITIES}
+    with permits.connect(db_url) as client:
+        for short, capacity in CAPACITIES.items():
+            client.create_semaphore(names[short], capacity)
+
+        procs: list[subprocess.Popen[str]] = []
+        errs: list[Path] = []
+        try:
+            for i in range(PROCESSES):
+                errs.append(tmp_path / f"child{i}.err")
+                with errs[-1].open("w") as err:
+                    procs.append(
+                        spawn(
+                            "cycles",
+                            {
+                                "url": db_url,
+                                "owner": f"{ns}child{i}",
+                                "names": [names["a"], names["b"]],
+                                "cycles": CYCLES,
+                                "seed": i,
+                                "ttl": 60,
+                                "timeout": ACQUIRE_TIMEOUT,
+                                "max_hold": MAX_HOLD,
+                                "out": str(tmp_path / f"child{i}.json"),
+                            },
+                            stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE,
+                            stderr=err,
+                        )
+                    )
+            for i, proc in enumerate(procs):
+                assert proc.stdout is not None
+                line = proc.stdout.readline().strip()
+                assert line == "ready", f"child {i} did not start: {errs[i].read_text()[-2000:]}"
+            started = time.monotonic()
+            for proc in procs:
+                assert proc.stdin is not None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            # (c) every child exits 0 having completed every cycle
+            for i, proc in enumerate(procs):
+                code = proc.wait(timeout=max(1.0, RUN_TIMEOUT - (time.monotonic() - started)))
+                assert code == 0, f"child {i} exited {code}: {errs[i].read_text()[-2000:]}"
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                for stream in (proc.stdin, proc.stdout):
+                    if stream is not None:
+                        stream.close()
+
+        records: list[dict[str, Any]] = []
+        for i in range(PROCESSES):
+            mine = json.loads((tmp_path / f"child{i}.json").read_text())
+            assert len(mine) == CYCLES, f"child {i} completed {len(mine)} of {CYCLES} cycles"
+            assert all(r["outcome"] == "released" for r in mine)
+            records.extend(mine)
+
+        for short, capacity in CAPACITIES.items():
+            name = names[short]
+            holding = [r for r in records if name in r["tokens"]]
+            assert holding, f"nobody ever held {name}"
+            # (a) never more holders at one instant than the capacity
+            for r in holding:
+                assert r["t_call"] <= r["t_acq"] <= r["t_rel"]
+            peak, when = _max_overlap([(r["t_acq"], r["t_rel"], r["counts"][name]) for r in holding])
+            assert peak <= capacity, f"{peak} permits of {name} (capacity {capacity}) held at once, at {when}"
+            # (b) tokens are unique, and a grant that came after another carries a larger token
+            tokens = [r["tokens"][name] for r in holding]
+            assert len(set(tokens)) == len(tokens), f"a token of {name} was handed out twice"
+            violations = _token_order_violations(records, name)
+            assert not violations, f"token order broken on {name}: {violations[:3]}"
+            # (d) the database agrees: nothing held, the last token is the largest one handed out
+            sem = client.get_semaphore(name)
+            assert sem.used == 0
+            assert sem.last_token == max(tokens)
+            assert client.holders(name) == []
+        assert client.reconcile() == []

@@ -1,0 +1,181 @@
+"""Bad input gets a typed error before anything is written; a database that is down gets a clear one."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+import permits
+from permits import CountExceedsCapacity, InvalidArgument
+
+BAD_ACQUIRES = [
+    pytest.param({"": 1}, {}, id="empty-name"),
+    pytest.param({"x" * 256: 1}, {}, id="name-too-long"),
+    pytest.param({"a\x00b": 1}, {}, id="name-with-nul"),
+    pytest.param({"\ud800": 1}, {}, id="name-lone-surrogate"),
+    pytest.param({"{s}": 0}, {}, id="count-zero"),
+    pytest.param({"{s}": -1}, {}, id="count-negative"),
+    pytest.param({"{s}": True}, {}, id="count-bool"),
+    pytest.param({"{s}": 1.5}, {}, id="count-float"),
+    pytest.param({"{s}": "1"}, {}, id="count-string"),
+    pytest.param([("{s}", 1), ("{s}", 1)], {}, id="same-semaphore-twice"),
+    pytest.param({}, {}, id="empty-request"),
+    pytest.param([], {}, id="empty-list"),
+    pytest.param(42, {}, id="not-a-request"),
+    pytest.param({"{s}": 1}, {"ttl": 0}, id="ttl-zero"),
+    pytest.param({"{s}": 1}, {"ttl": -5}, id="ttl-negative"),
+    pytest.param({"{s}": 1}, {"ttl": math.nan}, id="ttl-nan"),
+    pytest.param({"{s}": 1}, {"ttl": math.inf}, id="ttl-inf"),
+    pytest.param({"{s}": 1}, {"ttl": 31 * 24 * 3600}, id="ttl-above-max"),
+    pytest.param({"{s}": 1}, {"ttl": True}, id="ttl-bool"),
+    pytest.param({"{s}": 1}, {"ttl": "10"}, id="ttl-string"),
+    pytest.param({"{s}": 1}, {"key": "k" * 256}, id="key-too-long"),
+    pytest.param({"{s}": 1}, {"key": ""}, id="key-empty"),
+    pytest.param({"{s}": 1}, {"owner": "o\x00"}, id="owner-with-nul"),
+    pytest.param({"{s}": 1}, {"timeout": -1}, id="timeout-negative"),
+    pytest.param({"{s}": 1}, {"timeout": math.nan}, id="timeout-nan"),
+]
+
+
+def _fill(value: Any, name: str) -> Any:
+    if isinstance(value, dict):
+        return {k.replace("{s}", name): v for k, v in value.items()}
+    if isinstance(value, list):
+        return [(k.replace("{s}", name), v) for k, v in value]
+    return value
+
+
+@pytest.mark.parametrize(("wants", "options"), BAD_ACQUIRES)
+def test_bad_acquire_is_refused_and_writes_nothing(client: Any, ns: str, wants: Any, options: dict[str, Any]) -> None:
+    name = f"{ns}s"
+    client.create_semaphore(name, 3)
+    calls = (client.acquire,) if "timeout" in options else (client.try_acquire, client.acquire)
+    for call in calls:
+        with pytest.raises(InvalidArgument) as raised:
+            call(_fill(wants, name), **options)
+        assert raised.value.details.get("field"), "the error names the bad argument"
+        assert isinstance(raised.value, ValueError) and isinstance(raised.value, permits.PermitsError)
+    sem = client.get_semaphore(name)
+    assert (sem.used, sem.last_token) == (0, 0)
+    assert client.holders(name) == []
+
+
+def test_count_above_capacity(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 3)
+    with pytest.raises(CountExceedsCapacity) as raised:
+        client.acquire({f"{ns}s": 4}, timeout=None)  # would otherwise wait for ever
+    assert raised.value.details["capacity"] == 3
+    assert client.get_semaphore(f"{ns}s").used == 0
+
+
+@pytest.mark.parametrize("capacity", [0, -1, True, 1.0, "3", 2**53])
+def test_bad_capacity(client: Any, ns: str, capacity: Any) -> None:
+    with pytest.raises(InvalidArgument):
+        client.create_semaphore(f"{ns}s", capacity)
+    assert client.list_semaphores(ns) == []
+    client.create_semaphore(f"{ns}s", 2)
+    with pytest.raises(InvalidArgument):
+        client.set_capacity(f"{ns}s", capacity, reason="x")
+    assert client.get_semaphore(f"{ns}s").capacity == 2
+    assert len(client.capacity_history(f"{ns}s")) == 1
+
+
+@pytest.mark.parametrize("name", ["", "n" * 256, "a\x00", None, 5])
+def test_bad_semaphore_name(client: Any, name: Any) -> None:
+    with pytest.raises(InvalidArgument):
+        client.create_semaphore(name, 1)
+    with pytest.raises(InvalidArgument):
+        client.get_semaphore(name)
+
+
+def test_bad_reason_and_release_arguments(client: Any, ns: str) -> None:
+    client.create_semaphore(f"{ns}s", 2)
+    with pytest.raises(InvalidArgument):
+        client.set_capacity(f"{ns}s", 3, reason="r" * 1001)
+    with pytest.raises(InvalidArgument):
+        client.release("")
+    with pytest.raises(InvalidArgument):
+        client.extend("k" * 300, 10)
+    lease = client.try_acquire(f"{ns}s")
+    for ttl in (0, -1, math.nan, math.inf, 10**9):
+        with pytest.raises(InvalidArgument):
+            client.extend(lease, ttl)
+    assert client.get_lease(lease.key).expires_in <= 60
+
+
+def test_longest_valid_name_and_key(client: Any, ns: str) -> None:
+    name = (ns + "é" * 255)[:255]
+    client.create_semaphore(name, 1)
+    owner = (ns + "ö" * 255)[:255]
+    lease = client.try_acquire(name, key="ü" * 255, owner=owner)
+    assert client.get_lease("ü" * 255, owner=owner).tokens == lease.tokens
+
+
+def test_closed_client(make_client: Any) -> None:
+    closed = make_client()
+    closed.close()
+    with pytest.raises(permits.UsageError):
+        closed.try_acquire("x")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "mysql://root:s3cret@127.0.0.1:1/nothing",
+        "postgresql://postgres:s3cret@127.0.0.1:1/nothing",
+    ],
+)
+def test_database_down_is_a_clear_error(url: str) -> None:
+    client = permits.connect(url, retries=1)
+    with pytest.raises(permits.StorageUnavailable) as raised:
+        client.try_acquire("x")
+    message = str(raised.value)
+    assert "127.0.0.1:1" in message and "s3cret" not in message and "***" in message
+    assert "SELECT" not in message.upper() and "Traceback" not in message
+    assert raised.value.retryable
+    client.close()
+
+
+def test_sqlite_file_that_cannot_be_opened(tmp_path: Any) -> None:
+    client = permits.connect(f"sqlite:///{tmp_path}/missing-dir/permits.db", retries=0)
+    with pytest.raises(permits.StorageUnavailable):
+        client.try_acquire("x")
+    client.close()
+
+
+@pytest.mark.parametrize("url", ["", "nonsense", "oracle://x/y", "mysql+nodriver://x/y", "postgresql+asyncpg://x/y"])
+def test_bad_url(url: str) -> None:
+    with pytest.raises((permits.ConfigurationError, permits.InvalidArgument)):
+        permits.connect(url).try_acquire("x")
+
+
+def test_server_without_schema_says_how_to_fix(servers: Any, backend: str) -> None:
+    if backend == "sqlite":
+        pytest.skip("SQLite creates its schema on first use")
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    url = servers.url_for(backend)
+    empty = url.set(database=f"{url.database}_empty")
+    admin = create_engine(
+        url.set(drivername="mysql+pymysql" if backend == "mysql" else "postgresql+psycopg"),
+        isolation_level="AUTOCOMMIT",
+    )
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE {empty.database}"))
+    try:
+        client = permits.connect(empty)
+        with pytest.raises(permits.SchemaMismatch, match="permits db upgrade"):
+            client.try_acquire("x")
+        assert client.upgrade_schema() == "0001"
+        client.create_semaphore("x", 1)
+        assert client.try_acquire("x") is not None
+        client.close()
+    finally:
+        with admin.connect() as conn:
+            extra = " WITH (FORCE)" if backend == "postgresql" else ""
+            conn.execute(text(f"DROP DATABASE {empty.database}{extra}"))
+        admin.dispose()
+    assert make_url(str(empty)).database.endswith("_empty")

@@ -1,0 +1,73 @@
+"""The shape of the public API: exports, sync/async parity, the generated twin, the error registry."""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import permits
+from permits._exceptions import PermitsError, error_class, error_codes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_all_is_sorted_and_complete() -> None:
+    public = {name for name in dir(permits) if not name.startswith("_") and name not in ("annotations", "URL")}
+    modules = {name for name in public if inspect.ismodule(getattr(permits, name))}
+    assert set(permits.__all__) == (public - modules) | {"__version__"}
+    assert permits.__all__ == sorted(permits.__all__, key=lambda n: (n.startswith("_"), n.islower(), n))
+
+
+def _public_methods(cls: type) -> dict[str, inspect.Signature]:
+    return {
+        name: inspect.signature(member)
+        for name, member in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_")
+    }
+
+
+@pytest.mark.parametrize(("sync", "asynchronous"), [(permits.Client, permits.AsyncClient)])
+def test_async_twin_has_the_same_methods_and_signatures(sync: type, asynchronous: type) -> None:
+    sync_methods = _public_methods(sync)
+    async_methods = _public_methods(asynchronous)
+    async_methods["close"] = async_methods.pop("aclose")
+    assert sync_methods.keys() == async_methods.keys()
+    for name, signature in sync_methods.items():
+        assert str(signature).replace("Held", "X") == str(async_methods[name]).replace("AsyncHeld", "X"), name
+        assert inspect.iscoroutinefunction(getattr(asynchronous, "aclose" if name == "close" else name)) == (
+            name not in ("lease", "mutex")
+        )
+
+
+def test_generated_sync_twin_is_up_to_date() -> None:
+    check = subprocess.run([sys.executable, str(ROOT / "scripts" / "unasync.py"), "--check"], capture_output=True)
+    assert check.returncode == 0, check.stderr.decode()
+
+
+def test_error_codes_are_unique_and_map_back() -> None:
+    codes = error_codes()
+    assert len(codes) == len(set(codes.values()))
+    for code, cls in codes.items():
+        assert cls.code == code and issubclass(cls, PermitsError)
+        assert error_class(code) is cls
+    assert error_class("a-code-from-a-newer-server") is PermitsError
+
+
+def test_errors_pickle_with_their_details() -> None:
+    original = permits.LeaseLost("lease 'k' has ended (expired)", key="k", reason="expired")
+    copy = pickle.loads(pickle.dumps(original))
+    assert type(copy) is permits.LeaseLost and copy.reason == "expired" and str(copy) == str(original)
+
+
+def test_builtin_bases() -> None:
+    assert issubclass(permits.InvalidArgument, ValueError)
+    assert issubclass(permits.AcquireTimeout, TimeoutError)
+    assert issubclass(permits.SemaphoreNotFound, LookupError)
+    assert issubclass(permits.UsageError, RuntimeError)
+    for cls in error_codes().values():
+        assert issubclass(cls, permits.PermitsError)

@@ -1,0 +1,104 @@
+"""The pure parts: validation, decisions, backoff, and flows driven with canned results."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import pytest
+
+from permits import IdempotencyConflict, InvalidArgument, LeaseLost, ReleaseOutcome, Want, _validate
+from permits._backoff import Backoff
+from permits._core import decide, flows
+from permits._core.flows import Result
+from permits.dialects.postgresql import PostgreSQL
+
+
+def test_wants_are_sorted_by_name_for_lock_order() -> None:
+    assert _validate.wants({"b": 2, "a": 1}) == (Want("a", 1), Want("b", 2))
+    assert _validate.wants("x") == (Want("x", 1),)
+    assert _validate.wants(["b", ("a", 3)]) == (Want("a", 3), Want("b", 1))
+
+
+def test_ttl_rounds_up_to_whole_milliseconds() -> None:
+    assert _validate.ttl_ms(0.0011) == 2
+    assert _validate.ttl_ms(timedelta(minutes=1)) == 60_000
+    with pytest.raises(InvalidArgument):
+        _validate.ttl_ms(0.0001)
+
+
+def test_backoff_stays_within_half_and_full_delay() -> None:
+    policy = Backoff(base=0.1, cap=1.0)
+    rng = random.Random(7)
+    for attempt in range(12):
+        ceiling = min(1.0, 0.1 * 2**attempt)
+        assert ceiling / 2 <= policy.delay(attempt, rng) <= ceiling
+
+
+def _lease_rows(state: int = 1, reason: str | None = None, expires: int = 2000, now: int = 1000) -> list[tuple]:
+    return [(7, state, reason, 500, expires, None if state else 900, now, "a", 2, 41)]
+
+
+def test_replay_returns_the_same_lease_or_refuses() -> None:
+    lease = decide.lease_from_rows(_lease_rows(), "o", "k")
+    assert lease is not None and lease.tokens == {"a": 41} and lease.expires_in == 1.0
+    assert decide.replay(lease, [Want("a", 2)]) is lease
+    with pytest.raises(IdempotencyConflict):
+        decide.replay(lease, [Want("a", 1)])
+    ended = decide.lease_from_rows(_lease_rows(state=0, reason="released"), "o", "k")
+    assert ended is not None
+    with pytest.raises(LeaseLost):
+        decide.replay(ended, [Want("a", 2)])
+    expired = decide.lease_from_rows(_lease_rows(expires=900), "o", "k")
+    assert expired is not None
+    with pytest.raises(LeaseLost, match="expired"):
+        decide.replay(expired, [Want("a", 2)])
+
+
+def test_release_outcomes() -> None:
+    assert decide.release_outcome(None) == ReleaseOutcome.NOT_FOUND
+    released = decide.lease_from_rows(_lease_rows(state=0, reason="released"), "o", "k")
+    swept = decide.lease_from_rows(_lease_rows(state=0, reason="swept"), "o", "k")
+    assert decide.release_outcome(released) == ReleaseOutcome.ALREADY_RELEASED
+    assert decide.release_outcome(swept) == ReleaseOutcome.LOST
+
+
+def test_acquire_fast_path_statements() -> None:
+    """A grant with room is: one conditional UPDATE per semaphore, the lease row, the permit rows."""
+    d = PostgreSQL()
+    flow = flows.try_acquire(d, "o", "k", (Want("a", 1), Want("b", 2)), 5000)
+    sent = [next(flow)]
+    replies = [
+        Result([(11,)], 1),  # SEM_TAKE a -> token 11
+        Result([(3,)], 1),  # SEM_TAKE b -> token 3
+        Result([(99, 1000, 6000)], 1),  # LEASE_INSERT
+        Result([], 2),  # PERMIT_INSERT
+    ]
+    with pytest.raises(StopIteration) as done:
+        for reply in replies:
+            sent.append(flow.send(reply))
+    assert [s.name for s in sent] == ["SEM_TAKE", "SEM_TAKE", "LEASE_INSERT", "PERMIT_INSERT"]
+    lease = done.value.value
+    assert lease.tokens == {"a": 11, "b": 3} and lease.expires_in == 5.0
+
+
+def test_acquire_without_room_checks_the_key_then_reclaims() -> None:
+    d = PostgreSQL()
+    flow = flows.try_acquire(d, "o", "k", (Want("a", 1),), 5000)
+    assert next(flow).name == "SEM_TAKE"
+    assert flow.send(Result([], 0)).name == "LEASE_FIND"  # a retry must get its lease, not a refusal
+    assert flow.send(Result([], 0)).name == "SEMS_LOCK"
+    assert flow.send(Result([(5, "a", 1, 1)], 1)).name == "EXPIRED_FOR_SEMS"
+    with pytest.raises(StopIteration) as done:
+        flow.send(Result([], 0))
+    assert done.value.value is None
+
+
+def test_every_statement_a_flow_names_exists_in_every_dialect() -> None:
+    from permits.dialects.mysql import MariaDB, MySQL
+    from permits.dialects.sqlite import SQLite
+
+    for dialect in (SQLite(), MariaDB(), MySQL(), PostgreSQL()):
+        for name in ("SEM_TAKE", "LEASE_FIND", "LEASE_INSERT", "PERMIT_INSERT", "LEASE_EXTEND", "DRIFT_CHECK"):
+            assert dialect.has(name), (dialect.name, name)
+        assert dialect.has("RELEASE") or (dialect.has("LEASE_END_ONE") and dialect.has("SEM_GIVE_BACK_LEASE"))
