@@ -21,9 +21,9 @@ import permits
 from tests._children import spawn
 
 PROCESSES = 16
-CYCLES = 40
+CYCLES = 100
 CAPACITIES = {"a": 3, "b": 2}
-MAX_HOLD = 0.003  # seconds a child holds its permits, at most
+MAX_HOLD = 0.01  # seconds a child holds its permits, at most
 ACQUIRE_TIMEOUT = 25.0
 RUN_TIMEOUT = 60.0
 

@@ -12,6 +12,7 @@ from permits._backoff import Backoff
 from permits._core import decide, flows
 from permits._core.flows import Result
 from permits.dialects.postgresql import PostgreSQL
+from permits.dialects.sqlite import SQLite
 
 
 def test_wants_are_sorted_by_name_for_lock_order() -> None:
@@ -83,7 +84,7 @@ def test_acquire_fast_path_statements() -> None:
 
 
 def test_acquire_without_room_checks_the_key_then_reclaims() -> None:
-    d = PostgreSQL()
+    d = SQLite()
     flow = flows.try_acquire(d, "o", "k", (Want("a", 1),), 5000)
     assert next(flow).name == "SEM_TAKE"
     assert flow.send(Result([], 0)).name == "LEASE_FIND"  # a retry must get its lease, not a refusal
@@ -96,9 +97,23 @@ def test_acquire_without_room_checks_the_key_then_reclaims() -> None:
 
 def test_every_statement_a_flow_names_exists_in_every_dialect() -> None:
     from permits.dialects.mysql import MariaDB, MySQL
-    from permits.dialects.sqlite import SQLite
 
     for dialect in (SQLite(), MariaDB(), MySQL(), PostgreSQL()):
         for name in ("SEM_TAKE", "LEASE_FIND", "LEASE_INSERT", "PERMIT_INSERT", "LEASE_EXTEND", "DRIFT_CHECK"):
             assert dialect.has(name), (dialect.name, name)
         assert dialect.has("RELEASE") or (dialect.has("LEASE_END_ONE") and dialect.has("SEM_GIVE_BACK_LEASE"))
+
+
+def test_postgresql_acquires_one_semaphore_in_one_statement() -> None:
+    d = PostgreSQL()
+    flow = flows.try_acquire(d, "o", "k", (Want("a", 1),), 5000)
+    first = next(flow)
+    assert (first.name, first.alone) == ("ACQUIRE_ONE", True)
+    with pytest.raises(StopIteration) as done:
+        flow.send(Result([(5, 1000, 6000, 77)], 1))
+    assert done.value.value.tokens == {"a": 77}
+    # No room: nothing was written, so the slow path starts over in a transaction of its own.
+    flow = flows.try_acquire(d, "o", "k", (Want("a", 1),), 5000)
+    next(flow)
+    with pytest.raises(flows.Restart):
+        flow.send(Result([], 0))

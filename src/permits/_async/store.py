@@ -216,15 +216,38 @@ class AsyncSQLStore:
         return failures + 1
 
     async def _attempt(self, flow: Flow[T], readonly: bool) -> T:
+        try:
+            first = next(flow)
+        except StopIteration as stop:  # pragma: no cover - every flow sends at least one statement
+            done: T = stop.value
+            return done
         async with self._engine.connect() as conn:
+            if first.alone and self._dialect.free_autocommit:
+                await conn.execution_options(isolation_level="AUTOCOMMIT")
+                return await self._drive_alone(conn, flow, first)
             if readonly:
                 await conn.execution_options(**{READONLY: True})
             async with conn.begin():
-                return await self._drive(conn, flow)
+                return await self._drive(conn, flow, first)
 
-    async def _drive(self, conn: AsyncConnection, flow: Flow[T]) -> T:
+    async def _drive_alone(self, conn: AsyncConnection, flow: Flow[T], stmt: Stmt) -> T:
         try:
-            stmt = next(flow)
+            result = await self._execute(conn, stmt)
+        except DBAPIError as exc:
+            if self._dialect.classify(exc) is not Fault.DUPLICATE:
+                raise
+            flow.throw(DuplicateKey())
+            raise RuntimeError("a flow went on after a statement that runs alone") from None
+        try:
+            flow.send(result)
+        except StopIteration as stop:
+            value: T = stop.value
+            return value
+        raise RuntimeError("a flow went on after a statement that runs alone")
+
+    async def _drive(self, conn: AsyncConnection, flow: Flow[T], first: Stmt) -> T:
+        stmt = first
+        try:
             while True:
                 try:
                     result = await self._execute(conn, stmt)

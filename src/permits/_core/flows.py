@@ -49,6 +49,10 @@ class Stmt:
 
     name: str
     params: Mapping[str, Any] | Sequence[Mapping[str, Any]] = field(default_factory=dict)
+    #: This statement is a whole transaction by itself: where the dialect can switch to autocommit for
+    #: free, the driver sends it alone, with no BEGIN and no COMMIT. A flow that yields ``alone`` first
+    #: must then return or raise ``Restart``; it may not send a second statement.
+    alone: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,8 @@ def try_acquire(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms:
     is written, and every grant writes the row (multi-primary engines such as Galera certify only rows a
     transaction writes). Only when a semaphore has no room does the flow look further.
     """
+    if len(wants) == 1 and d.has("ACQUIRE_ONE"):
+        return (yield from _acquire_one(d, owner, key, wants[0], ttl_ms))
     tokens: dict[str, int] = {}
     for i, want in enumerate(wants):
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count})
@@ -93,6 +99,31 @@ def try_acquire(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms:
             raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms))
         tokens[want.name] = d.taken_token(taken)
     return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
+
+
+def _acquire_one(d: Dialect, owner: str, key: str, want: Want, ttl_ms: int) -> Flow[Lease | None]:
+    """One semaphore, one statement: take the room, insert the lease and its permit row, all or nothing.
+
+    When there is no room, the statement changes nothing and the slow path runs in a transaction of its
+    own (the key check, then the reclaim of expired leases).
+    """
+    params = {"owner": owner, "key": key, "name": want.name, "count": want.count, "ttl_ms": ttl_ms}
+    try:
+        done = yield Stmt("ACQUIRE_ONE", params, alone=True)
+    except DuplicateKey:
+        raise Restart(lambda: _replay(owner, key, [want])) from None
+    if not done.rows:
+        raise Restart(lambda: _acquire_slow(d, owner, key, [want], ttl_ms))
+    _, acquired_ms, expires_ms, token = done.rows[0]
+    return Lease(
+        key=key,
+        owner=owner,
+        counts={want.name: want.count},
+        tokens={want.name: int(token)},
+        acquired_at=ms_to_datetime(int(acquired_ms)),
+        expires_at=ms_to_datetime(int(expires_ms)),
+        expires_in=(int(expires_ms) - int(acquired_ms)) / 1000,
+    )
 
 
 def _acquire_slow(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int) -> Flow[Lease | None]:
@@ -197,15 +228,20 @@ def _end_leases(ids: Sequence[int], reason: EndReason) -> Flow[tuple[dict[int, i
 def release(d: Dialect, owner: str, key: str) -> Flow[ReleaseOutcome]:
     """End a held lease and give its permits back; idempotent through the ``state = held`` condition."""
     if d.has("RELEASE"):
-        done = yield Stmt("RELEASE", {"owner": owner, "key": key})
+        done = yield Stmt("RELEASE", {"owner": owner, "key": key}, alone=True)
         if done.rowcount > 0:
             return ReleaseOutcome.RELEASED
+        raise Restart(lambda: _release_cold(owner, key))
     else:
         ended = yield Stmt("LEASE_END_ONE", {"owner": owner, "key": key})
         if ended.rows:
             yield Stmt("SEM_GIVE_BACK_LEASE", {"lease_id": int(ended.rows[0][0])})
             return ReleaseOutcome.RELEASED
-    # Nothing was held and unexpired under this key. Find out what there is.
+    return (yield from _release_cold(owner, key))
+
+
+def _release_cold(owner: str, key: str) -> Flow[ReleaseOutcome]:
+    """Nothing was held and unexpired under this key: find out what there is."""
     existing = yield from _find_lease(owner, key)
     if existing is None:
         return ReleaseOutcome.NOT_FOUND

@@ -217,15 +217,38 @@ class SQLStore:
         return failures + 1
 
     def _attempt(self, flow: Flow[T], readonly: bool) -> T:
+        try:
+            first = next(flow)
+        except StopIteration as stop:  # pragma: no cover - every flow sends at least one statement
+            done: T = stop.value
+            return done
         with self._engine.connect() as conn:
+            if first.alone and self._dialect.free_autocommit:
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+                return self._drive_alone(conn, flow, first)
             if readonly:
                 conn.execution_options(**{READONLY: True})
             with conn.begin():
-                return self._drive(conn, flow)
+                return self._drive(conn, flow, first)
 
-    def _drive(self, conn: Connection, flow: Flow[T]) -> T:
+    def _drive_alone(self, conn: Connection, flow: Flow[T], stmt: Stmt) -> T:
         try:
-            stmt = next(flow)
+            result = self._execute(conn, stmt)
+        except DBAPIError as exc:
+            if self._dialect.classify(exc) is not Fault.DUPLICATE:
+                raise
+            flow.throw(DuplicateKey())
+            raise RuntimeError("a flow went on after a statement that runs alone") from None
+        try:
+            flow.send(result)
+        except StopIteration as stop:
+            value: T = stop.value
+            return value
+        raise RuntimeError("a flow went on after a statement that runs alone")
+
+    def _drive(self, conn: Connection, flow: Flow[T], first: Stmt) -> T:
+        stmt = first
+        try:
             while True:
                 try:
                     result = self._execute(conn, stmt)

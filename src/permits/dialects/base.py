@@ -193,6 +193,8 @@ class Dialect:
     for_update: ClassVar[str] = " FOR UPDATE"
     #: INSERT ... RETURNING is available
     insert_returning: ClassVar[bool] = True
+    #: switching a pooled connection to autocommit and back costs no round trip (see Stmt.alone)
+    free_autocommit: ClassVar[bool] = False
     #: statements this dialect writes differently, or only it has (e.g. a one-statement RELEASE)
     overrides: ClassVar[Mapping[str, str | None]] = {}
     sync_driver: ClassVar[str] = ""

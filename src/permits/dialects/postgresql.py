@@ -30,6 +30,8 @@ class PostgreSQL(Dialect):
     sync_driver = "psycopg"
     async_driver = "psycopg"
     extra = "postgresql"
+    # psycopg's autocommit is a client-side switch, and a transaction costs a BEGIN round trip of its own.
+    free_autocommit = True
     overrides: ClassVar[dict[str, str | None]] = {
         # Release in one statement: the CTE ends the lease and the outer UPDATE gives back the permits of
         # each of its semaphores (one permit row per semaphore, so each semaphore row is matched once).
@@ -41,6 +43,24 @@ class PostgreSQL(Dialect):
             UPDATE permits_semaphore s SET used = s.used - p.count, updated_at_ms = {now}
             FROM permits_permit p, ended e
             WHERE p.lease_id = e.id AND s.id = p.semaphore_id""",
+        # Acquire one semaphore in one statement: each CTE feeds the next, so when the UPDATE finds no room
+        # nothing is inserted and no row comes back. params: owner, key, name, count, ttl_ms
+        # -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no such semaphore)
+        "ACQUIRE_ONE": """
+            WITH taken AS (
+                UPDATE permits_semaphore
+                SET used = used + :count, last_token = last_token + 1, updated_at_ms = {now}
+                WHERE name = :name AND deleted = 0 AND used + :count <= capacity
+                RETURNING id, last_token),
+            lease AS (
+                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
+                SELECT :owner, :key, 1, {now}, {now} + :ttl_ms FROM taken
+                RETURNING id, acquired_at_ms, expires_at_ms),
+            permit AS (
+                INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
+                SELECT lease.id, taken.id, :count, taken.last_token FROM lease, taken
+                RETURNING token)
+            SELECT lease.id, lease.acquired_at_ms, lease.expires_at_ms, permit.token FROM lease, permit""",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }

@@ -27,6 +27,9 @@ READONLY = "permits_readonly"
 def engine_args(dialect: Dialect, settings: Settings, asynchronous: bool) -> tuple[URL, dict[str, Any]]:
     dialect.check_driver(asynchronous)
     options = dialect.engine_options(settings.lock_wait_timeout)
+    # The store ends every transaction itself (commit, or rollback on error), so the pool's ROLLBACK on
+    # every return would only add a round trip per operation (PyMySQL always sends it).
+    options.setdefault("pool_reset_on_return", None)
     return dialect.engine_url(settings.url, asynchronous), options
 
 
