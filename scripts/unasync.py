@@ -35,7 +35,7 @@ TOKENS = [
     (r"\bAsyncSQLStore\b", "SQLStore"),
     (r"\bAsyncConnection\b", "Connection"),
     (r"\bcreate_async_engine\b", "create_engine"),
-    (r"\basync_(sleep|shield|run_sync)\b", r"sync_\1"),
+    (r"\basync_(sleep|shield|run_sync|store_for)\b", r"sync_\1"),
     (r"\bpermits\._async\b", "permits._sync"),
     (r"The asyncio twin", "The sync twin"),
 ]

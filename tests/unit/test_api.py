@@ -71,3 +71,28 @@ def test_builtin_bases() -> None:
     assert issubclass(permits.UsageError, RuntimeError)
     for cls in error_codes().values():
         assert issubclass(cls, permits.PermitsError)
+
+
+def test_another_store_plugs_in_by_url_scheme() -> None:
+    """The seam for a non-SQL store (a Redis store is planned): the client only talks to the protocol."""
+    from permits.stores import _ASYNC, _SYNC, register_store
+
+    made: list[str] = []
+
+    class FakeStore:
+        url = "fake://here"
+
+        def __init__(self, settings: object) -> None:
+            made.append(type(settings).__name__)
+
+        def release(self, owner: str, key: str) -> permits.ReleaseOutcome:
+            return permits.ReleaseOutcome.NOT_FOUND
+
+    register_store("fake", FakeStore, FakeStore)  # type: ignore[arg-type]
+    try:
+        client = permits.connect("fake://here")
+        assert made == ["Settings"] and client.url == "fake://here"
+        assert client.release("k") == permits.ReleaseOutcome.NOT_FOUND
+    finally:
+        _SYNC.pop("fake")
+        _ASYNC.pop("fake")

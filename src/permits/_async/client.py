@@ -10,7 +10,6 @@ from typing import Any
 from sqlalchemy.engine import URL
 
 from permits import _validate
-from permits._async.store import AsyncSQLStore
 from permits._backoff import WAIT_BACKOFF
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
 from permits._exceptions import AcquireTimeout, UsageError
@@ -26,6 +25,7 @@ from permits._models import (
     Want,
 )
 from permits._validate import Seconds, WantsLike
+from permits.stores import async_store_for
 
 
 class AsyncClient:
@@ -60,7 +60,7 @@ class AsyncClient:
             retries=retries,
             auto_upgrade=auto_upgrade,
         )
-        self._store = AsyncSQLStore(self._settings)
+        self._store = async_store_for(self._settings)
         self._closed = False
 
     @property

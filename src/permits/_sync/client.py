@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy.engine import URL
 
 from permits import _validate
-from permits._sync.store import SQLStore
+from permits.stores import sync_store_for
 from permits._backoff import WAIT_BACKOFF
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
 from permits._exceptions import AcquireTimeout, UsageError
@@ -61,7 +61,7 @@ class Client:
             retries=retries,
             auto_upgrade=auto_upgrade,
         )
-        self._store = SQLStore(self._settings)
+        self._store = sync_store_for(self._settings)
         self._closed = False
 
     @property

@@ -1,2 +1,42 @@
-"""Stores carry out operations against one kind of storage. ``base`` says what every store must do;
-the SQL stores live in ``permits._async.store`` and its generated twin ``permits._sync.store``."""
+"""Stores carry out operations against one kind of storage; ``base`` says what every store must do.
+
+A store is picked by the URL's scheme. The SQL stores (``permits._async.store`` and its generated twin)
+serve sqlite, mysql/mariadb and postgresql; another store registers its scheme with ``register_store``
+and must pass the same behaviour suite (tests/conformance).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from permits._config import Settings
+from permits.stores.base import AsyncStore, Store
+
+_SYNC: dict[str, Callable[[Settings], Store]] = {}
+_ASYNC: dict[str, Callable[[Settings], AsyncStore]] = {}
+
+
+def register_store(
+    scheme: str, sync_factory: Callable[[Settings], Store], async_factory: Callable[[Settings], AsyncStore]
+) -> None:
+    """Serve URLs of ``scheme`` (``redis://...``) with another store."""
+    _SYNC[scheme] = sync_factory
+    _ASYNC[scheme] = async_factory
+
+
+def sync_store_for(settings: Settings) -> Store:
+    factory = _SYNC.get(settings.url.get_backend_name())
+    if factory is not None:
+        return factory(settings)
+    from permits._sync.store import SQLStore
+
+    return SQLStore(settings)
+
+
+def async_store_for(settings: Settings) -> AsyncStore:
+    factory = _ASYNC.get(settings.url.get_backend_name())
+    if factory is not None:
+        return factory(settings)
+    from permits._async.store import AsyncSQLStore
+
+    return AsyncSQLStore(settings)
