@@ -49,8 +49,9 @@ def cycles(args: dict[str, Any]) -> None:
 
     Waits for a ``go`` line on stdin after connecting, so that every child starts hammering at once.
     Writes a JSON list of records to ``args["out"]``; each record is one cycle: the names and tokens held,
-    ``t_call`` (just before acquire was called), ``t_acq`` (just after it returned) and ``t_rel`` (just
-    before release was called), all ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for the machine).
+    ``t_call`` (just before acquire was called), ``t_try`` (just before its last attempt, the one that was
+    granted, went to the store), ``t_acq`` (just after it returned) and ``t_rel`` (just before release was
+    called), all ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for the machine).
     """
     rng = random.Random(args["seed"])
     a, b = args["names"]
@@ -58,6 +59,14 @@ def cycles(args: dict[str, Any]) -> None:
     weights = [0.4, 0.4, 0.2]
     records: list[dict[str, Any]] = []
     with permits.connect(args["url"], owner=args["owner"]) as client:
+        attempt = client._store.try_acquire
+        last_try = [0.0]
+
+        def timed_attempt(*a: Any, **kw: Any) -> Any:
+            last_try[0] = time.monotonic()
+            return attempt(*a, **kw)
+
+        client._store.try_acquire = timed_attempt  # type: ignore[method-assign]
         client.get_semaphore(a)  # connect and check the schema before the start signal
         _say("ready")
         if sys.stdin.readline().strip() != "go":
@@ -79,6 +88,7 @@ def cycles(args: dict[str, Any]) -> None:
                     "counts": lease.counts,
                     "tokens": lease.tokens,
                     "t_call": t_call,
+                    "t_try": last_try[0],
                     "t_acq": t_acq,
                     "t_rel": t_rel,
                     "outcome": str(outcome),
@@ -106,20 +116,26 @@ def operate(args: dict[str, Any]) -> None:
     """Run one acquire or release with a hook after every statement of the store.
 
     ``kill_after``: SIGKILL this process right after the k-th statement ran (inside the transaction, before
-    it commits). ``kill_at_end``: SIGKILL it right after the operation returned. Otherwise print the names
-    of the statements that ran, as JSON.
+    it commits). ``stop_after``: say ``stopping after <statement>`` and SIGSTOP this process there instead
+    (frozen, its connection and locks kept, until the parent sends SIGCONT or SIGKILL). ``kill_at_end``:
+    SIGKILL it right after the operation returned. Then print the names of the statements that ran and the
+    result, as JSON.
     """
     kill_after: int | None = args.get("kill_after")
+    stop_after: int | None = args.get("stop_after")
     ran: list[str] = []
 
     def after_statement(name: str) -> None:
         ran.append(name)
         if kill_after is not None and len(ran) == kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
+        if stop_after is not None and len(ran) == stop_after:
+            _say(f"stopping after {name}")
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen inside the transaction until SIGCONT
 
     client = permits.connect(args["url"], owner=args["owner"])
     client._store.open()  # the schema check runs its own statements; only the operation's are counted
-    client._store.after_statement = after_statement
+    client._store.after_statement = after_statement  # type: ignore[attr-defined]  # the SQL store's test hook
     if args["op"] == "acquire":
         result: Any = lease_to_json(client.acquire(args["wants"], key=args["key"], ttl=args["ttl"], timeout=5))
     elif args["op"] == "release":

@@ -5,6 +5,8 @@ Each child (tests/_children.py ``cycles``) acquires one permit of ``a`` (capacit
 interval on CLOCK_MONOTONIC, which is one clock for the whole machine. A recorded interval lies inside the
 real one (it starts after the grant committed and ends before the release began), so recorded intervals
 that overlap were really held at the same time.
+
+Sized for two cores: 16 x 80 cycles take 10 to 20 s per backend, most of it spent with permits held.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import permits
 from tests._children import spawn
 
 PROCESSES = 16
-CYCLES = 100
+CYCLES = 80
 CAPACITIES = {"a": 3, "b": 2}
 MAX_HOLD = 0.01  # seconds a child holds its permits, at most
 ACQUIRE_TIMEOUT = 25.0
@@ -45,26 +47,45 @@ def _max_overlap(intervals: list[tuple[float, float, int]]) -> tuple[int, float]
 
 
 def _token_order_violations(records: list[dict[str, Any]], name: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Pairs (A, B) where A's acquire had returned before B's acquire was called, yet token(A) > token(B).
+    """Pairs (A, B) where A had been granted before B was, yet token(A) >= token(B).
 
-    A's token was handed out before its acquire returned, and B's after its acquire was called, so in such a
-    pair A was granted first and must carry the smaller token. (Comparing A's release with the *return* of
-    B's acquire would not be sound: B may be granted before A and only get to run after A released.)
+    "Before" is what the clocks can prove: A's acquire had returned (so A's token was handed out and
+    committed) before B's last attempt, the one that was granted, began (so B's token was handed out
+    after). This covers every pair where A's hold ended before B's attempt; it leaves out only pairs whose
+    order the clocks cannot tell. (Comparing A's end with B's *return* would not be sound: B may be
+    granted before A and only get to run after A has released.)
     """
     mine = [r for r in records if name in r["tokens"]]
     by_return = sorted(mine, key=lambda r: r["t_acq"])
-    by_call = sorted(mine, key=lambda r: r["t_call"])
+    by_attempt = sorted(mine, key=lambda r: r["t_try"])
     bad: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    best: dict[str, Any] | None = None  # the largest token among acquires that had returned
+    best: dict[str, Any] | None = None  # the largest token among the acquires that had returned
     i = 0
-    for later in by_call:
-        while i < len(by_return) and by_return[i]["t_acq"] < later["t_call"]:
+    for later in by_attempt:
+        while i < len(by_return) and by_return[i]["t_acq"] < later["t_try"]:
             if best is None or by_return[i]["tokens"][name] > best["tokens"][name]:
                 best = by_return[i]
             i += 1
         if best is not None and best["tokens"][name] >= later["tokens"][name]:
             bad.append((best, later))
     return bad
+
+
+def test_the_checks_catch_what_they_look_for() -> None:
+    """The two checks are not vacuous: they flag an overlap beyond capacity and a token out of order."""
+    assert _max_overlap([(0.0, 2.0, 1), (1.0, 3.0, 1), (2.5, 4.0, 1)]) == (2, 1.0)
+    assert _max_overlap([(0.0, 1.0, 1), (1.0, 2.0, 1)])[0] == 1  # one ends as the other begins
+
+    def rec(t_try: float, t_acq: float, token: int) -> dict[str, Any]:
+        return {"t_call": t_try, "t_try": t_try, "t_acq": t_acq, "t_rel": t_acq + 0.1, "tokens": {"s": token}}
+
+    in_order = [rec(0.0, 1.0, 1), rec(2.0, 3.0, 2), rec(0.5, 5.0, 3)]
+    assert _token_order_violations(in_order, "s") == []
+    # Granted in an order the clocks cannot tell apart (both attempts began before either returned): fine.
+    assert _token_order_violations([rec(0.0, 2.0, 2), rec(1.0, 3.0, 1)], "s") == []
+    # The second attempt began after the first acquire returned, yet carries the smaller token.
+    late = [rec(0.0, 1.0, 5), rec(2.0, 3.0, 4)]
+    assert _token_order_violations(late, "s") == [(late[0], late[1])]
 
 
 @pytest.mark.slow
@@ -134,7 +155,7 @@ def test_sixteen_processes_two_semaphores(db_url: str, ns: str, tmp_path: Path) 
             assert holding, f"nobody ever held {name}"
             # (a) never more holders at one instant than the capacity
             for r in holding:
-                assert r["t_call"] <= r["t_acq"] <= r["t_rel"]
+                assert r["t_call"] <= r["t_try"] <= r["t_acq"] <= r["t_rel"]
             peak, when = _max_overlap([(r["t_acq"], r["t_rel"], r["counts"][name]) for r in holding])
             assert peak <= capacity, f"{peak} permits of {name} (capacity {capacity}) held at once, at {when}"
             # (b) tokens are unique, and a grant that came after another carries a larger token

@@ -2,10 +2,12 @@
 
 For each operation, a first child runs it once with a counting hook (``SQLStore.after_statement``) to find
 the N statements it runs on this backend. Then, for k = 1..N, a child runs the same operation from the same
-starting state and SIGKILLs itself right after statement k (inside the transaction); for k = N + 1 it
-SIGKILLs itself right after the operation returned (after the commit). After each death the parent checks
-that the database holds either the whole operation or nothing of it, that the counts agree with the permit
-rows, and that retrying with the same key grants at most once.
+starting state and SIGKILLs itself right after statement k (inside the transaction, except where one
+statement is the whole operation and runs in autocommit, as PostgreSQL's one-semaphore acquire and its
+release do); for k = N + 1 it SIGKILLs itself right after the operation returned (after the commit). The
+statement counts differ per backend and path, so they are discovered, never hard-coded. After each death
+the parent checks that the database holds either the whole operation or nothing of it, that the counts
+agree with the permit rows, and that retrying with the same key grants at most once.
 """
 
 from __future__ import annotations

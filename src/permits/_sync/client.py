@@ -11,7 +11,6 @@ from typing import Any
 from sqlalchemy.engine import URL
 
 from permits import _validate
-from permits.stores import sync_store_for
 from permits._backoff import WAIT_BACKOFF
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
 from permits._exceptions import AcquireTimeout, UsageError
@@ -27,6 +26,7 @@ from permits._models import (
     Want,
 )
 from permits._validate import Seconds, WantsLike
+from permits.stores import sync_store_for
 
 
 class Client:

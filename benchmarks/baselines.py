@@ -1,0 +1,530 @@
+"""Baseline systems for the benchmark harness (see harness.py for the interface).
+
+``floor``
+    One row per semaphore with a ``used`` counter; acquire and release are one
+    conditional UPDATE each, in autocommit. Nothing real can be cheaper, so it
+    is the lower bound that other designs are measured against.
+
+``seed``
+    The design of the seed notes (shared/seeds/001_e70c01959f0b2ec5.txt,
+    Parts 3-5): semaphore / permit_request / permit tables, acquire as
+    idempotency check + locked transaction that sums ACQUIRED permits, release
+    as two autocommit UPDATEs. Reproduced as written, including its extra round
+    trips (session lock-timeout set and reset), so that an improved design has
+    an honest reference.
+
+Both talk to the raw DB-API drivers (sqlite3, pymysql, psycopg 3): no ORM or
+pool sits on the measured path. Each child process owns one connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import pymysql
+from harness import LOCK_WAIT_SECONDS, Scenario, backend_of, connect
+
+
+class _Db:
+    """One autocommit DB-API connection and a cursor reused for every statement.
+
+    Statements are written with ``%s`` placeholders, the style pymysql and
+    psycopg share; ``sql()`` rewrites them to ``?`` for sqlite3. Clients call
+    it once when they build their statements, not per execution.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.backend = backend_of(url)
+        self.conn: Any = connect(url)
+        self.cur: Any = self.conn.cursor()
+
+    def sql(self, text: str) -> str:
+        return text.replace("%s", "?") if self.backend == "sqlite" else text
+
+    def run(self, statement: str, params: Sequence[Any] = ()) -> int:
+        """Execute; return the affected row count."""
+        if params:
+            self.cur.execute(statement, params)
+        else:
+            # No parameters: let the driver send the text untouched (pymysql
+            # would otherwise %-format it, breaking a literal "%").
+            self.cur.execute(statement)
+        return int(self.cur.rowcount)
+
+    def one(self, statement: str, params: Sequence[Any] = ()) -> Any:
+        """Execute; return the first row or None."""
+        self.run(statement, params)
+        return self.cur.fetchone()
+
+    def all(self, statement: str, params: Sequence[Any] = ()) -> list[Any]:
+        self.run(statement, params)
+        return list(self.cur.fetchall())
+
+    def rollback_quietly(self) -> None:
+        # Used on error paths: a failing ROLLBACK (connection gone) must not
+        # hide the error that got us here. Every driver's rollback() is a
+        # no-op when no transaction is open.
+        with contextlib.suppress(Exception):
+            self.conn.rollback()
+
+    def close(self) -> None:
+        try:
+            self.cur.close()
+        finally:
+            self.conn.close()
+
+
+# --------------------------------------------------------------------------
+# floor
+# --------------------------------------------------------------------------
+
+FLOOR_TABLE = "bench_floor_semaphore"
+
+
+class FloorSystem:
+    name = "floor"
+
+    def setup(self, backend_url: str, scenario: Scenario) -> None:
+        db = _Db(backend_url)
+        try:
+            engine = " ENGINE=InnoDB" if db.backend == "mariadb" else ""
+            db.run(f"DROP TABLE IF EXISTS {FLOOR_TABLE}")
+            db.run(
+                f"CREATE TABLE {FLOOR_TABLE} ("
+                " name VARCHAR(255) NOT NULL PRIMARY KEY,"
+                " capacity INTEGER NOT NULL,"
+                " used INTEGER NOT NULL DEFAULT 0"
+                f"){engine}"
+            )
+            insert = db.sql(f"INSERT INTO {FLOOR_TABLE} (name, capacity, used) VALUES (%s, %s, 0)")
+            for name in scenario.all_semaphores():
+                db.run(insert, (name, scenario.capacity))
+        finally:
+            db.close()
+
+    def load_history(self, backend_url: str, scenario: Scenario, rows: int) -> None:
+        """Nothing to load: the floor keeps no per-acquire rows."""
+
+    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> FloorClient:
+        return FloorClient(backend_url, scenario.semaphores_for(client_index))
+
+    def verify(self, backend_url: str, scenario: Scenario) -> list[str]:
+        db = _Db(backend_url)
+        try:
+            rows = db.all(f"SELECT name, used FROM {FLOOR_TABLE} WHERE used <> 0")
+        finally:
+            db.close()
+        return [f"semaphore {name!r} still has used={used}" for name, used in rows]
+
+
+class FloorClient:
+    def __init__(self, backend_url: str, names: Sequence[str]) -> None:
+        if len(names) != 1:
+            # Taking several counters at once needs a transaction (or undo on
+            # refusal), which is exactly the cost the floor leaves out.
+            raise ValueError("the floor system handles one semaphore per client")
+        self._db = _Db(backend_url)
+        self._params = (names[0],)
+        # "used + 1 <= capacity" in the WHERE clause makes check-and-increment
+        # one atomic statement: the row lock taken by the UPDATE serialises it.
+        self._acquire = self._db.sql(
+            f"UPDATE {FLOOR_TABLE} SET used = used + 1 WHERE name = %s AND used + 1 <= capacity"
+        )
+        self._release = self._db.sql(f"UPDATE {FLOOR_TABLE} SET used = used - 1 WHERE name = %s")
+
+    def cycle(self) -> bool:
+        if self._db.run(self._acquire, self._params) != 1:
+            return False
+        self._db.run(self._release, self._params)
+        return True
+
+    def close(self) -> None:
+        self._db.close()
+
+
+# --------------------------------------------------------------------------
+# seed
+# --------------------------------------------------------------------------
+
+SEMAPHORE = "bench_seed_semaphore"
+REQUEST = "bench_seed_permit_request"
+PERMIT = "bench_seed_permit"
+STATE_TYPE = "bench_seed_state"  # PostgreSQL enum type
+
+# Named so that load_history can set them aside on PostgreSQL.
+PERMIT_FKS = (
+    ("bench_seed_permit_semaphore_fk", f"(semaphore_id) REFERENCES {SEMAPHORE} (id)"),
+    ("bench_seed_permit_request_fk", f"(permit_request_id) REFERENCES {REQUEST} (id)"),
+)
+
+# The seed retries a transaction that lost a deadlock; 3 attempts in all.
+MAX_ATTEMPTS = 3
+
+# Column types that differ per backend. The seed's schema is MySQL; these are
+# its closest equivalents. AUTOINCREMENT on SQLite keeps ids strictly
+# increasing even after deletes, as the seed relies on permit.id as a fencing
+# token. MariaDB alone has ON UPDATE CURRENT_TIMESTAMP; elsewhere the release
+# statement sets updated_at itself so that every backend does the same work.
+_TYPES: dict[str, dict[str, str]] = {
+    "mariadb": {
+        "id": "BIGINT UNSIGNED AUTO_INCREMENT PRIMARY KEY",
+        "ref": "BIGINT UNSIGNED",
+        "state": "ENUM('ACQUIRED', 'RELEASED')",
+        "created": "TIMESTAMP DEFAULT CURRENT_TIMESTAMP",
+        "updated": "TIMESTAMP DEFAULT CURRENT_TIMESTAMP ON UPDATE CURRENT_TIMESTAMP",
+        "suffix": " ENGINE=InnoDB",
+    },
+    "postgresql": {
+        "id": "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY",
+        "ref": "BIGINT",
+        "state": STATE_TYPE,
+        "created": "TIMESTAMPTZ DEFAULT CURRENT_TIMESTAMP",
+        "updated": "TIMESTAMPTZ DEFAULT CURRENT_TIMESTAMP",
+        "suffix": "",
+    },
+    "sqlite": {
+        "id": "INTEGER PRIMARY KEY AUTOINCREMENT",
+        "ref": "INTEGER",
+        "state": "TEXT CHECK (state IN ('ACQUIRED', 'RELEASED'))",
+        "created": "TIMESTAMP DEFAULT CURRENT_TIMESTAMP",
+        "updated": "TIMESTAMP DEFAULT CURRENT_TIMESTAMP",
+        "suffix": "",
+    },
+}
+
+
+def _seed_schema(backend: str) -> list[str]:
+    """DROP and CREATE statements for the seed's three tables and indexes."""
+    t = _TYPES[backend]
+    # The seed declares both permit indexes inside CREATE TABLE (MySQL
+    # syntax); index names are per schema elsewhere, hence the prefix.
+    inline_indexes = ""
+    if backend == "mariadb":
+        inline_indexes = (
+            ", INDEX bench_seed_idx_semaphore_state (semaphore_id, state)"
+            ", INDEX bench_seed_idx_request (permit_request_id)"
+        )
+    statements = [
+        f"DROP TABLE IF EXISTS {PERMIT}",
+        f"DROP TABLE IF EXISTS {REQUEST}",
+        f"DROP TABLE IF EXISTS {SEMAPHORE}",
+    ]
+    if backend == "postgresql":
+        statements += [
+            f"DROP TYPE IF EXISTS {STATE_TYPE}",
+            f"CREATE TYPE {STATE_TYPE} AS ENUM ('ACQUIRED', 'RELEASED')",
+        ]
+    statements += [
+        f"CREATE TABLE {SEMAPHORE} ("
+        f" id {t['id']},"
+        " name VARCHAR(255) NOT NULL UNIQUE,"
+        " capacity INTEGER NOT NULL,"
+        f" created_at {t['created']},"
+        f" updated_at {t['updated']}"
+        f"){t['suffix']}",
+        f"CREATE TABLE {REQUEST} ("
+        f" id {t['id']},"
+        " external_id VARCHAR(255) NOT NULL UNIQUE,"
+        " owner VARCHAR(255),"
+        f" state {t['state']} NOT NULL,"
+        " ttl_seconds INTEGER,"
+        f" created_at {t['created']},"
+        f" updated_at {t['updated']}"
+        f"){t['suffix']}",
+        # Foreign keys as explicit table constraints: MySQL silently ignores a
+        # column-level REFERENCES, MariaDB >= 10.5 enforces it; spelling them
+        # out makes every backend enforce them.
+        f"CREATE TABLE {PERMIT} ("
+        f" id {t['id']},"
+        f" semaphore_id {t['ref']} NOT NULL,"
+        f" permit_request_id {t['ref']} NOT NULL,"
+        " count INTEGER NOT NULL DEFAULT 1,"
+        f" state {t['state']} NOT NULL,"
+        f" CONSTRAINT {PERMIT_FKS[0][0]} FOREIGN KEY {PERMIT_FKS[0][1]},"
+        f" CONSTRAINT {PERMIT_FKS[1][0]} FOREIGN KEY {PERMIT_FKS[1][1]}"
+        f"{inline_indexes}"
+        f"){t['suffix']}",
+    ]
+    if backend != "mariadb":
+        statements += [
+            f"CREATE INDEX bench_seed_idx_semaphore_state ON {PERMIT} (semaphore_id, state)",
+            f"CREATE INDEX bench_seed_idx_request ON {PERMIT} (permit_request_id)",
+        ]
+    return statements
+
+
+@dataclass(frozen=True)
+class _SeedStatements:
+    """The seed's statements, in the placeholder style of one backend."""
+
+    begin: str
+    set_lock_timeout: str | None
+    reset_lock_timeout: str | None
+    find_request: str
+    lock_semaphore: str
+    sum_acquired: str
+    insert_request: str
+    insert_permit: str
+    release_permits: str
+    release_request: str
+
+    @classmethod
+    def build(cls, db: _Db) -> _SeedStatements:
+        backend = db.backend
+        # SQLite has no row locks: BEGIN IMMEDIATE takes the database write
+        # lock up front, which serialises acquirers as FOR UPDATE would, and
+        # its wait is bounded by the busy timeout set in connect().
+        begin = {"mariadb": "START TRANSACTION", "postgresql": "BEGIN", "sqlite": "BEGIN IMMEDIATE"}
+        set_timeout = {
+            "mariadb": f"SET SESSION innodb_lock_wait_timeout = {LOCK_WAIT_SECONDS}",
+            # SET LOCAL ends with the transaction, so PostgreSQL needs no reset.
+            "postgresql": f"SET LOCAL lock_timeout = '{LOCK_WAIT_SECONDS}s'",
+        }
+        for_update = "" if backend == "sqlite" else " FOR UPDATE"
+        touch = "" if backend == "mariadb" else ", updated_at = CURRENT_TIMESTAMP"
+        returning = " RETURNING id" if backend == "postgresql" else ""
+        return cls(
+            begin=begin[backend],
+            set_lock_timeout=set_timeout.get(backend),
+            reset_lock_timeout=("SET SESSION innodb_lock_wait_timeout = DEFAULT" if backend == "mariadb" else None),
+            find_request=db.sql(f"SELECT id, state FROM {REQUEST} WHERE external_id = %s"),
+            lock_semaphore=db.sql(f"SELECT id, capacity FROM {SEMAPHORE} WHERE name = %s{for_update}"),
+            sum_acquired=db.sql(f"SELECT SUM(count) FROM {PERMIT} WHERE semaphore_id = %s AND state = 'ACQUIRED'"),
+            insert_request=db.sql(
+                f"INSERT INTO {REQUEST} (external_id, owner, state, ttl_seconds)"
+                f" VALUES (%s, %s, 'ACQUIRED', %s){returning}"
+            ),
+            insert_permit=db.sql(
+                f"INSERT INTO {PERMIT} (semaphore_id, permit_request_id, count, state) VALUES (%s, %s, %s, 'ACQUIRED')"
+            ),
+            release_permits=db.sql(
+                f"UPDATE {PERMIT} SET state = 'RELEASED' WHERE permit_request_id = %s AND state != 'RELEASED'"
+            ),
+            release_request=db.sql(f"UPDATE {REQUEST} SET state = 'RELEASED'{touch} WHERE id = %s"),
+        )
+
+
+def _is_deadlock(exc: BaseException) -> bool:
+    if isinstance(exc, pymysql.err.MySQLError):
+        return bool(exc.args) and exc.args[0] == 1213  # ER_LOCK_DEADLOCK
+    return isinstance(exc, psycopg.errors.DeadlockDetected)
+
+
+def _is_duplicate_key(exc: BaseException) -> bool:
+    if isinstance(exc, pymysql.err.IntegrityError):
+        return bool(exc.args) and exc.args[0] == 1062  # ER_DUP_ENTRY
+    if isinstance(exc, sqlite3.IntegrityError):
+        return "UNIQUE" in str(exc)
+    return isinstance(exc, psycopg.errors.UniqueViolation)
+
+
+class SeedSystem:
+    name = "seed"
+
+    def setup(self, backend_url: str, scenario: Scenario) -> None:
+        db = _Db(backend_url)
+        try:
+            for statement in _seed_schema(db.backend):
+                db.run(statement)
+            insert = db.sql(f"INSERT INTO {SEMAPHORE} (name, capacity) VALUES (%s, %s)")
+            for name in scenario.all_semaphores():
+                db.run(insert, (name, scenario.capacity))
+        finally:
+            db.close()
+
+    def load_history(self, backend_url: str, scenario: Scenario, rows: int) -> None:
+        """Add ``rows`` RELEASED requests, one RELEASED permit each, spread
+        round-robin over the scenario's semaphores, as a long-running service
+        would have accumulated before its 7-day cleanup.
+
+        Generated server-side with one INSERT ... SELECT per table so that a
+        million rows take seconds, not a million round trips.
+        """
+        db = _Db(backend_url)
+        try:
+            ids = [row[0] for row in db.all(f"SELECT id FROM {SEMAPHORE} ORDER BY id")]
+            first, n = ids[0], len(ids)
+            # Freshly created tables number their rows 1, 2, ...; rely on it to
+            # map request i to semaphore first + i % n without a join.
+            if ids != list(range(first, first + n)):
+                raise RuntimeError(f"semaphore ids are not contiguous: {ids[:5]}...")
+            columns = f"{REQUEST} (external_id, owner, state, created_at, updated_at)"
+            if db.backend == "mariadb":
+                # seq_1_to_N is a virtual table of the Sequence engine.
+                db.run(
+                    f"INSERT INTO {columns} SELECT CONCAT('history-', seq), 'history',"
+                    " 'RELEASED', NOW() - INTERVAL 1 DAY, NOW() - INTERVAL 1 DAY"
+                    f" FROM seq_1_to_{rows:d}"
+                )
+            elif db.backend == "postgresql":
+                db.run(
+                    f"INSERT INTO {columns} SELECT 'history-' || g, 'history', 'RELEASED',"
+                    " now() - interval '1 day', now() - interval '1 day'"
+                    f" FROM generate_series(1, {rows:d}) AS g"
+                )
+            else:
+                db.run(
+                    f"WITH RECURSIVE g(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM g WHERE x < {rows:d})"
+                    f" INSERT INTO {columns} SELECT 'history-' || x, 'history', 'RELEASED',"
+                    " datetime('now', '-1 day'), datetime('now', '-1 day') FROM g"
+                )
+            # The rows are valid by construction, so skip the per-row foreign
+            # key checks (a third of the load time otherwise): PostgreSQL
+            # re-adds the constraints afterwards, which validates all rows in
+            # one join; MariaDB and SQLite only switch checks off for this
+            # connection.
+            if db.backend == "postgresql":
+                for fk_name, _ in PERMIT_FKS:
+                    db.run(f"ALTER TABLE {PERMIT} DROP CONSTRAINT {fk_name}")
+            elif db.backend == "mariadb":
+                db.run("SET SESSION foreign_key_checks = 0")
+            else:
+                db.run("PRAGMA foreign_keys = OFF")
+            db.run(
+                f"INSERT INTO {PERMIT} (semaphore_id, permit_request_id, count, state)"
+                f" SELECT {first:d} + id % {n:d}, id, 1, 'RELEASED' FROM {REQUEST}"
+            )
+            if db.backend == "postgresql":
+                for fk_name, fk_definition in PERMIT_FKS:
+                    db.run(f"ALTER TABLE {PERMIT} ADD CONSTRAINT {fk_name} FOREIGN KEY {fk_definition}")
+            # Fresh statistics (and, on PostgreSQL, a vacuumed visibility map)
+            # so the run measures the steady state, not the planner or
+            # autovacuum catching up with a bulk load mid-run.
+            if db.backend == "mariadb":
+                for table in (SEMAPHORE, REQUEST, PERMIT):
+                    db.all(f"ANALYZE TABLE {table}")
+            elif db.backend == "postgresql":
+                for table in (SEMAPHORE, REQUEST, PERMIT):
+                    db.run(f"VACUUM (ANALYZE) {table}")
+            else:
+                db.run("ANALYZE")
+        finally:
+            db.close()
+
+    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> SeedClient:
+        return SeedClient(backend_url, scenario.semaphores_for(client_index), client_index)
+
+    def verify(self, backend_url: str, scenario: Scenario) -> list[str]:
+        db = _Db(backend_url)
+        try:
+            permits = db.one(f"SELECT COUNT(*) FROM {PERMIT} WHERE state = 'ACQUIRED'")[0]
+            requests = db.one(f"SELECT COUNT(*) FROM {REQUEST} WHERE state = 'ACQUIRED'")[0]
+        finally:
+            db.close()
+        problems = []
+        if permits:
+            problems.append(f"{permits} permits still ACQUIRED after every client released")
+        if requests:
+            problems.append(f"{requests} requests still ACQUIRED after every client released")
+        return problems
+
+
+class SeedClient:
+    def __init__(self, backend_url: str, names: Sequence[str], client_index: int) -> None:
+        self._db = _Db(backend_url)
+        self._s = _SeedStatements.build(self._db)
+        # Sorted once: every acquirer locks semaphores in the same global
+        # order, so multi-semaphore acquires cannot wait on each other in a
+        # cycle (the seed's deadlock fix).
+        self._names = sorted(names)
+        self._owner = f"bench-client-{client_index}"
+        self._count = 1
+        self._ttl_seconds: int | None = None
+        self.deadlock_retries = 0
+        self.duplicate_keys = 0
+
+    def cycle(self) -> bool:
+        # A fresh idempotency key per operation, as a caller would pass its
+        # own operation id.
+        external_id = str(uuid.uuid4())
+        if not self.acquire(external_id):
+            return False
+        self.release(external_id)
+        return True
+
+    def acquire(self, external_id: str) -> bool:
+        db, s = self._db, self._s
+        # Idempotency check first: a retried call gets the first outcome
+        # without taking any lock.
+        found = db.one(s.find_request, (external_id,))
+        if found is not None:
+            return bool(found[1] == "ACQUIRED")
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                return self._acquire_once(external_id)
+            except Exception as exc:
+                db.rollback_quietly()
+                if _is_duplicate_key(exc):
+                    # A concurrent call with the same key passed the check
+                    # above too and inserted first; the UNIQUE constraint
+                    # stopped us. Its outcome is ours.
+                    self.duplicate_keys += 1
+                    found = db.one(s.find_request, (external_id,))
+                    if found is None:
+                        raise
+                    return bool(found[1] == "ACQUIRED")
+                if _is_deadlock(exc) and attempt < MAX_ATTEMPTS:
+                    self.deadlock_retries += 1
+                    continue
+                raise
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _acquire_once(self, external_id: str) -> bool:
+        db, s = self._db, self._s
+        db.run(s.begin)
+        if s.set_lock_timeout:
+            db.run(s.set_lock_timeout)
+        locked: list[tuple[int, int]] = []
+        for name in self._names:
+            row = db.one(s.lock_semaphore, (name,))
+            if row is None:
+                raise LookupError(f"no semaphore named {name!r}")
+            locked.append((row[0], row[1]))
+        # With the semaphore rows locked no other acquirer can add permits, so
+        # the sums stay true until COMMIT. Under InnoDB's REPEATABLE READ the
+        # snapshot is taken by this first plain SELECT, i.e. after the lock was
+        # granted, so it sees every acquire committed before ours.
+        for semaphore_id, capacity in locked:
+            used = db.one(s.sum_acquired, (semaphore_id,))[0]
+            if int(used or 0) + self._count > capacity:
+                db.run("ROLLBACK")
+                return False
+        if db.backend == "postgresql":
+            request_id = db.one(s.insert_request, (external_id, self._owner, self._ttl_seconds))[0]
+        else:
+            db.run(s.insert_request, (external_id, self._owner, self._ttl_seconds))
+            request_id = db.cur.lastrowid
+        for semaphore_id, _ in locked:
+            db.run(s.insert_permit, (semaphore_id, request_id, self._count))
+        if s.reset_lock_timeout:
+            db.run(s.reset_lock_timeout)
+        db.run("COMMIT")
+        return True
+
+    def release(self, external_id: str) -> None:
+        db, s = self._db, self._s
+        found = db.one(s.find_request, (external_id,))
+        if found is None or found[1] != "ACQUIRED":
+            return  # unknown, or already released: nothing to write
+        request_id = found[0]
+        # Deliberately two autocommit statements, permits first, as in the
+        # seed: the state only moves ACQUIRED -> RELEASED and both WHEREs are
+        # idempotent, so a crash in between is repaired by releasing again.
+        db.run(s.release_permits, (request_id,))
+        db.run(s.release_request, (request_id,))
+
+    def stats(self) -> dict[str, int]:
+        return {"deadlock_retries": self.deadlock_retries, "duplicate_keys": self.duplicate_keys}
+
+    def close(self) -> None:
+        self._db.close()
+
+
+FLOOR = FloorSystem()
+SEED = SeedSystem()

@@ -1,0 +1,113 @@
+"""permits itself as a benchmark system (see the interface at the top of harness.py).
+
+A cycle is ``try_acquire`` of one permit followed by ``release``, through the public sync client, with
+every guarantee on: a keyed lease row, a permit row with its fencing token, the count on the semaphore row,
+and the database's clock.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from harness import Scenario, backend_of, connect, ensure_database
+
+import permits
+
+_TABLES = ("permits_permit", "permits_lease", "permits_capacity_change", "permits_semaphore", "permits_alembic_version")
+
+
+def _reset(url: str) -> None:
+    """Drop the permits tables, so every run starts from an empty history."""
+    ensure_database(url)
+    conn = connect(url)
+    cur = conn.cursor()
+    for table in _TABLES:
+        cur.execute(f"DROP TABLE IF EXISTS {table}")
+    conn.close()
+
+
+class PermitsSystem:
+    """The permits library, talking to the database directly."""
+
+    def setup(self, backend_url: str, scenario: Scenario) -> None:
+        _reset(backend_url)
+        with permits.connect(backend_url, auto_upgrade=True) as client:
+            for name in scenario.all_semaphores():
+                client.create_semaphore(name, scenario.capacity)
+
+    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> _PermitsClient:
+        return _PermitsClient(backend_url, scenario.semaphores_for(client_index))
+
+    def load_history(self, backend_url: str, scenario: Scenario, rows: int) -> None:
+        """``rows`` old released leases, spread over the scenario's semaphores, each with its permit row."""
+        backend = backend_of(backend_url)
+        names = scenario.all_semaphores()
+        conn = connect(backend_url)
+        cur = conn.cursor()
+        ph = "?" if backend == "sqlite" else "%s"
+        ids = []
+        for name in names:
+            cur.execute(f"SELECT id FROM permits_semaphore WHERE name = {ph}", (name,))
+            ids.append(int(cur.fetchone()[0]))
+        n = len(ids)
+        series = {
+            "sqlite": f"WITH RECURSIVE seq(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM seq WHERE i < {rows}) "
+            "SELECT i FROM seq",
+            "mariadb": f"SELECT seq AS i FROM seq_1_to_{rows}",
+            "postgresql": f"SELECT i FROM generate_series(1, {rows}) AS i",
+        }[backend]
+        concat = "CONCAT('h', i)" if backend == "mariadb" else "'h' || CAST(i AS TEXT)"
+        if backend == "sqlite":
+            cur.execute("BEGIN")
+        # Old leases ended a week ago; ids in the lease table line up with i because it is empty.
+        cur.execute(
+            "INSERT INTO permits_lease (owner, lease_key, state, end_reason, acquired_at_ms, expires_at_ms,"
+            f" ended_at_ms) SELECT 'history', {concat}, 0, 'released', 1000 + i, 61000 + i, 2000 + i"
+            f" FROM ({series}) AS s"
+        )
+        case = " ".join(f"WHEN {k} THEN {sem_id}" for k, sem_id in enumerate(ids))
+        # Token i / n + 1 is unique per semaphore: lease i goes to semaphore i mod n.
+        cur.execute(
+            "INSERT INTO permits_permit (lease_id, semaphore_id, count, token)"
+            f" SELECT l.id, CASE (l.id % {n}) {case} END, 1, (l.id / {n}) + 1"
+            " FROM permits_lease l WHERE l.owner = 'history'"
+        )
+        cur.execute(f"UPDATE permits_semaphore SET last_token = {rows // n + 1}")
+        if backend == "sqlite":
+            cur.execute("COMMIT")
+        if backend == "postgresql":
+            cur.execute("ANALYZE")
+        elif backend == "mariadb":
+            cur.execute("ANALYZE TABLE permits_lease, permits_permit, permits_semaphore")
+            cur.fetchall()
+        conn.close()
+
+    def verify(self, backend_url: str, scenario: Scenario) -> list[str]:
+        problems = []
+        with permits.connect(backend_url) as client:
+            for drift in client.reconcile():
+                problems.append(f"drift on {drift.name}: recorded {drift.recorded}, actual {drift.actual}")
+            for name in scenario.all_semaphores():
+                used = client.get_semaphore(name).used
+                if used:
+                    problems.append(f"{name}: {used} permits still in use after every client released")
+        return problems
+
+
+class _PermitsClient:
+    def __init__(self, url: str, names: tuple[str, ...]) -> None:
+        self._client = permits.connect(url, owner=f"bench-{uuid.uuid4().hex[:8]}")
+        self._wants = {name: 1 for name in names}
+
+    def cycle(self) -> bool:
+        lease = self._client.try_acquire(self._wants, ttl=60)
+        if lease is None:
+            return False
+        self._client.release(lease)
+        return True
+
+    def close(self) -> None:
+        self._client.close()
+
+
+PERMITS = PermitsSystem()

@@ -1,0 +1,247 @@
+"""An acquire retried with the same key, including after the connection drops before the reply: never two
+grants.
+
+The client under test talks to the server through ``tests._proxy.CuttingProxy``, which cuts the
+connection at a chosen point of the exchange: after the server has sent N more bytes (a sweep over the
+whole reply stream of one acquire, up to and including the reply to COMMIT), or after the client's Nth
+packet (the request reached the server, its reply never comes back). The store retries a lost connection
+on a fresh one with the same key; when it gives up (``StorageUnavailable``), the caller calls again once
+the network is back. Either way the key must end up granted exactly once. The checks go to the server
+directly, not through the proxy.
+
+SQLite has no connection to cut: these tests run on MariaDB and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy.engine import make_url
+
+import permits
+from permits import ReleaseOutcome, StorageUnavailable
+from tests._proxy import CuttingProxy
+
+#: every STRIDE-th byte of the reply stream is a cut point, and every one of the first HEAD and last TAIL
+STRIDE = 11
+HEAD = 8
+TAIL = 32
+SHAPES = {"one": {"a": 1}, "two": {"a": 1, "b": 2}}
+#: tight: the lease fills its semaphores, so a retry finds no room and must look the key up; roomy: a retry
+#: finds room, takes it, and must give it back when its insert hits the key
+ROOMS = {"tight": 0, "roomy": 2}
+
+
+@pytest.fixture(params=["mysql", "postgresql"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Overrides the conftest fixture: only the servers have a connection to cut."""
+    return str(request.param)
+
+
+@pytest.fixture
+def proxy(db_url: str) -> Iterator[CuttingProxy]:
+    url = make_url(db_url)
+    assert url.host is not None and url.port is not None
+    with CuttingProxy((url.host, url.port)) as running:
+        yield running
+
+
+def _via(db_url: str, proxy: CuttingProxy) -> str:
+    return make_url(db_url).set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+
+
+class _Bench:
+    """A client through the proxy, a direct one for the checks, and the semaphores of one test."""
+
+    def __init__(self, db_url: str, proxy: CuttingProxy, ns: str, shape: str, room: str) -> None:
+        self.proxy = proxy
+        self.ns = ns
+        self.owner = f"{ns}owner"
+        self.wants = {f"{ns}{s}": n for s, n in SHAPES[shape].items()}
+        self.names = sorted(self.wants)
+        self.direct = permits.connect(db_url, owner=self.owner)
+        self.client = permits.connect(_via(db_url, proxy), owner=self.owner)
+        for name, count in self.wants.items():
+            self.direct.create_semaphore(name, count + ROOMS[room])
+        self.client.get_semaphore(self.names[0])  # the pooled connection is open and warm
+
+    def close(self) -> None:
+        self.proxy.heal()
+        self.client.close()
+        self.direct.close()
+
+    def measure(self, runs: int = 8) -> tuple[int, int]:
+        """The fewest server bytes and client packets one undisturbed acquire took, over a few runs (psycopg
+        prepares a statement after its fifth run, which shortens the exchange)."""
+        sizes: list[tuple[int, int]] = []
+        for i in range(runs):
+            bytes0, packets0 = self.proxy.server_bytes, self.proxy.client_packets
+            lease = self.client.acquire(self.wants, key=f"{self.ns}probe{i}", timeout=5)
+            sizes.append((self.proxy.server_bytes - bytes0, self.proxy.client_packets - packets0))
+            assert self.client.release(lease) == ReleaseOutcome.RELEASED
+        return min(s for s, _ in sizes), min(p for _, p in sizes)
+
+    def acquire_through_cuts(self, key: str) -> tuple[permits.Lease, bool]:
+        """Acquire under ``key`` while the proxy cuts; if the store gives up, heal and call again.
+        Returns the lease and whether the store gave up once."""
+        try:
+            lease = self.client.acquire(self.wants, key=key, timeout=5)
+            gave_up = False
+        except StorageUnavailable:
+            self.proxy.heal()
+            lease = self.client.acquire(self.wants, key=key, timeout=5)
+            gave_up = True
+        self.proxy.heal()
+        return lease, gave_up
+
+    def assert_granted_once(self, key: str, lease: permits.Lease, tokens_before: dict[str, int], where: str) -> None:
+        direct = self.direct
+        try:
+            assert lease.key == key and lease.owner == self.owner
+            assert lease.counts == self.wants
+            assert lease.held
+            stored = direct.get_lease(key)
+            assert stored.end_reason is None
+            assert stored.tokens == lease.tokens, "the reply's tokens are not the stored lease's"
+            for name in self.names:
+                sem = direct.get_semaphore(name)
+                assert sem.used == self.wants[name], f"{name}: {sem.used} permits used, granted {self.wants[name]}"
+                assert [h.key for h in direct.holders(name)] == [key]
+                # One grant took one token: the lease's, and nothing after it.
+                assert lease.tokens[name] == tokens_before[name] + 1
+                assert sem.last_token == lease.tokens[name]
+            assert direct.reconcile() == []
+            # Asking again, through the healed proxy, answers with the same lease.
+            again = self.client.acquire(self.wants, key=key, timeout=5)
+            assert again.tokens == lease.tokens
+            assert direct.get_semaphore(self.names[0]).used == self.wants[self.names[0]]
+        except AssertionError as exc:
+            raise AssertionError(f"{where}: {exc}") from exc
+        assert direct.release(key) == ReleaseOutcome.RELEASED
+        assert all(direct.get_semaphore(name).used == 0 for name in self.names)
+
+    def last_tokens(self) -> dict[str, int]:
+        return {name: self.direct.get_semaphore(name).last_token for name in self.names}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("room", list(ROOMS))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cut_anywhere_in_one_acquire(db_url: str, proxy: CuttingProxy, ns: str, shape: str, room: str) -> None:
+    bench = _Bench(db_url, proxy, ns, shape, room)
+    try:
+        size, packets = bench.measure()
+        assert size > 0 and packets > 0
+
+        # The server's replies, cut after n bytes, for n across the whole acquire.
+        points = set(range(0, size, STRIDE)) | set(range(min(HEAD, size))) | set(range(max(0, size - TAIL), size))
+        for n in sorted(points):
+            key = f"{ns}bytes{n}"
+            before = bench.last_tokens()
+            cuts = proxy.cuts
+            proxy.cut_after_server_bytes(n)
+            lease, _ = bench.acquire_through_cuts(key)
+            assert proxy.cuts == cuts + 1, f"no cut after {n} of {size} bytes"
+            bench.assert_granted_once(key, lease, before, f"cut after {n} of {size} server bytes")
+
+        # The client's requests reach the server, and the connection drops before the reply. (How psycopg's
+        # pipeline splits into packets varies from run to run: a cut point past the end is just not hit.)
+        for m in range(1, packets + 1):
+            key = f"{ns}packets{m}"
+            before = bench.last_tokens()
+            cuts = proxy.cuts
+            proxy.cut_after_client_packets(m)
+            lease, _ = bench.acquire_through_cuts(key)
+            assert m > 1 or proxy.cuts == cuts + 1, "no cut after the first client packet"
+            bench.assert_granted_once(key, lease, before, f"cut after client packet {m} of about {packets}")
+    finally:
+        bench.close()
+
+
+@pytest.mark.slow
+def test_every_connection_cut_until_the_network_heals(db_url: str, proxy: CuttingProxy, ns: str) -> None:
+    """Every connection, new ones included, is cut at the same point, so the store's retries fail too and
+    it gives up with StorageUnavailable; the call repeated after the network heals grants exactly once."""
+    bench = _Bench(db_url, proxy, ns, "two", "tight")
+    try:
+        size, packets = bench.measure(runs=2)
+        # What a new connection costs before its first statement (greeting, authentication, session set-up):
+        # the same read on a connection the proxy has just dropped (the store reconnects) and on a warm one.
+        reads = []
+        for drop in (False, True):
+            if drop:
+                proxy.cut_all()
+            bytes0, packets0 = proxy.server_bytes, proxy.client_packets
+            bench.client.get_semaphore(bench.names[0])
+            reads.append((proxy.server_bytes - bytes0, proxy.client_packets - packets0))
+        # a new connection's whole exchange, up to the acquire's last reply or request
+        span = reads[1][0] - reads[0][0] + size
+        requests = reads[1][1] - reads[0][1] + packets
+        assert span > size and requests > packets
+        gave_up: dict[str, bool] = {}
+        for n in sorted({0, 1, 5, 20} | {span * i // 16 for i in range(1, 19)}):
+            key = f"{ns}every-bytes{n}"
+            before = bench.last_tokens()
+            proxy.cut_after_server_bytes(n, every=True)
+            lease, gave_up[key] = bench.acquire_through_cuts(key)
+            bench.assert_granted_once(key, lease, before, f"every connection cut after {n} server bytes")
+        for m in range(1, requests + 2):
+            key = f"{ns}every-packets{m}"
+            before = bench.last_tokens()
+            proxy.cut_after_client_packets(m, every=True)
+            lease, gave_up[key] = bench.acquire_through_cuts(key)
+            bench.assert_granted_once(key, lease, before, f"every connection cut after client packet {m}")
+        assert any(gave_up.values()), "the store never gave up: the cuts did not reach it"
+        assert not all(gave_up.values()), "the store gave up even where a new connection could finish"
+    finally:
+        bench.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cut_anywhere_in_one_release(db_url: str, proxy: CuttingProxy, ns: str, shape: str) -> None:
+    """A release whose connection drops, at any byte of its reply or after any of its requests, and which is
+    retried (by the store, or by the caller after StorageUnavailable), gives the permits back exactly once."""
+    bench = _Bench(db_url, proxy, ns, shape, "tight")
+    direct = bench.direct
+    try:
+        sizes: list[tuple[int, int]] = []
+        for i in range(8):
+            lease = bench.client.acquire(bench.wants, key=f"{ns}probe{i}", timeout=5)
+            bytes0, packets0 = proxy.server_bytes, proxy.client_packets
+            assert bench.client.release(lease) == ReleaseOutcome.RELEASED
+            sizes.append((proxy.server_bytes - bytes0, proxy.client_packets - packets0))
+        size, packets = min(s for s, _ in sizes), min(p for _, p in sizes)
+        assert size > 0 and packets > 0
+
+        cuts = [("bytes", n) for n in range(size)] + [("packets", m) for m in range(1, packets + 1)]
+        for kind, n in cuts:
+            key = f"{ns}{kind}{n}"
+            where = f"release cut after {n} server bytes" if kind == "bytes" else f"release cut after packet {n}"
+            bench.client.acquire(bench.wants, key=key, timeout=5)
+            fired = proxy.cuts
+            if kind == "bytes":
+                proxy.cut_after_server_bytes(n)
+            else:
+                proxy.cut_after_client_packets(n)
+            try:
+                outcome = bench.client.release(key)
+            except StorageUnavailable:
+                proxy.heal()
+                outcome = bench.client.release(key)
+            proxy.heal()
+            try:
+                assert kind == "packets" or proxy.cuts == fired + 1, "no cut"
+                # The reply to the release that did it may be the one that was lost.
+                assert outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.ALREADY_RELEASED)
+                assert direct.get_lease(key).end_reason == permits.EndReason.RELEASED
+                for name in bench.names:
+                    assert direct.get_semaphore(name).used == 0
+                    assert direct.holders(name) == []
+                assert direct.reconcile() == []
+                assert bench.client.release(key) == ReleaseOutcome.ALREADY_RELEASED
+            except AssertionError as exc:
+                raise AssertionError(f"{where}: {exc}") from exc
+    finally:
+        bench.close()
