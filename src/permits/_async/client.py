@@ -12,7 +12,7 @@ from sqlalchemy.engine import URL
 from permits import _validate
 from permits._backoff import WAIT_BACKOFF
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
-from permits._exceptions import AcquireTimeout, UsageError
+from permits._exceptions import AcquireTimeout, StorageConflict, UsageError
 from permits._io import async_shield, async_sleep, monotonic
 from permits._models import (
     CapacityChange,
@@ -126,7 +126,15 @@ class AsyncClient:
         deadline = None if limit is None else monotonic() + limit
         attempt = 0
         while True:
-            lease = await self._store.try_acquire(owner_, key_, wants_, ttl_ms)
+            wait = WAIT_BACKOFF.cap if deadline is None else max(0.0, deadline - monotonic())
+            try:
+                lease = await self._store.try_acquire(owner_, key_, wants_, ttl_ms, wait)
+            except StorageConflict as exc:
+                # Lock contention that outlasted the store's retries (a holder frozen inside its
+                # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
+                lease, conflict = None, exc
+            else:
+                conflict = None
             if lease is not None:
                 return lease
             delay = WAIT_BACKOFF.delay(attempt)
@@ -134,7 +142,9 @@ class AsyncClient:
                 remaining = deadline - monotonic()
                 if remaining <= 0:
                     names = ", ".join(f"{w.name}:{w.count}" for w in wants_)
-                    raise AcquireTimeout(f"no room for {names} within {limit} s", key=key_, owner=owner_, timeout=limit)
+                    raise AcquireTimeout(
+                        f"no room for {names} within {limit} s", key=key_, owner=owner_, timeout=limit
+                    ) from conflict
                 delay = min(delay, remaining)
             await async_sleep(delay)
             attempt += 1

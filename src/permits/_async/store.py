@@ -15,7 +15,7 @@ from permits._config import Settings, redact
 from permits._core import flows
 from permits._core.flows import DuplicateKey, Flow, Restart, Result, Stmt
 from permits._exceptions import SchemaMismatch, StorageError, UsageError
-from permits._io import async_sleep
+from permits._io import async_sleep, monotonic
 from permits._models import (
     CapacityChange,
     Drift,
@@ -118,8 +118,13 @@ class AsyncSQLStore:
 
     # ------------------------------------------------------------------------------------------ operations
 
-    async def try_acquire(self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int) -> Lease | None:
-        return await self._run(lambda: flows.try_acquire(self._dialect, owner, key, wants, ttl_ms))
+    async def try_acquire(
+        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0
+    ) -> Lease | None:
+        # This store never waits for room (the client's loop does); ``wait`` bounds how long it keeps
+        # retrying lock conflicts, so a caller's timeout holds behind a frozen lock holder.
+        deadline = monotonic() + wait if wait > 0 else None
+        return await self._run(lambda: flows.try_acquire(self._dialect, owner, key, wants, ttl_ms), deadline=deadline)
 
     async def release(self, owner: str, key: str) -> ReleaseOutcome:
         return await self._run(lambda: flows.release(self._dialect, owner, key))
@@ -177,12 +182,13 @@ class AsyncSQLStore:
 
     # --------------------------------------------------------------------------------------------- driver
 
-    async def _run(self, make_flow: Callable[[], Flow[T]], readonly: bool = False) -> T:
+    async def _run(self, make_flow: Callable[[], Flow[T]], readonly: bool = False, deadline: float | None = None) -> T:
         """Run a flow in a transaction of its own.
 
         Conflicts and lost connections are retried with backoff and jitter, each time with a fresh flow.
         That is safe because every write is idempotent: an acquire is keyed, a release and an extend check
         the lease's state, so a commit whose reply was lost is answered by the retry from what is stored.
+        With a ``deadline`` (``monotonic()`` time), conflicts are not retried past it.
         """
         await self.open()
         restarts = failures = 0
@@ -197,7 +203,7 @@ class AsyncSQLStore:
             except DuplicateKey:
                 raise StorageError("unexpected duplicate key", url=self.url) from None
             except DBAPIError as exc:
-                failures = await self._backoff_or_raise(exc, failures)
+                failures = await self._backoff_or_raise(exc, failures, deadline)
 
     async def _with_retries(self, attempt: Callable[[], Any]) -> Any:
         failures = 0
@@ -207,12 +213,14 @@ class AsyncSQLStore:
             except DBAPIError as exc:
                 failures = await self._backoff_or_raise(exc, failures)
 
-    async def _backoff_or_raise(self, exc: DBAPIError, failures: int) -> int:
+    async def _backoff_or_raise(self, exc: DBAPIError, failures: int, deadline: float | None = None) -> int:
         fault = self._dialect.classify(exc)
-        if not fault.retryable or failures >= self._settings.retries:
+        delay = RETRY_BACKOFF.delay(failures)
+        past_deadline = deadline is not None and fault is Fault.CONFLICT and monotonic() + delay >= deadline
+        if not fault.retryable or failures >= self._settings.retries or past_deadline:
             raise translate(exc, fault, self._dialect, self._settings) from exc
         logger.debug("retrying after %s (%s)", fault.value, type(exc.orig).__name__)
-        await async_sleep(RETRY_BACKOFF.delay(failures))
+        await async_sleep(delay)
         return failures + 1
 
     async def _attempt(self, flow: Flow[T], readonly: bool) -> T:

@@ -45,6 +45,10 @@ class Fault(enum.Enum):
         return self in (Fault.CONFLICT, Fault.UNAVAILABLE)
 
 
+#: A transaction that sends nothing for this long is ended by the server, releasing its locks. permits'
+#: own transactions last milliseconds; this only catches a client frozen or cut off half-way through one.
+IDLE_IN_TRANSACTION_SECONDS = 30
+
 # Parameters that carry a list, expanded into IN (...) by SQLAlchemy.
 _EXPANDING = ("names", "ids", "sem_ids")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from permits.dialects.base import Dialect, Fault, require_module
+from permits.dialects.base import IDLE_IN_TRANSACTION_SECONDS, Dialect, Fault, require_module
 
 _CONFLICT = {
     "40001",  # serialization_failure
@@ -67,7 +67,11 @@ class PostgreSQL(Dialect):
 
     def engine_options(self, lock_wait_timeout: float) -> dict[str, Any]:
         ms = max(1, round(lock_wait_timeout * 1000))
-        return {"connect_args": {"options": f"-c lock_timeout={ms} -c timezone=UTC", "connect_timeout": 5}}
+        # A client frozen or cut off inside a transaction would keep its row locks until TCP gives up: the
+        # server ends such a session after IDLE_IN_TRANSACTION_SECONDS instead.
+        idle_ms = IDLE_IN_TRANSACTION_SECONDS * 1000
+        options = f"-c lock_timeout={ms} -c idle_in_transaction_session_timeout={idle_ms} -c timezone=UTC"
+        return {"connect_args": {"options": options, "connect_timeout": 5}}
 
     def check_driver(self, asynchronous: bool) -> None:
         require_module("psycopg", self.extra)
