@@ -128,14 +128,13 @@ class Client:
         attempt = 0
         while True:
             wait = WAIT_BACKOFF.cap if deadline is None else max(0.0, deadline - monotonic())
+            conflict: StorageConflict | None = None
             try:
                 lease = self._store.try_acquire(owner_, key_, wants_, ttl_ms, wait)
             except StorageConflict as exc:
                 # Lock contention that outlasted the store's retries (a holder frozen inside its
                 # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
                 lease, conflict = None, exc
-            else:
-                conflict = None
             if lease is not None:
                 return lease
             delay = WAIT_BACKOFF.delay(attempt)
