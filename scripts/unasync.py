@@ -33,6 +33,7 @@ TOKENS = [
     (r"\bAsyncClient\b", "Client"),
     (r"\bAsyncHeld\b", "Held"),
     (r"\bAsyncSQLStore\b", "SQLStore"),
+    (r"\bAsyncHTTPStore\b", "HTTPStore"),
     (r"\bAsyncConnection\b", "Connection"),
     (r"\bcreate_async_engine\b", "create_engine"),
     (r"\basync_(sleep|shield|run_sync|store_for)\b", r"sync_\1"),

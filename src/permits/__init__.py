@@ -60,6 +60,7 @@ def connect(
     lock_wait_timeout: float = DEFAULT_LOCK_WAIT_TIMEOUT,
     retries: int = DEFAULT_RETRIES,
     auto_upgrade: bool | None = None,
+    token: str | None = None,
 ) -> Client:
     """Open a client. ``url`` picks the backend; ``None`` reads ``$PERMITS_DATABASE_URL``, else uses the
     embedded default ``sqlite:///permits.db``. See ``Client`` for the options."""
@@ -70,6 +71,7 @@ def connect(
         lock_wait_timeout=lock_wait_timeout,
         retries=retries,
         auto_upgrade=auto_upgrade,
+        token=token,
     )
 
 
@@ -81,6 +83,7 @@ def connect_async(
     lock_wait_timeout: float = DEFAULT_LOCK_WAIT_TIMEOUT,
     retries: int = DEFAULT_RETRIES,
     auto_upgrade: bool | None = None,
+    token: str | None = None,
 ) -> AsyncClient:
     """The asyncio twin of ``connect``: ``async with permits.connect_async(url) as client:``."""
     return AsyncClient(
@@ -90,6 +93,7 @@ def connect_async(
         lock_wait_timeout=lock_wait_timeout,
         retries=retries,
         auto_upgrade=auto_upgrade,
+        token=token,
     )
 
 

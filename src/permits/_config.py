@@ -67,6 +67,8 @@ class Settings:
     retries: int = DEFAULT_RETRIES
     #: create or upgrade the schema on first use; the default does it for SQLite only
     auto_upgrade: bool = False
+    #: the bearer token for a permits service (http:// and https:// URLs); ``$PERMITS_TOKEN`` by default
+    token: str | None = None
 
     @classmethod
     def build(
@@ -78,6 +80,7 @@ class Settings:
         lock_wait_timeout: float,
         retries: int,
         auto_upgrade: bool | None,
+        token: str | None = None,
     ) -> Settings:
         parsed = parse_url(url)
         wait = _validate.timeout(lock_wait_timeout)
@@ -92,4 +95,13 @@ class Settings:
             lock_wait_timeout=wait,
             retries=retries,
             auto_upgrade=parsed.get_backend_name() == "sqlite" if auto_upgrade is None else auto_upgrade,
+            token=_token(token),
         )
+
+
+def _token(token: str | None) -> str | None:
+    if token is None:
+        return os.environ.get("PERMITS_TOKEN") or None
+    if not isinstance(token, str) or not token or any(c.isspace() for c in token) or not token.isprintable():
+        raise ConfigurationError("a service token must be a non-empty string without spaces", field="token")
+    return token

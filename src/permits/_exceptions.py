@@ -21,7 +21,13 @@ exception the embedded library would::
     │   ├── StorageConflict (retryable)           deadlock, serialization failure, lock wait timeout, busy
     │   ├── StorageReadOnly                       a read-only replica was asked to write
     │   └── SchemaMismatch                        the schema is older or newer than this code
-    └── UsageError (RuntimeError)                 misuse: a closed client, a lease used after release
+    ├── UsageError (RuntimeError)                 misuse: a closed client, a lease used after release
+    └── ServiceError                              the HTTP service answered, but not with success
+        ├── Unauthorized                          no token, or an unknown one (401)
+        ├── Forbidden                             the token may not do this (403)
+        ├── RequestTooLarge                       the request body is over the service's bound (413)
+        ├── LimitExceeded (retryable)             a bound on waiters or leases was reached (429)
+        └── ServiceUnavailable (retryable)        the instance is shutting down or overloaded (503)
 """
 
 from __future__ import annotations
@@ -192,3 +198,45 @@ class UsageError(PermitsError, RuntimeError):
     """The API was used in a way it does not support, such as a call on a closed client."""
 
     code = "usage_error"
+
+
+class ServiceError(PermitsError):
+    """The permits service answered with an error this client cannot place in the tree, or broke the
+    protocol. Subclasses are the service's own refusals."""
+
+    code = "service_error"
+
+
+class Unauthorized(ServiceError):
+    """The request carried no bearer token, or one the service does not know."""
+
+    code = "unauthorized"
+
+
+class Forbidden(ServiceError):
+    """The token is valid but may not do this (managing semaphores and revoking leases need an admin token)."""
+
+    code = "forbidden"
+
+
+class RequestTooLarge(ServiceError):
+    """The request body is larger than the service accepts."""
+
+    code = "request_too_large"
+
+
+class LimitExceeded(ServiceError):
+    """A documented bound was reached: too many waiters on one instance, or too many leases for one client.
+
+    ``details["limit"]`` names the bound.
+    """
+
+    code = "limit_exceeded"
+    retryable = True
+
+
+class ServiceUnavailable(ServiceError):
+    """The service instance cannot take the request now (it is shutting down); another may."""
+
+    code = "service_unavailable"
+    retryable = True

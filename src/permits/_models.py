@@ -20,6 +20,8 @@ class EndReason(enum.StrEnum):
     EXPIRED = "expired"  # its TTL passed; an acquire that needed the room, or a late release, ended it
     SWEPT = "swept"  # its TTL passed; the batched sweep ended it
     REVOKED = "revoked"  # an administrator ended it (forced delete of its semaphore, force-release)
+    OWNER_DEAD = "owner_dead"  # the service's liveness check found its owner dead
+    STALE = "stale"  # it was held longer than the service's maximum lease age
 
 
 class ReleaseOutcome(enum.StrEnum):
@@ -60,6 +62,8 @@ class Lease:
     #: ``None`` while held, else why it ended
     end_reason: EndReason | None = None
     ended_at: datetime | None = None
+    #: how it ended, in words: an administrator's reason for a revoke, or what maintenance found
+    end_note: str | None = None
 
     @property
     def held(self) -> bool:
@@ -84,6 +88,7 @@ class Lease:
             "expires_in": round(self.expires_in, 3),
             "end_reason": None if self.end_reason is None else str(self.end_reason),
             "ended_at": None if self.ended_at is None else self.ended_at.isoformat(),
+            "end_note": self.end_note,
         }
 
 

@@ -90,13 +90,27 @@ def test_run_holds_the_permit_while_the_command_runs(db_url: str, ns: str, tmp_p
         assert client.get_semaphore(name).used == 0  # released at the end
 
 
-def test_run_keeps_the_lease_alive_and_excludes_others(db_url: str, ns: str) -> None:
+def test_run_keeps_the_lease_alive_and_excludes_others(db_url: str, ns: str, tmp_path: Path) -> None:
     name = f"{ns}cron"
     _permits(db_url, "sem", "create", name, "--capacity", "1")
     env = {**os.environ, "PERMITS_DATABASE_URL": db_url}
-    # Hold for 2.5 s with a 1 s TTL: only the keepalive keeps the lease.
+    # The command runs until the test says stop, with a 1 s TTL: only the keepalive keeps the lease.
+    stop = tmp_path / "stop"
     holder = subprocess.Popen(
-        [sys.executable, "-m", "permits", "run", name, "--ttl", "1", "--", "sleep", "2.5"], env=env
+        [
+            sys.executable,
+            "-m",
+            "permits",
+            "run",
+            name,
+            "--ttl",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            f"until [ -e {stop} ]; do sleep 0.05; done",
+        ],
+        env=env,
     )
     with permits.connect(db_url) as client:
         deadline = time.monotonic() + 20
@@ -107,6 +121,7 @@ def test_run_keeps_the_lease_alive_and_excludes_others(db_url: str, ns: str) -> 
         assert client.try_acquire(name) is None
         busy = _permits(db_url, "run", name, "--timeout", "0", "--", "true", check=False)
         assert busy.returncode == 75
+        stop.touch()
         assert holder.wait(timeout=30) == 0
         assert client.get_semaphore(name).used == 0
         assert client.reconcile() == []

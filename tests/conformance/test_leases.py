@@ -143,6 +143,27 @@ def test_sweep(client: Any, ns: str) -> None:
     assert client.reconcile() == []
 
 
+def test_revoke_ends_the_lease_with_its_reason(make_client: Any, ns: str) -> None:
+    admin, holder = make_client(owner=f"{ns}admin"), make_client(owner=f"{ns}worker")
+    admin.create_semaphore(f"{ns}s", 1)
+    lease = holder.acquire(f"{ns}s", ttl=60)
+    revoked = admin.revoke(lease.key, owner=f"{ns}worker", reason="stuck since the deploy")
+    assert revoked.end_reason == EndReason.REVOKED and revoked.end_note == "stuck since the deploy"
+    assert not revoked.held and revoked.tokens == lease.tokens
+    assert admin.get_semaphore(f"{ns}s").used == 0  # its permits came back at once
+    with pytest.raises(permits.LeaseLost) as lost:
+        holder.extend(lease, 60)
+    assert lost.value.reason == "revoked"
+    assert holder.release(lease) == ReleaseOutcome.LOST
+    # Revoking again changes nothing; an unknown lease is not found.
+    assert admin.revoke(lease.key, owner=f"{ns}worker", reason="again").end_note == "stuck since the deploy"
+    with pytest.raises(permits.LeaseNotFound):
+        admin.revoke(f"{ns}never", owner=f"{ns}worker", reason="x")
+    with pytest.raises(permits.InvalidArgument):
+        admin.revoke(lease.key, owner=f"{ns}worker", reason="\x00")
+    assert admin.reconcile() == []
+
+
 def test_holders(client: Any, ns: str) -> None:
     client.create_semaphore(f"{ns}s", 5)
     a = client.try_acquire({f"{ns}s": 2}, key=f"{ns}a", owner="alice")

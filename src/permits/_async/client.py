@@ -13,7 +13,7 @@ from permits import _validate
 from permits._backoff import WAIT_BACKOFF
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
 from permits._exceptions import AcquireTimeout, StorageConflict, UsageError
-from permits._io import async_shield, async_sleep, monotonic
+from permits._io import async_shield, monotonic
 from permits._models import (
     CapacityChange,
     Drift,
@@ -27,12 +27,16 @@ from permits._models import (
 from permits._validate import Seconds, WantsLike
 from permits.stores import async_store_for
 
+#: With no timeout, how long one attempt may wait for room in a store that can wait (the service).
+LONG_POLL_SECONDS = 30.0
+
 
 class AsyncClient:
     """A connection to permits.
 
     ``url`` picks the backend: ``sqlite:///permits.db`` (the default, embedded), ``mysql://`` or
-    ``mariadb://``, ``postgresql://``; ``None`` reads ``$PERMITS_DATABASE_URL``.
+    ``mariadb://``, ``postgresql://``, or a permits service at ``http://`` or ``https://`` (the same
+    interface, over HTTP); ``None`` reads ``$PERMITS_DATABASE_URL``.
 
     :param owner: the identity that scopes lease keys (default ``$PERMITS_OWNER``, else ``user@host``).
     :param ttl: the default lease TTL in seconds.
@@ -40,6 +44,8 @@ class AsyncClient:
     :param retries: how many times a transaction is retried after a deadlock, a serialization failure, a
         busy database or a lost connection.
     :param auto_upgrade: create or upgrade the schema on first use (default: only for SQLite).
+    :param token: the bearer token when ``url`` is a permits service (``http://`` or ``https://``);
+        default ``$PERMITS_TOKEN``.
     """
 
     def __init__(
@@ -51,6 +57,7 @@ class AsyncClient:
         lock_wait_timeout: float = DEFAULT_LOCK_WAIT_TIMEOUT,
         retries: int = DEFAULT_RETRIES,
         auto_upgrade: bool | None = None,
+        token: str | None = None,
     ) -> None:
         self._settings = Settings.build(
             url,
@@ -59,6 +66,7 @@ class AsyncClient:
             lock_wait_timeout=lock_wait_timeout,
             retries=retries,
             auto_upgrade=auto_upgrade,
+            token=token,
         )
         self._store = async_store_for(self._settings)
         self._closed = False
@@ -126,7 +134,7 @@ class AsyncClient:
         deadline = None if limit is None else monotonic() + limit
         attempt = 0
         while True:
-            wait = WAIT_BACKOFF.cap if deadline is None else max(0.0, deadline - monotonic())
+            wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
             conflict: StorageConflict | None = None
             try:
                 lease = await self._store.try_acquire(owner_, key_, wants_, ttl_ms, wait)
@@ -145,7 +153,7 @@ class AsyncClient:
                         f"no room for {names} within {limit} s", key=key_, owner=owner_, timeout=limit
                     ) from conflict
                 delay = min(delay, remaining)
-            await async_sleep(delay)
+            await self._store.wait_for_room([w.name for w in wants_], delay)
             attempt += 1
 
     def lease(
@@ -190,6 +198,13 @@ class AsyncClient:
         owner_, key_ = self._lease_ref(lease, owner)
         ttl_ms = self._settings.ttl_ms if ttl is None else _validate.ttl_ms(ttl)
         return await self._store.extend(owner_, key_, ttl_ms)
+
+    async def revoke(self, lease: Lease | str, *, owner: str | None = None, reason: str) -> Lease:
+        """End someone's lease now, as an administrator, recording ``reason``; its permits come back at
+        once. The holder finds out at its next extend (``LeaseLost`` with reason ``revoked``). Returns the
+        lease as it is afterwards; one that had ended already is returned unchanged."""
+        owner_, key_ = self._lease_ref(lease, owner)
+        return await self._store.revoke(owner_, key_, _validate.reason(reason))
 
     async def get_lease(self, key: str, *, owner: str | None = None) -> Lease:
         """The lease under ``key``, held or ended. Raises ``LeaseNotFound``."""

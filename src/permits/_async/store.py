@@ -126,11 +126,17 @@ class AsyncSQLStore:
         deadline = monotonic() + wait if wait > 0 else None
         return await self._run(lambda: flows.try_acquire(self._dialect, owner, key, wants, ttl_ms), deadline=deadline)
 
+    async def wait_for_room(self, names: Sequence[str], seconds: float) -> None:
+        await async_sleep(seconds)
+
     async def release(self, owner: str, key: str) -> ReleaseOutcome:
         return await self._run(lambda: flows.release(self._dialect, owner, key))
 
     async def extend(self, owner: str, key: str, ttl_ms: int) -> Lease:
         return await self._run(lambda: flows.extend(owner, key, ttl_ms))
+
+    async def revoke(self, owner: str, key: str, note: str) -> Lease:
+        return await self._run(lambda: flows.revoke(owner, key, note))
 
     async def get_lease(self, owner: str, key: str) -> Lease:
         return await self._run(lambda: flows.get_lease(owner, key), readonly=True)

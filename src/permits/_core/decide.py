@@ -16,7 +16,8 @@ ENDED = 0
 def lease_from_rows(rows: Sequence[Sequence[Any]], owner: str, key: str) -> Lease | None:
     """Build a lease from the rows of ``LEASE_FIND`` (one row per semaphore of the lease).
 
-    Columns: id, state, end_reason, acquired_at_ms, expires_at_ms, ended_at_ms, now_ms, name, count, token.
+    Columns: id, state, end_reason, acquired_at_ms, expires_at_ms, ended_at_ms, now_ms, name, count, token,
+    end_note.
     """
     if not rows:
         return None
@@ -34,6 +35,7 @@ def lease_from_rows(rows: Sequence[Sequence[Any]], owner: str, key: str) -> Leas
         expires_in=(int(expires_ms) - int(now_ms)) / 1000,
         end_reason=None if int(state) == HELD else EndReason(str(end_reason)),
         ended_at=None if ended_ms is None else ms_to_datetime(int(ended_ms)),
+        end_note=None if len(first) < 11 or first[10] is None else str(first[10]),
     )
 
 

@@ -204,7 +204,9 @@ def _find_lease(owner: str, key: str) -> Flow[tuple[int, Lease] | None]:
     return None if lease is None else (int(found.rows[0][0]), lease)
 
 
-def _end_leases(ids: Sequence[int], reason: EndReason) -> Flow[tuple[dict[int, int], list[int]]]:
+def _end_leases(
+    ids: Sequence[int], reason: EndReason, note: str | None = None
+) -> Flow[tuple[dict[int, int], list[int]]]:
     """End the leases among ``ids`` that are still held and give their permits back.
 
     Returns the permits returned per semaphore id, and the ids of the leases this call ended. The lease rows
@@ -217,7 +219,7 @@ def _end_leases(ids: Sequence[int], reason: EndReason) -> Flow[tuple[dict[int, i
         return {}, []
     sums = yield Stmt("PERMITS_SUM", {"ids": held})
     returned = {int(sid): int(n) for sid, n in sums.rows}
-    yield Stmt("LEASES_END", {"ids": held, "reason": str(reason)})
+    yield Stmt("LEASES_END", {"ids": held, "reason": str(reason), "note": note})
     yield Stmt("SEM_GIVE_BACK", [{"id": sid, "count": n} for sid, n in sorted(returned.items())])
     return returned, held
 
@@ -263,6 +265,20 @@ def extend(owner: str, key: str, ttl_ms: int) -> Flow[Lease]:
         decide.ensure_held(lease)
         raise StorageError(f"lease {key!r} could not be extended", key=key)  # pragma: no cover - defensive
     return lease
+
+
+def revoke(owner: str, key: str, note: str) -> Flow[Lease]:
+    """End a lease for its holder (an administrator's force-release), recording why. The holder learns
+    it at its next extend (``LeaseLost``, reason ``revoked``). A lease that has ended already is left as
+    it is and returned."""
+    existing = yield from _find_lease(owner, key)
+    if existing is None:
+        raise LeaseNotFound(f"no lease under key {key!r} for owner {owner!r}", key=key, owner=owner)
+    lease_id, lease = existing
+    if lease.end_reason is not None:
+        return lease
+    yield from _end_leases([lease_id], EndReason.REVOKED, note)
+    return (yield from get_lease(owner, key))
 
 
 def get_lease(owner: str, key: str) -> Flow[Lease]:

@@ -127,11 +127,17 @@ class SQLStore:
         deadline = monotonic() + wait if wait > 0 else None
         return self._run(lambda: flows.try_acquire(self._dialect, owner, key, wants, ttl_ms), deadline=deadline)
 
+    def wait_for_room(self, names: Sequence[str], seconds: float) -> None:
+        sync_sleep(seconds)
+
     def release(self, owner: str, key: str) -> ReleaseOutcome:
         return self._run(lambda: flows.release(self._dialect, owner, key))
 
     def extend(self, owner: str, key: str, ttl_ms: int) -> Lease:
         return self._run(lambda: flows.extend(owner, key, ttl_ms))
+
+    def revoke(self, owner: str, key: str, note: str) -> Lease:
+        return self._run(lambda: flows.revoke(owner, key, note))
 
     def get_lease(self, owner: str, key: str) -> Lease:
         return self._run(lambda: flows.get_lease(owner, key), readonly=True)

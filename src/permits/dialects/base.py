@@ -68,10 +68,11 @@ PORTABLE_SQL: dict[str, str] = {
         SELECT id, name, capacity, used FROM permits_semaphore
         WHERE name IN :names AND deleted = 0 ORDER BY name{for_update}""",
     # Every row of one lease, one per semaphore. params: owner, key
-    # -> id, state, end_reason, acquired_at_ms, expires_at_ms, ended_at_ms, now_ms, name, count, token
+    # -> id, state, end_reason, acquired_at_ms, expires_at_ms, ended_at_ms, now_ms, name, count, token,
+    #    end_note
     "LEASE_FIND": """
         SELECT l.id, l.state, l.end_reason, l.acquired_at_ms, l.expires_at_ms, l.ended_at_ms, {now},
-               s.name, p.count, p.token
+               s.name, p.count, p.token, l.end_note
         FROM permits_lease l
         JOIN permits_permit p ON p.lease_id = l.id
         JOIN permits_semaphore s ON s.id = p.semaphore_id
@@ -100,9 +101,9 @@ PORTABLE_SQL: dict[str, str] = {
     "PERMITS_SUM": """
         SELECT semaphore_id, SUM(count) FROM permits_permit WHERE lease_id IN :ids
         GROUP BY semaphore_id ORDER BY semaphore_id""",
-    # params: ids, reason
+    # params: ids, reason, note
     "LEASES_END": """
-        UPDATE permits_lease SET state = 0, end_reason = :reason, ended_at_ms = {now}
+        UPDATE permits_lease SET state = 0, end_reason = :reason, end_note = :note, ended_at_ms = {now}
         WHERE id IN :ids AND state = 1""",
     # Run once per semaphore. params: id, count
     "SEM_GIVE_BACK": "UPDATE permits_semaphore SET used = used - :count, updated_at_ms = {now} WHERE id = :id",

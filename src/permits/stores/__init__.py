@@ -1,8 +1,9 @@
 """Stores carry out operations against one kind of storage; ``base`` says what every store must do.
 
 A store is picked by the URL's scheme. The SQL stores (``permits._async.store`` and its generated twin)
-serve sqlite, mysql/mariadb and postgresql; another store registers its scheme with ``register_store``
-and must pass the same behaviour suite (tests/conformance).
+serve sqlite, mysql/mariadb and postgresql; the HTTP stores (``permits._async.http_store``) serve http and
+https, through a permits service. Another store registers its scheme with ``register_store`` and must pass
+the same behaviour suite (tests/conformance).
 """
 
 from __future__ import annotations
@@ -24,19 +25,32 @@ def register_store(
     _ASYNC[scheme] = async_factory
 
 
+_HTTP_SCHEMES = ("http", "https")
+
+
 def sync_store_for(settings: Settings) -> Store:
-    factory = _SYNC.get(settings.url.get_backend_name())
+    scheme = settings.url.get_backend_name()
+    factory = _SYNC.get(scheme)
     if factory is not None:
         return factory(settings)
+    if scheme in _HTTP_SCHEMES:
+        from permits._sync.http_store import HTTPStore
+
+        return HTTPStore(settings)
     from permits._sync.store import SQLStore
 
     return SQLStore(settings)
 
 
 def async_store_for(settings: Settings) -> AsyncStore:
-    factory = _ASYNC.get(settings.url.get_backend_name())
+    scheme = settings.url.get_backend_name()
+    factory = _ASYNC.get(scheme)
     if factory is not None:
         return factory(settings)
+    if scheme in _HTTP_SCHEMES:
+        from permits._async.http_store import AsyncHTTPStore
+
+        return AsyncHTTPStore(settings)
     from permits._async.store import AsyncSQLStore
 
     return AsyncSQLStore(settings)

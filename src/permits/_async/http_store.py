@@ -1,0 +1,221 @@
+"""The HTTP store: the same operations as the SQL store, carried out by a permits service over JSON.
+
+``permits.connect("http://host:8080")`` picks it, so application code does not change when it moves from
+the embedded library to the service. Errors come back as ``{"error": {"code", "message", "details"}}``
+and are raised as the class registered for ``code``: ``except permits.LeaseLost`` works the same either
+way.
+
+Retries: a dropped connection, a 503 and a conflict the service could not absorb are retried with backoff
+and jitter (honouring Retry-After), each time with the same request, so an acquire keeps its key and
+never grants twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from permits import _wire
+from permits._backoff import RETRY_BACKOFF
+from permits._config import Settings, redact
+from permits._exceptions import (
+    AcquireTimeout,
+    PermitsError,
+    ServiceError,
+    StorageUnavailable,
+    UsageError,
+    error_class,
+)
+from permits._io import async_sleep
+from permits._models import (
+    CapacityChange,
+    Drift,
+    Holder,
+    Lease,
+    ReleaseOutcome,
+    Semaphore,
+    SweepResult,
+    Want,
+)
+
+logger = logging.getLogger("permits.http")
+#: How long to wait for the service beyond the time a request may legitimately wait for room.
+RESPONSE_MARGIN = 30.0
+#: The longest Retry-After this client honours; the service asks for seconds, not minutes.
+MAX_RETRY_AFTER = 5.0
+
+
+def path_part(value: str) -> str:
+    """A name or key as one path segment: every reserved character percent-encoded, dots too, so that no
+    client or proxy folds ``.`` or ``..`` segments."""
+    return quote(value, safe="").replace(".", "%2E")
+
+
+class AsyncHTTPStore:
+    """Carries out operations through a permits service (``permits serve``)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        base = settings.url.render_as_string(hide_password=False).rstrip("/")
+        headers = {"User-Agent": "permits-python"}
+        if settings.token is not None:
+            headers["Authorization"] = f"Bearer {settings.token}"
+        self._http = httpx.AsyncClient(
+            base_url=base,
+            headers=headers,
+            timeout=httpx.Timeout(RESPONSE_MARGIN, connect=5.0),
+        )
+        self._opened = False
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        return redact(self._settings.url)
+
+    async def open(self) -> None:
+        """Check that the service answers and knows our token."""
+        if self._closed:
+            raise UsageError("this client is closed")
+        if not self._opened:
+            await self._call("GET", "/v1/whoami")
+            self._opened = True
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._http.aclose()
+
+    # ------------------------------------------------------------------------------------------ operations
+
+    async def try_acquire(
+        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0
+    ) -> Lease | None:
+        body = {
+            "wants": [{"name": w.name, "count": w.count} for w in wants],
+            "key": key,
+            "owner": owner,
+            "ttl": ttl_ms / 1000,
+            "wait": wait,
+        }
+        try:
+            data = await self._call("POST", "/v1/leases", json=body, waits=wait)
+        except AcquireTimeout:
+            return None
+        return _wire.lease_in(data)
+
+    async def wait_for_room(self, names: Sequence[str], seconds: float) -> None:
+        """Nothing to wait for here: the service waited for room itself (a long poll) before it answered."""
+
+    async def release(self, owner: str, key: str) -> ReleaseOutcome:
+        data = await self._call("POST", "/v1/leases/release", json={"key": key, "owner": owner})
+        return ReleaseOutcome(data["outcome"])
+
+    async def extend(self, owner: str, key: str, ttl_ms: int) -> Lease:
+        body = {"key": key, "owner": owner, "ttl": ttl_ms / 1000}
+        return _wire.lease_in(await self._call("POST", "/v1/leases/extend", json=body))
+
+    async def revoke(self, owner: str, key: str, note: str) -> Lease:
+        body = {"key": key, "owner": owner, "reason": note}
+        return _wire.lease_in(await self._call("POST", "/v1/leases/revoke", json=body))
+
+    async def get_lease(self, owner: str, key: str) -> Lease:
+        data = await self._call("GET", f"/v1/leases/{path_part(key)}", params={"owner": owner})
+        return _wire.lease_in(data)
+
+    async def holders(self, name: str) -> list[Holder]:
+        data = await self._call("GET", f"/v1/holders/{path_part(name)}")
+        return [_wire.holder_in(h) for h in data["holders"]]
+
+    async def create_semaphore(self, name: str, capacity: int, by: str, exist_ok: bool) -> Semaphore:
+        body = {"name": name, "capacity": capacity, "exist_ok": exist_ok, "who": by}
+        return _wire.semaphore_in(await self._call("POST", "/v1/semaphores", json=body))
+
+    async def get_semaphore(self, name: str) -> Semaphore:
+        return _wire.semaphore_in(await self._call("GET", f"/v1/semaphores/{path_part(name)}"))
+
+    async def list_semaphores(self, prefix: str) -> list[Semaphore]:
+        data = await self._call("GET", "/v1/semaphores", params={"prefix": prefix})
+        return [_wire.semaphore_in(s) for s in data["semaphores"]]
+
+    async def set_capacity(self, name: str, capacity: int, by: str, reason: str) -> CapacityChange:
+        body = {"capacity": capacity, "reason": reason, "who": by}
+        return _wire.change_in(await self._call("PATCH", f"/v1/semaphores/{path_part(name)}", json=body))
+
+    async def capacity_history(self, name: str, limit: int) -> list[CapacityChange]:
+        data = await self._call("GET", f"/v1/capacity-history/{path_part(name)}", params={"limit": limit})
+        return [_wire.change_in(c) for c in data["changes"]]
+
+    async def delete_semaphore(self, name: str, force: bool) -> int:
+        params = {"force": "true" if force else "false"}
+        data = await self._call("DELETE", f"/v1/semaphores/{path_part(name)}", params=params)
+        return int(data["revoked"])
+
+    async def sweep(self, batch_size: int, max_batches: int | None) -> SweepResult:
+        body = {"batch_size": batch_size, "max_batches": max_batches}
+        return _wire.sweep_in(await self._call("POST", "/v1/sweep", json=body))
+
+    async def reconcile(self, repair: bool) -> list[Drift]:
+        data = await self._call("POST", "/v1/reconcile", json={"repair": repair})
+        return [_wire.drift_in(d) for d in data["drift"]]
+
+    async def upgrade_schema(self) -> str:
+        raise UsageError(
+            "the schema belongs to the service's database: run `permits db upgrade --db DATABASE_URL` there"
+        )
+
+    # --------------------------------------------------------------------------------------------- driver
+
+    async def _call(self, method: str, path: str, *, waits: float = 0.0, **kwargs: Any) -> Any:
+        """One request, retried on a dropped connection or a retryable refusal; returns the JSON body."""
+        if self._closed:
+            raise UsageError("this client is closed")
+        timeout = httpx.Timeout(RESPONSE_MARGIN + waits, connect=5.0)
+        failures = 0
+        while True:
+            try:
+                response = await self._http.request(method, path, timeout=timeout, **kwargs)
+            except httpx.TransportError as exc:
+                if failures >= self._settings.retries:
+                    raise StorageUnavailable(
+                        f"permits service unavailable at {self.url}: {type(exc).__name__}: {exc}", url=self.url
+                    ) from exc
+                await async_sleep(RETRY_BACKOFF.delay(failures))
+                failures += 1
+                continue
+            if response.is_success:
+                return response.json()
+            error = _error_from(response)
+            if not error.retryable or failures >= self._settings.retries or isinstance(error, AcquireTimeout):
+                raise error
+            logger.debug("retrying after %s from the service", error.code)
+            await async_sleep(_retry_after(response) or RETRY_BACKOFF.delay(failures))
+            failures += 1
+
+
+def _error_from(response: httpx.Response) -> PermitsError:
+    """The exception the embedded library would have raised, from the service's error body."""
+    try:
+        error = response.json()["error"]
+        code, message = str(error["code"]), str(error["message"])
+        details = dict(error.get("details") or {})
+    except (ValueError, KeyError, TypeError):
+        return ServiceError(
+            f"the service answered {response.status_code} without a permits error body",
+            status=response.status_code,
+        )
+    cls = error_class(code)
+    try:
+        return cls(message, **details)
+    except TypeError:  # details that the class does not take as keywords: keep the message
+        return cls(message)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After", "")
+    try:
+        return min(MAX_RETRY_AFTER, max(0.0, float(value)))
+    except ValueError:
+        return None
