@@ -34,6 +34,7 @@ TOKENS = [
     (r"\bAsyncHeld\b", "Held"),
     (r"\bAsyncSQLStore\b", "SQLStore"),
     (r"\bAsyncHTTPStore\b", "HTTPStore"),
+    (r"\bAsyncStore\b", "Store"),
     (r"\bAsyncConnection\b", "Connection"),
     (r"\bcreate_async_engine\b", "create_engine"),
     (r"\basync_(sleep|shield|run_sync|store_for)\b", r"sync_\1"),

@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -47,7 +48,8 @@ def _db_option(fn: F) -> F:
         envvar="PERMITS_DATABASE_URL",
         default=None,
         metavar="URL",
-        help="Database URL (default: $PERMITS_DATABASE_URL, else sqlite:///permits.db).",
+        help="Database URL, or a permits service's http(s):// URL (token in $PERMITS_TOKEN)"
+        " (default: $PERMITS_DATABASE_URL, else sqlite:///permits.db).",
     )(fn)
 
 
@@ -377,6 +379,96 @@ def run(
     if keepalive.lost:
         sys.exit(EXIT_LEASE_LOST)
     sys.exit(status if status >= 0 else 128 - status)
+
+
+# ------------------------------------------------------------------------------------------- service
+
+
+def _server_module() -> Any:
+    try:
+        from permits.server import run as server_run
+    except ImportError as exc:  # the server extra is not installed
+        click.echo(f"permits: the service needs: pip install 'permits[server]' ({exc.name} is missing)", err=True)
+        sys.exit(EXIT_USAGE)
+    return server_run
+
+
+def _server_config(config_file: Path | None, **overrides: Any) -> Any:
+    from permits.server.config import ServerConfig
+
+    try:
+        return ServerConfig.load(config_file, **overrides)
+    except PermitsError as exc:
+        _fail(exc, EXIT_USAGE)
+
+
+@main.command()
+@click.option(
+    "--db",
+    "db",
+    default=None,
+    metavar="URL",
+    help="Database URL (default: $PERMITS_DATABASE_URL, else sqlite:///permits.db).",
+)
+@click.option("--host", default=None, help="Address to listen on (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Port (default 8080; 0 picks a free one).")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="TOML settings file (see docs/service.md).",
+)
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option(
+    "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
+)
+def serve(
+    db: str | None, host: str | None, port: int | None, config_file: Path | None, log_format: str, log_level: str
+) -> None:
+    """Run the HTTP service: stateless, any number of instances in front of one database."""
+    server_run = _server_module()
+    config = _server_config(config_file, database_url=db, host=host, port=port)
+    try:
+        server_run.serve(config, log_format=log_format, log_level=log_level)
+    except PermitsError as exc:
+        _fail(exc, EXIT_USAGE if isinstance(exc, InvalidArgument | ConfigurationError) else EXIT_FAILED)
+
+
+@main.command()
+@click.option(
+    "--db",
+    "db",
+    default=None,
+    metavar="URL",
+    help="Database URL (default: $PERMITS_DATABASE_URL, else sqlite:///permits.db).",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="TOML settings file (see docs/service.md).",
+)
+@click.option(
+    "--task",
+    "tasks",
+    multiple=True,
+    type=click.Choice(["sweep", "liveness", "staleness", "cleanup"]),
+    help="Run only these (default: every configured task).",
+)
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def maintain(db: str | None, config_file: Path | None, tasks: tuple[str, ...], log_format: str) -> None:
+    """Run the service's maintenance tasks once, for cron; each runs only if no instance runs it now."""
+    server_run = _server_module()
+    config = _server_config(config_file, database_url=db)
+    try:
+        results = server_run.run_maintain(config, tasks, log_format=log_format, level="info")
+    except PermitsError as exc:
+        _fail(exc, EXIT_FAILED)
+    for name, outcome in results.items():
+        click.echo(f"{name}: {outcome}")
+    sys.exit(EXIT_FAILED if "failed" in results.values() else 0)
 
 
 # --------------------------------------------------------------------------------------------- demo

@@ -153,6 +153,9 @@ class AsyncHTTPStore:
         data = await self._call("DELETE", f"/v1/semaphores/{path_part(name)}", params=params)
         return int(data["revoked"])
 
+    async def ping(self) -> None:
+        await self._call("GET", "/readyz")
+
     async def sweep(self, batch_size: int, max_batches: int | None) -> SweepResult:
         body = {"batch_size": batch_size, "max_batches": max_batches}
         return _wire.sweep_in(await self._call("POST", "/v1/sweep", json=body))
@@ -207,6 +210,8 @@ def _error_from(response: httpx.Response) -> PermitsError:
             status=response.status_code,
         )
     cls = error_class(code)
+    if cls is PermitsError:  # a code this version does not know (or a route the service does not have)
+        cls = ServiceError
     try:
         return cls(message, **details)
     except TypeError:  # details that the class does not take as keywords: keep the message

@@ -19,6 +19,7 @@ from permits._io import async_sleep, monotonic
 from permits._models import (
     CapacityChange,
     Drift,
+    EndReason,
     Holder,
     Lease,
     ReleaseOutcome,
@@ -58,6 +59,8 @@ class AsyncSQLStore:
         self._closed = False
         #: test hook: called with each statement's name after it ran (fault tests kill the process here)
         self.after_statement: Callable[[str], None] | None = None
+        #: called with the fault's name each time a transaction is retried (the service counts them)
+        self.on_retry: Callable[[str], None] | None = None
 
     @property
     def url(self) -> str:
@@ -162,6 +165,13 @@ class AsyncSQLStore:
     async def delete_semaphore(self, name: str, force: bool) -> int:
         return await self._run(lambda: flows.delete_semaphore(name, force))
 
+    async def ping(self) -> None:
+        await self._run(flows.schema_probe, readonly=True)
+
+    async def count_held_leases(self, identity: str) -> int:
+        """Held leases whose owner is ``identity`` or starts with ``identity/`` (the service's quota)."""
+        return await self._run(lambda: flows.count_held(identity), readonly=True)
+
     async def sweep(self, batch_size: int, max_batches: int | None) -> SweepResult:
         # One short transaction per batch: a sweep never holds locks for long.
         keys: list[tuple[str, str]] = []
@@ -174,6 +184,46 @@ class AsyncSQLStore:
             if found < batch_size:
                 break
         return SweepResult(leases=len(keys), batches=batches, keys=keys)
+
+    # ---------------------------------------------------------------------- service maintenance (SQL only)
+
+    async def held_owners(self) -> list[str]:
+        return await self._run(flows.held_owners, readonly=True)
+
+    async def end_owner_leases(self, owner: str, reason: EndReason, note: str, batch_size: int) -> list[str]:
+        keys: list[str] = []
+        while True:
+            ended = await self._run(lambda: flows.end_owner_leases(owner, reason, note, batch_size))
+            keys.extend(ended)
+            if len(ended) < batch_size:
+                return keys
+
+    async def end_stale(self, max_age_ms: int, note: str, batch_size: int) -> SweepResult:
+        keys: list[tuple[str, str]] = []
+        batches = 0
+        while True:
+            found, ended = await self._run(lambda: flows.end_stale_batch(max_age_ms, note, batch_size))
+            batches += 1 if found else 0
+            keys.extend(ended)
+            if found < batch_size:
+                return SweepResult(leases=len(keys), batches=batches, keys=keys)
+
+    async def delete_ended_leases(self, older_than_ms: int, batch_size: int) -> int:
+        # One short transaction per batch: cleanup never holds locks for long.
+        total = 0
+        while True:
+            deleted = await self._run(lambda: flows.delete_ended_batch(older_than_ms, batch_size))
+            total += deleted
+            if deleted < batch_size:
+                return total
+
+    async def delete_capacity_history(self, older_than_ms: int, batch_size: int) -> int:
+        total = 0
+        while True:
+            deleted = await self._run(lambda: flows.delete_history_batch(older_than_ms, batch_size))
+            total += deleted
+            if deleted < batch_size:
+                return total
 
     async def reconcile(self, repair: bool) -> list[Drift]:
         drift = await self._run(flows.find_drift, readonly=True)
@@ -226,6 +276,8 @@ class AsyncSQLStore:
         if not fault.retryable or failures >= self._settings.retries or past_deadline:
             raise translate(exc, fault, self._dialect, self._settings) from exc
         logger.debug("retrying after %s (%s)", fault.value, type(exc.orig).__name__)
+        if self.on_retry is not None:
+            self.on_retry(fault.value)
         await async_sleep(delay)
         return failures + 1
 

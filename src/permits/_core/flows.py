@@ -416,6 +416,57 @@ def sweep_batch(limit: int) -> Flow[tuple[int, list[tuple[str, str]]]]:
     return len(names), [names[i] for i in ended]
 
 
+def held_owners() -> Flow[list[str]]:
+    """The owners that hold leases now (held leases are few: at most the sum of the capacities)."""
+    found = yield Stmt("HELD_OWNERS")
+    return sorted(str(r[0]) for r in found.rows)
+
+
+def end_owner_leases(owner: str, reason: EndReason, note: str, limit: int) -> Flow[list[str]]:
+    """End up to ``limit`` held leases of one owner; returns their keys."""
+    found = yield Stmt("HELD_BY_OWNER", {"owner": owner, "limit": limit})
+    keys = {int(r[0]): str(r[1]) for r in found.rows}
+    if not keys:
+        return []
+    _, ended = yield from _end_leases(sorted(keys), reason, note)
+    return [keys[i] for i in ended]
+
+
+def end_stale_batch(max_age_ms: int, note: str, limit: int) -> Flow[tuple[int, list[tuple[str, str]]]]:
+    """End up to ``limit`` held leases acquired more than ``max_age_ms`` ago, oldest first."""
+    found = yield Stmt("HELD_OLDER_THAN", {"age_ms": max_age_ms, "limit": limit})
+    if not found.rows:
+        return 0, []
+    names = {int(r[0]): (str(r[1]), str(r[2])) for r in found.rows}
+    _, ended = yield from _end_leases(sorted(names), EndReason.STALE, note)
+    return len(names), [names[i] for i in ended]
+
+
+def delete_ended_batch(older_than_ms: int, limit: int) -> Flow[int]:
+    """Delete up to ``limit`` leases that ended more than ``older_than_ms`` ago, with their permit rows.
+
+    Tokens are unaffected (the counter lives on the semaphore row); the keys of deleted leases can be used
+    again, so this sets how long a retry is recognised as one.
+    """
+    found = yield Stmt("ENDED_OLDER_THAN", {"age_ms": older_than_ms, "limit": limit})
+    ids = sorted(int(r[0]) for r in found.rows)
+    if not ids:
+        return 0
+    yield Stmt("PERMITS_DELETE", {"ids": ids})
+    deleted = yield Stmt("LEASES_DELETE_ENDED", {"ids": ids})
+    return len(ids) if deleted.rowcount < 0 else deleted.rowcount
+
+
+def delete_history_batch(older_than_ms: int, limit: int) -> Flow[int]:
+    """Delete up to ``limit`` capacity changes older than ``older_than_ms``."""
+    found = yield Stmt("HISTORY_OLDER_THAN", {"age_ms": older_than_ms, "limit": limit})
+    ids = sorted(int(r[0]) for r in found.rows)
+    if not ids:
+        return 0
+    yield Stmt("HISTORY_DELETE", {"ids": ids})
+    return len(ids)
+
+
 def find_drift() -> Flow[list[Drift]]:
     """Compare each semaphore's stored count with the sum over its held permit rows."""
     found = yield Stmt("DRIFT_CHECK")
@@ -438,6 +489,13 @@ def repair_drift(name: str) -> Flow[Drift | None]:
         return None
     yield Stmt("SEM_SET_USED", {"id": int(sem_id), "used": true_used})
     return Drift(name=name, recorded=int(used), actual=true_used, repaired=True)
+
+
+def count_held(identity: str) -> Flow[int]:
+    """Held leases of one service identity: owner ``identity``, or ``identity/...``. "/" is followed by
+    "0" in byte order, so the second form is the range [identity + "/", identity + "0")."""
+    found = yield Stmt("LEASES_HELD_BY", {"exact": identity, "low": identity + "/", "high": identity + "0"})
+    return int(found.rows[0][0])
 
 
 def schema_probe() -> Flow[int]:

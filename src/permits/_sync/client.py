@@ -27,6 +27,7 @@ from permits._models import (
 )
 from permits._validate import Seconds, WantsLike
 from permits.stores import sync_store_for
+from permits.stores.base import Store
 
 #: With no timeout, how long one attempt may wait for room in a store that can wait (the service).
 LONG_POLL_SECONDS = 30.0
@@ -47,6 +48,8 @@ class Client:
     :param auto_upgrade: create or upgrade the schema on first use (default: only for SQLite).
     :param token: the bearer token when ``url`` is a permits service (``http://`` or ``https://``);
         default ``$PERMITS_TOKEN``.
+    :param store: a store to use instead of the one ``url`` picks (see ``permits.stores``); the service
+        passes its database store wrapped in its in-memory queue.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class Client:
         retries: int = DEFAULT_RETRIES,
         auto_upgrade: bool | None = None,
         token: str | None = None,
+        store: Store | None = None,
     ) -> None:
         self._settings = Settings.build(
             url,
@@ -69,7 +73,7 @@ class Client:
             auto_upgrade=auto_upgrade,
             token=token,
         )
-        self._store = sync_store_for(self._settings)
+        self._store = sync_store_for(self._settings) if store is None else store
         self._closed = False
 
     @property
@@ -271,6 +275,13 @@ class Client:
         """Compare each semaphore's count of permits in use with its held permit rows, and report drift.
         With ``repair``, recount each drifted semaphore under its row lock and store the true count."""
         return self._store.reconcile(bool(repair))
+
+    def ping(self) -> None:
+        """One cheap round trip to the database (or the service); raises ``StorageUnavailable`` if it
+        cannot be reached. For health checks."""
+        if self._closed:
+            raise UsageError("this client is closed")
+        self._store.ping()
 
     def upgrade_schema(self) -> str:
         """Create or upgrade the schema (``permits db upgrade``); returns the revision."""

@@ -183,6 +183,36 @@ PORTABLE_SQL: dict[str, str] = {
         SELECT COALESCE(SUM(p.count), 0) FROM permits_lease l
         JOIN permits_permit p ON p.lease_id = l.id
         WHERE l.state = 1 AND p.semaphore_id = :sem_id""",
+    # Held leases of one owner or owner range (byte order: every backend compares names exactly).
+    # params: exact, low, high -> count
+    "LEASES_HELD_BY": """
+        SELECT COUNT(*) FROM permits_lease
+        WHERE state = 1 AND (owner = :exact OR (owner >= :low AND owner < :high))""",
+    # -> owner (of held leases)
+    "HELD_OWNERS": "SELECT DISTINCT owner FROM permits_lease WHERE state = 1",
+    # params: owner, limit -> id, lease_key
+    "HELD_BY_OWNER": """
+        SELECT id, lease_key FROM permits_lease WHERE owner = :owner AND state = 1 ORDER BY id LIMIT :limit""",
+    # Held leases acquired before now - age, oldest first. params: age_ms, limit -> id, owner, lease_key
+    "HELD_OLDER_THAN": """
+        SELECT id, owner, lease_key FROM permits_lease
+        WHERE state = 1 AND acquired_at_ms <= {now} - :age_ms
+        ORDER BY acquired_at_ms LIMIT :limit""",
+    # Ended leases, by ix_permits_lease_ended. params: age_ms, limit -> id
+    "ENDED_OLDER_THAN": """
+        SELECT id FROM permits_lease
+        WHERE ended_at_ms <= {now} - :age_ms AND state = 0
+        ORDER BY ended_at_ms LIMIT :limit""",
+    # params: ids
+    "PERMITS_DELETE": "DELETE FROM permits_permit WHERE lease_id IN :ids",
+    # params: ids (the state check keeps a held lease from ever being deleted)
+    "LEASES_DELETE_ENDED": "DELETE FROM permits_lease WHERE id IN :ids AND state = 0",
+    # params: age_ms, limit -> id
+    "HISTORY_OLDER_THAN": """
+        SELECT id FROM permits_capacity_change WHERE changed_at_ms <= {now} - :age_ms
+        ORDER BY changed_at_ms LIMIT :limit""",
+    # params: ids
+    "HISTORY_DELETE": "DELETE FROM permits_capacity_change WHERE id IN :ids",
     # params: id, used
     "SEM_SET_USED": "UPDATE permits_semaphore SET used = :used, updated_at_ms = {now} WHERE id = :id",
 }

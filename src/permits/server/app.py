@@ -1,0 +1,209 @@
+"""Assembles the service: ``create_app(config)`` returns the ASGI app that ``permits serve`` runs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import permits
+from permits._exceptions import PermitsError, RequestTooLarge
+from permits.server import errors, routes
+from permits.server.config import ServerConfig
+from permits.server.maintenance import LivenessProbe, Maintainer
+from permits.server.metrics import Metrics
+from permits.server.state import ServiceState
+
+logger = logging.getLogger("permits.server")
+access_log = logging.getLogger("permits.server.access")
+#: Seconds between refreshes of the per-semaphore gauges.
+GAUGE_REFRESH_SECONDS = 5.0
+
+
+def create_app(
+    config: ServerConfig | None = None,
+    *,
+    metrics: Metrics | None = None,
+    liveness: dict[str, LivenessProbe] | None = None,
+) -> FastAPI:
+    """The service as an ASGI app. ``liveness`` maps owner prefixes to Python liveness checks (see
+    ``permits.server.maintenance``); checks by HTTP callback come from the config."""
+    config = config or ServerConfig.load()
+    state = ServiceState.build(config, metrics, liveness)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.client.__aenter__()  # checks (or, on SQLite, creates) the schema before serving
+        background = [asyncio.create_task(_refresh_gauges(state), name="permits-gauges")]
+        maintainer = Maintainer(state) if config.maintenance.enabled else None
+        if maintainer is not None:
+            background += maintainer.start()
+        mode = "open mode: no tokens, loopback only" if config.open_mode else f"{len(config.tokens)} token(s)"
+        logger.info("permits %s serving %s (%s)", permits.__version__, state.sql_store.url, mode)
+        try:
+            yield
+        finally:
+            state.waker.draining.set()  # answer anyone still waiting for room
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await state.client.aclose()
+
+    app = FastAPI(
+        title="permits",
+        version=permits.__version__,
+        summary="Distributed counting semaphores, mutexes and leases on a SQL database.",
+        description=_API_DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.permits = state
+    errors.install(app)
+    app.include_router(routes.router)
+    app.add_middleware(_BodyLimit, max_bytes=config.limits.max_body_bytes)
+
+    @app.middleware("http")
+    async def _access(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        started = time.monotonic()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        state.metrics.requests.labels(path, str(response.status_code)).inc()
+        identity = getattr(request.state, "identity", None)
+        access_log.info(
+            "%s %s %s",
+            request.method,
+            path,
+            response.status_code,
+            extra={
+                "method": request.method,
+                "route": path,
+                "status": response.status_code,
+                "duration_ms": round((time.monotonic() - started) * 1000, 2),
+                "identity": None if identity is None else identity.name,
+            },
+        )
+        return response
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> Response:
+        return RedirectResponse("/docs")
+
+    @app.get("/healthz", tags=["service"])
+    async def healthz() -> dict[str, str]:
+        """The process is up (liveness)."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["service"])
+    async def readyz() -> JSONResponse:
+        """The database answers and the instance is not shutting down (readiness)."""
+        if state.waker.draining.is_set():
+            return JSONResponse({"status": "shutting_down"}, status_code=503, headers={"Retry-After": "1"})
+        try:
+            await state.client.ping()
+        except PermitsError as exc:
+            return errors.error_response(exc)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics", tags=["service"])
+    async def metrics_endpoint() -> Response:
+        """Prometheus metrics."""
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _refresh_gauges(state: ServiceState) -> None:
+    limit = state.config.metrics_max_semaphores
+    while True:
+        if limit:
+            with contextlib.suppress(PermitsError):
+                state.metrics.semaphores.snapshot = (await state.client.list_semaphores())[:limit]
+        await asyncio.sleep(GAUGE_REFRESH_SECONDS)
+
+
+class _BodyLimit:
+    """Refuses a request body over ``max_bytes`` with 413, by its Content-Length or, for a chunked body,
+    as soon as it grows past the bound."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            # Every body this API takes is JSON: read one sent as a form (curl -d's default) or with no
+            # Content-Type as JSON too.
+            headers = [(n, v) for n, v in scope.get("headers", []) if n != b"content-type"]
+            kind = dict(scope.get("headers", [])).get(b"content-type", b"")
+            if not kind or kind.startswith(b"application/x-www-form-urlencoded"):
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        too_large = RequestTooLarge(f"request bodies are at most {self.max_bytes} bytes", limit="max_body_bytes")
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await errors.error_response(too_large)(scope, receive, send)
+                return
+        seen = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await errors.error_response(too_large)(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class JSONLogFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and any structured fields."""
+
+    _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update({k: v for k, v in vars(record).items() if k not in self._STANDARD})
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+_API_DESCRIPTION = """
+Counting semaphores, mutexes and leases whose source of truth is a SQL database.
+
+* Authenticate with `Authorization: Bearer <token>` (not needed in open mode, on loopback).
+* Errors are `{"error": {"code", "message", "details"}}`; `code` is stable (see docs/service.md).
+* Fencing tokens are decimal strings: exact up to 2^63-1 in every language.
+* 503 and 429 answers carry `Retry-After`; retry an acquire with the same `key`, it never grants twice.
+"""

@@ -1,0 +1,141 @@
+"""Error codes to HTTP statuses, and the one JSON error body.
+
+Every error the service sends is ``{"error": {"code": ..., "message": ..., "details": {...}}}`` where
+``code`` is the stable code of a ``PermitsError`` class; the remote client raises that same class. No
+body ever carries a stack trace, SQL or a database URL: storage errors get a fixed message, and anything
+unexpected is logged here and answered with a bare 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from permits._exceptions import (
+    AcquireTimeout,
+    ConfigurationError,
+    CountExceedsCapacity,
+    Forbidden,
+    IdempotencyConflict,
+    InvalidArgument,
+    LeaseError,
+    LeaseLost,
+    LeaseNotFound,
+    LimitExceeded,
+    PermitsError,
+    RequestTooLarge,
+    SchemaMismatch,
+    SemaphoreExists,
+    SemaphoreInUse,
+    SemaphoreNotFound,
+    ServiceError,
+    ServiceUnavailable,
+    StorageConflict,
+    StorageError,
+    StorageReadOnly,
+    StorageUnavailable,
+    Unauthorized,
+    UsageError,
+)
+
+logger = logging.getLogger("permits.server")
+
+#: The status for each error class; a subclass not listed takes its nearest listed base's.
+STATUS: dict[type[PermitsError], int] = {
+    InvalidArgument: 422,
+    CountExceedsCapacity: 422,
+    ConfigurationError: 500,
+    SemaphoreNotFound: 404,
+    SemaphoreExists: 409,
+    SemaphoreInUse: 409,
+    AcquireTimeout: 409,  # no room within the wait: a conflict with the current state, not a server fault
+    IdempotencyConflict: 409,
+    LeaseError: 409,
+    LeaseNotFound: 404,
+    LeaseLost: 410,
+    StorageError: 500,
+    StorageUnavailable: 503,
+    StorageConflict: 503,
+    StorageReadOnly: 503,
+    SchemaMismatch: 503,
+    UsageError: 400,
+    ServiceError: 500,
+    Unauthorized: 401,
+    Forbidden: 403,
+    RequestTooLarge: 413,
+    LimitExceeded: 429,
+    ServiceUnavailable: 503,
+    PermitsError: 500,
+}
+
+#: Storage errors are answered with these words only: the library's own messages name the database.
+_STORAGE_MESSAGES: dict[str, str] = {
+    StorageUnavailable.code: "the database is unavailable; try again shortly",
+    StorageConflict.code: "the database kept reporting lock conflicts; try again shortly",
+    StorageReadOnly.code: "the service's database refused a write: it is a read-only replica",
+    SchemaMismatch.code: "the service's database schema does not match this version; run `permits db upgrade`",
+    StorageError.code: "the database failed; see the service log",
+}
+
+#: Seconds a client should wait before retrying a 503 or a 429.
+RETRY_AFTER_SECONDS = 1
+
+
+def status_for(error: PermitsError) -> int:
+    for cls in type(error).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def error_body(code: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "details": details or {}}}
+
+
+def error_response(error: PermitsError) -> JSONResponse:
+    status = status_for(error)
+    if isinstance(error, StorageError):
+        logger.warning("storage error: %s: %s", error.code, error.message)
+        body = error_body(error.code, _STORAGE_MESSAGES.get(error.code, _STORAGE_MESSAGES[StorageError.code]))
+    else:
+        body = error_body(error.code, error.message, _json_safe(error.details))
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status in (429, 503) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _json_safe(details: dict[str, Any]) -> dict[str, Any]:
+    return {k: v if isinstance(v, str | int | float | bool | type(None)) else str(v) for k, v in details.items()}
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(PermitsError)
+    async def _permits_error(request: Request, exc: PermitsError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        field = loc[0] if loc else "body"
+        where = ".".join(loc) or "the body"
+        return error_response(InvalidArgument(f"{where}: {first.get('msg', 'invalid')}", field=field))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "service_error")
+        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        incident = uuid.uuid4().hex[:12]
+        logger.error(
+            "unexpected error (incident %s) on %s %s", incident, request.method, request.url.path, exc_info=exc
+        )
+        body = error_body("internal_error", f"internal error; the service log has incident {incident}")
+        return JSONResponse(body, status_code=500)

@@ -1,0 +1,202 @@
+"""The in-process pre-lock (seed Part 7), and in-process wake-ups.
+
+Without it, 64 concurrent acquires of one hot semaphore on one instance would hold 64 database
+connections, 63 of them waiting on the same row lock. With it, they queue here, in memory, in arrival
+order (asyncio locks are FIFO), and one attempt per semaphore goes to the database at a time. Acquires
+of different semaphores do not queue behind each other. A multi-semaphore acquire takes the pre-locks
+in name order, the same order the database locks rows in, so two of them never wait in a cycle.
+
+The queue wait is bounded (``prelock_wait``): past it the request gets a retryable 503, since the
+database is answering that slowly.
+
+``Waker`` wakes requests that wait for room when this instance sees permits come back (a release, a
+revoke, a capacity raise). Releases through other instances are not heard here; waiters also poll with
+jittered backoff, so they find that room too, a little later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from permits._exceptions import LimitExceeded, ServiceUnavailable
+from permits._io import monotonic
+from permits._models import CapacityChange, Lease, ReleaseOutcome, Want
+from permits.stores.base import AsyncStore
+
+
+@dataclass
+class _Queue:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0  # holders and waiters; the entry is dropped at 0 so the map does not grow for ever
+
+
+class PreLock:
+    """Per-semaphore FIFO queues in memory."""
+
+    def __init__(self, enabled: bool, max_wait: float, on_wait: Callable[[float], None] | None = None) -> None:
+        self.enabled = enabled
+        self.max_wait = max_wait
+        self._queues: dict[str, _Queue] = {}
+        self.waiting = 0
+        self._on_wait = on_wait
+
+    @contextlib.asynccontextmanager
+    async def hold(self, names: Sequence[str]) -> AsyncIterator[None]:
+        if not self.enabled:
+            yield
+            return
+        ordered = sorted(set(names))
+        queues = []
+        for name in ordered:
+            queue = self._queues.setdefault(name, _Queue())
+            queue.users += 1
+            queues.append(queue)
+        held: list[_Queue] = []
+        started = monotonic()
+        self.waiting += 1
+        try:
+            try:
+                for queue in queues:
+                    remaining = self.max_wait - (monotonic() - started)
+                    await asyncio.wait_for(queue.lock.acquire(), timeout=max(0.0, remaining))
+                    held.append(queue)
+            except TimeoutError:
+                raise ServiceUnavailable(
+                    f"waited {self.max_wait:g} s in this instance's queue for {', '.join(ordered)}:"
+                    " the database is answering slowly",
+                    limit="prelock_wait",
+                ) from None
+            finally:
+                self.waiting -= 1
+                if self._on_wait is not None:
+                    self._on_wait(monotonic() - started)
+            yield
+        finally:
+            for queue in held:
+                queue.lock.release()
+            for name, queue in zip(ordered, queues, strict=True):
+                queue.users -= 1
+                if queue.users == 0:
+                    self._queues.pop(name, None)
+
+
+class Waker:
+    """Requests waiting for room on a semaphore, woken when this instance sees permits come back."""
+
+    def __init__(self, max_waiters: int) -> None:
+        self.max_waiters = max_waiters
+        self._waiting: dict[str, set[asyncio.Event]] = {}
+        self.waiters = 0
+        self.draining = asyncio.Event()
+
+    async def wait(self, names: Sequence[str], seconds: float) -> None:
+        if self.draining.is_set():
+            raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
+        if self.waiters >= self.max_waiters:
+            raise LimitExceeded(
+                f"{self.max_waiters} requests are already waiting for room on this instance",
+                limit="max_waiters",
+            )
+        event = asyncio.Event()
+        for name in names:
+            self._waiting.setdefault(name, set()).add(event)
+        self.waiters += 1
+        draining = asyncio.ensure_future(self.draining.wait())
+        woken = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait({draining, woken}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            draining.cancel()
+            woken.cancel()
+            self.waiters -= 1
+            for name in names:
+                events = self._waiting.get(name)
+                if events is not None:
+                    events.discard(event)
+                    if not events:
+                        del self._waiting[name]
+        if self.draining.is_set():
+            raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
+
+    def notify_all(self) -> None:
+        """Wake every waiter (permits came back somewhere, and which semaphores is not known here)."""
+        for events in self._waiting.values():
+            for event in events:
+                event.set()
+
+    def notify(self, names: Sequence[str]) -> None:
+        for name in names:
+            for event in self._waiting.get(name, ()):
+                event.set()
+
+
+class InstanceStore:
+    """The store the service's client uses: the database store behind the pre-lock and the waker.
+
+    Everything else passes straight through.
+    """
+
+    #: leases granted here whose semaphores are remembered, so a release here wakes the right waiters
+    #: without reading the lease back
+    REMEMBERED_LEASES = 100_000
+
+    def __init__(
+        self,
+        inner: AsyncStore,
+        prelock: PreLock,
+        waker: Waker,
+        on_hold: Callable[[float], None] | None = None,
+    ) -> None:
+        self._inner = inner
+        self.prelock = prelock
+        self.waker = waker
+        self._on_hold = on_hold
+        #: (owner, key) -> (semaphore names, monotonic time of the grant)
+        self._granted: OrderedDict[tuple[str, str], tuple[list[str], float]] = OrderedDict()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def try_acquire(
+        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0
+    ) -> Lease | None:
+        if self.waker.draining.is_set():
+            raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
+        async with self.prelock.hold([w.name for w in wants]):
+            lease = await self._inner.try_acquire(owner, key, wants, ttl_ms, wait)
+        if lease is not None and (owner, key) not in self._granted:
+            self._granted[(owner, key)] = ([w.name for w in wants], monotonic())
+            if len(self._granted) > self.REMEMBERED_LEASES:
+                self._granted.popitem(last=False)
+        return lease
+
+    async def wait_for_room(self, names: Sequence[str], seconds: float) -> None:
+        await self.waker.wait(names, seconds)
+
+    async def release(self, owner: str, key: str) -> ReleaseOutcome:
+        outcome = await self._inner.release(owner, key)
+        granted = self._granted.pop((owner, key), None)
+        names = None if granted is None else granted[0]
+        if outcome is ReleaseOutcome.RELEASED and granted is not None and self._on_hold is not None:
+            self._on_hold(monotonic() - granted[1])
+        if outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.LOST) and self.waker.waiters:
+            if names is None:  # granted by another instance: read which semaphores it held
+                with contextlib.suppress(Exception):
+                    names = list((await self._inner.get_lease(owner, key)).counts)
+            self.waker.notify(names or [])
+        return outcome
+
+    async def revoke(self, owner: str, key: str, note: str) -> Lease:
+        lease = await self._inner.revoke(owner, key, note)
+        self.waker.notify(list(lease.counts))
+        return lease
+
+    async def set_capacity(self, name: str, capacity: int, by: str, reason: str) -> CapacityChange:
+        change = await self._inner.set_capacity(name, capacity, by, reason)
+        self.waker.notify([name])
+        return change

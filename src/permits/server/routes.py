@@ -1,0 +1,250 @@
+"""The /v1 API: thin handlers that check the caller, call the library, and write ``permits._wire`` JSON.
+
+Names and keys appear in paths only as the last segment, percent-encoded (a name may contain ``/``);
+actions on a lease take its key in the body (``POST /v1/leases/release``), so no name or key can ever be
+mistaken for a route.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+
+import permits
+from permits import _validate, _wire
+from permits._exceptions import (
+    AcquireTimeout,
+    IdempotencyConflict,
+    InvalidArgument,
+)
+from permits._io import monotonic
+from permits._models import Lease
+from permits.server import schemas
+from permits.server.auth import Identity
+from permits.server.state import ServiceState
+
+router = APIRouter(prefix="/v1")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": schemas.ErrorOut} for status in (401, 403, 404, 409, 410, 413, 422, 429, 503)
+}
+
+
+def _state(request: Request) -> ServiceState:
+    state: ServiceState = request.app.state.permits
+    return state
+
+
+async def _identity(request: Request) -> Identity:
+    identity = _state(request).auth.identify(request.headers.get("authorization"))
+    request.state.identity = identity
+    return identity
+
+
+State = Annotated[ServiceState, Depends(_state)]
+Caller = Annotated[Identity, Depends(_identity)]
+
+
+def _lease_json(lease: Lease, identity: Identity, asked_owner: str | None) -> dict[str, Any]:
+    shown = dataclasses.replace(lease, owner=identity.client_owner(lease.owner, asked_owner))
+    return _wire.lease_out(shown)
+
+
+def _who(identity: Identity, who: str | None) -> str:
+    return identity.db_owner(who)
+
+
+# ---------------------------------------------------------------------------------------------- whoami
+
+
+@router.get("/whoami", response_model=schemas.WhoAmIOut, responses=_ERRORS, tags=["service"])
+async def whoami(identity: Caller) -> dict[str, Any]:
+    """The identity of the token, and whether it is an admin."""
+    return {"identity": identity.name, "admin": identity.admin, "version": permits.__version__}
+
+
+# ---------------------------------------------------------------------------------------------- leases
+
+
+@router.post("/leases", status_code=201, response_model=schemas.LeaseOut, responses=_ERRORS, tags=["leases"])
+async def acquire(body: schemas.AcquireIn, identity: Caller, state: State) -> JSONResponse:
+    """Take every wanted permit or none, waiting up to ``wait`` seconds for room.
+
+    201 with the lease; 409 ``acquire_timeout`` when there was no room within the wait. A retry with the
+    same ``key`` returns the same lease and never grants twice.
+    """
+    limits = state.config.limits
+    pairs = body.want_pairs()
+    if len(pairs) > limits.max_wants:
+        raise InvalidArgument(
+            f"a request may name at most {limits.max_wants} semaphores on this service", field="wants"
+        )
+    wait = _validate.timeout(body.wait) or 0.0
+    if wait > limits.max_wait:
+        raise InvalidArgument(f"wait is at most {limits.max_wait:g} s on this service", field="wait")
+    if body.ttl is not None and _validate.ttl_ms(body.ttl) > limits.max_ttl * 1000:
+        raise InvalidArgument(f"ttl is at most {limits.max_ttl:g} s on this service", field="ttl")
+    owner = identity.db_owner(body.owner)
+    key = body.key if body.key is not None else uuid.uuid4().hex
+    await state.check_lease_quota(identity)
+
+    started = monotonic()
+    outcome = "error"
+    try:
+        if wait > 0:
+            lease = await state.client.acquire(pairs, key=key, owner=owner, ttl=body.ttl, timeout=wait)
+        else:
+            found = await state.client.try_acquire(pairs, key=key, owner=owner, ttl=body.ttl)
+            if found is None:
+                outcome = "refused"
+                names = ", ".join(f"{n}:{c}" for n, c in sorted(pairs))
+                raise AcquireTimeout(f"no room for {names}", key=key, timeout=0.0)
+            lease = found
+        outcome = "granted"
+    except AcquireTimeout:
+        outcome = "refused" if wait == 0 else "timeout"
+        raise
+    except IdempotencyConflict:
+        outcome = "conflict"
+        raise
+    finally:
+        elapsed = monotonic() - started
+        state.metrics.acquires.labels(outcome).inc()
+        state.metrics.acquire_seconds.labels(outcome).observe(elapsed)
+        if outcome == "granted":
+            state.metrics.acquire_wait_seconds.observe(elapsed)
+    state.note_granted(identity)
+    return JSONResponse(_lease_json(lease, identity, body.owner), status_code=201)
+
+
+@router.post("/leases/release", response_model=schemas.ReleaseOut, responses=_ERRORS, tags=["leases"])
+async def release(body: schemas.LeaseRefIn, identity: Caller, state: State) -> dict[str, Any]:
+    """Give a lease's permits back: ``released``, ``already_released``, ``lost`` (it had ended by expiry or
+    revocation before) or ``not_found``. Idempotent."""
+    outcome = await state.client.release(body.key, owner=identity.db_owner(body.owner))
+    state.metrics.releases.labels(str(outcome)).inc()
+    return {"outcome": str(outcome)}
+
+
+@router.post("/leases/extend", response_model=schemas.LeaseOut, responses=_ERRORS, tags=["leases"])
+async def extend(body: schemas.ExtendIn, identity: Caller, state: State) -> dict[str, Any]:
+    """Push a held lease's expiry to now + ``ttl`` on the database's clock; 410 ``lease_lost`` if it ended."""
+    if body.ttl is not None and _validate.ttl_ms(body.ttl) > state.config.limits.max_ttl * 1000:
+        raise InvalidArgument(f"ttl is at most {state.config.limits.max_ttl:g} s on this service", field="ttl")
+    lease = await state.client.extend(body.key, body.ttl, owner=identity.db_owner(body.owner))
+    return _lease_json(lease, identity, body.owner)
+
+
+@router.post("/leases/revoke", response_model=schemas.LeaseOut, responses=_ERRORS, tags=["admin"])
+async def revoke(body: schemas.RevokeIn, identity: Caller, state: State) -> dict[str, Any]:
+    """End anyone's lease now, recording why (admin). ``owner`` is the owner as stored, as the holders list
+    shows it. The holder finds out at its next extend (410, reason ``revoked``)."""
+    identity.require_admin("revoking a lease")
+    reason = _validate.reason(body.reason)
+    if not reason.strip():
+        raise InvalidArgument("a revoke needs a reason", field="reason")
+    lease = await state.client.revoke(body.key, owner=body.owner, reason=f"{identity.name}: {reason}")
+    state.metrics.reclaims.labels("revoked").inc()
+    return _wire.lease_out(lease)
+
+
+@router.get("/leases/{key:path}", response_model=schemas.LeaseOut, responses=_ERRORS, tags=["leases"])
+async def get_lease(key: str, identity: Caller, state: State, owner: str | None = None) -> dict[str, Any]:
+    """One of your leases, held or ended; 404 when there is none under this key (or it is not yours)."""
+    lease = await state.client.get_lease(key, owner=identity.db_owner(owner))
+    return _lease_json(lease, identity, owner)
+
+
+# ------------------------------------------------------------------------------------------ semaphores
+
+
+@router.get("/semaphores", response_model=schemas.SemaphoreListOut, responses=_ERRORS, tags=["semaphores"])
+async def list_semaphores(identity: Caller, state: State, prefix: str = "") -> dict[str, Any]:
+    """Every semaphore whose name starts with ``prefix``, by name."""
+    return {"semaphores": [_wire.semaphore_out(s) for s in await state.client.list_semaphores(prefix)]}
+
+
+@router.post(
+    "/semaphores", status_code=201, response_model=schemas.SemaphoreOut, responses=_ERRORS, tags=["semaphores"]
+)
+async def create_semaphore(body: schemas.CreateSemaphoreIn, identity: Caller, state: State) -> JSONResponse:
+    """Create a semaphore (admin). With ``exist_ok``, one of the same capacity is returned instead of 409."""
+    identity.require_admin("creating a semaphore")
+    sem = await state.client.create_semaphore(body.name, body.capacity, exist_ok=body.exist_ok)
+    return JSONResponse(_wire.semaphore_out(sem), status_code=201)
+
+
+@router.get("/semaphores/{name:path}", response_model=schemas.SemaphoreOut, responses=_ERRORS, tags=["semaphores"])
+async def get_semaphore(name: str, identity: Caller, state: State) -> dict[str, Any]:
+    """Capacity, use and last fencing token of one semaphore."""
+    return _wire.semaphore_out(await state.client.get_semaphore(name))
+
+
+@router.patch(
+    "/semaphores/{name:path}", response_model=schemas.CapacityChangeOut, responses=_ERRORS, tags=["semaphores"]
+)
+async def set_capacity(name: str, body: schemas.SetCapacityIn, identity: Caller, state: State) -> dict[str, Any]:
+    """Change a capacity, with a reason kept in its history (admin). Lowering it revokes nothing."""
+    identity.require_admin("changing a capacity")
+    change = await state.client.set_capacity(name, body.capacity, reason=body.reason, who=_who(identity, body.who))
+    return _wire.change_out(change)
+
+
+@router.delete("/semaphores/{name:path}", response_model=schemas.DeletedOut, responses=_ERRORS, tags=["semaphores"])
+async def delete_semaphore(
+    name: str, identity: Caller, state: State, force: Annotated[bool, Query()] = False
+) -> dict[str, Any]:
+    """Delete a semaphore (admin); 409 ``semaphore_in_use`` while permits are held, unless ``force``, which
+    revokes those leases. Its fencing tokens are kept for a semaphore created again under the name."""
+    identity.require_admin("deleting a semaphore")
+    revoked = await state.client.delete_semaphore(name, force=force)
+    if revoked:
+        state.metrics.reclaims.labels("revoked").inc(revoked)
+    return {"deleted": name, "revoked": revoked}
+
+
+@router.get("/holders/{name:path}", response_model=schemas.HoldersOut, responses=_ERRORS, tags=["semaphores"])
+async def holders(name: str, identity: Caller, state: State) -> dict[str, Any]:
+    """The leases holding permits of ``name``, in token order. A client token sees the keys of its own
+    leases only."""
+    found = await state.client.holders(name)
+    return {
+        "name": name,
+        "holders": [_wire.holder_out(h, show_key=identity.admin or identity.owns(h.owner)) for h in found],
+    }
+
+
+@router.get(
+    "/capacity-history/{name:path}",
+    response_model=schemas.CapacityHistoryOut,
+    responses=_ERRORS,
+    tags=["semaphores"],
+)
+async def capacity_history(
+    name: str, identity: Caller, state: State, limit: Annotated[int, Query(ge=1, le=10_000)] = 100
+) -> dict[str, Any]:
+    """Capacity changes of ``name``, newest first (its creation included)."""
+    return {"changes": [_wire.change_out(c) for c in await state.client.capacity_history(name, limit=limit)]}
+
+
+# --------------------------------------------------------------------------------------------- upkeep
+
+
+@router.post("/sweep", response_model=schemas.SweepOut, responses=_ERRORS, tags=["admin"])
+async def sweep(body: schemas.SweepIn, identity: Caller, state: State) -> dict[str, Any]:
+    """End every expired lease now, in short batches (admin). The service also does this on its own."""
+    identity.require_admin("sweeping")
+    result = await state.client.sweep(batch_size=body.batch_size, max_batches=body.max_batches)
+    if result.leases:
+        state.metrics.reclaims.labels("swept").inc(result.leases)
+    return _wire.sweep_out(result)
+
+
+@router.post("/reconcile", response_model=schemas.ReconcileOut, responses=_ERRORS, tags=["admin"])
+async def reconcile(body: schemas.ReconcileIn, identity: Caller, state: State) -> dict[str, Any]:
+    """Compare each semaphore's count with its permit rows, and repair drift if asked (admin)."""
+    identity.require_admin("reconciling")
+    return {"drift": [_wire.drift_out(d) for d in await state.client.reconcile(repair=body.repair)]}

@@ -1,0 +1,114 @@
+"""What one service instance holds while it runs: its settings, its client, its queues and its metrics.
+
+Nothing here is the source of truth: every grant, release and count lives in the database, so any number
+of instances can serve one database, and an instance can be killed at any moment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import cast
+
+from permits._async.client import AsyncClient
+from permits._async.store import AsyncSQLStore
+from permits._config import DEFAULT_TTL, Settings
+from permits._exceptions import ConfigurationError, LimitExceeded
+from permits._io import monotonic
+from permits.server.auth import Authenticator, Identity
+from permits.server.config import ServerConfig
+from permits.server.maintenance import LivenessProbe
+from permits.server.metrics import Metrics
+from permits.server.prelock import InstanceStore, PreLock, Waker
+from permits.stores.base import AsyncStore
+
+#: The owner the service's own client records (capacity changes made with no ``who``).
+SERVICE_OWNER = "permits-service"
+#: How old a client's count of held leases may be before the quota check reads it again.
+QUOTA_REFRESH_SECONDS = 1.0
+
+
+@dataclass
+class _Quota:
+    count: int
+    read_at: float
+    granted_since: int = 0
+
+
+@dataclass
+class ServiceState:
+    config: ServerConfig
+    client: AsyncClient
+    sql_store: AsyncSQLStore
+    instance_store: InstanceStore
+    auth: Authenticator
+    metrics: Metrics
+    #: liveness checks given as Python callables, by owner prefix (create_app(liveness=...))
+    liveness_probes: dict[str, LivenessProbe] = field(default_factory=dict)
+    _quotas: dict[str, _Quota] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        config: ServerConfig,
+        metrics: Metrics | None = None,
+        liveness: dict[str, LivenessProbe] | None = None,
+    ) -> ServiceState:
+        metrics = metrics or Metrics()
+        settings = Settings.build(
+            config.database_url,
+            owner=SERVICE_OWNER,
+            ttl=DEFAULT_TTL,
+            lock_wait_timeout=config.lock_wait_timeout,
+            retries=config.retries,
+            auto_upgrade=None,
+        )
+        if settings.url.get_backend_name() not in ("sqlite", "mysql", "mariadb", "postgresql"):
+            raise ConfigurationError(
+                "the service keeps its state in a SQL database: use sqlite://, mysql:// or postgresql://",
+                field="database_url",
+            )
+        sql_store = AsyncSQLStore(settings)
+        sql_store.on_retry = lambda fault: metrics.store_retries.labels(fault).inc()
+        prelock = PreLock(config.prelock, config.prelock_wait, on_wait=metrics.prelock_wait_seconds.observe)
+        waker = Waker(config.limits.max_waiters)
+        instance_store = InstanceStore(sql_store, prelock, waker, on_hold=metrics.hold_seconds.observe)
+        # Attempts go through the pre-lock, and waits hear the releases this instance sees.
+        client = AsyncClient(
+            config.database_url,
+            owner=SERVICE_OWNER,
+            lock_wait_timeout=config.lock_wait_timeout,
+            retries=config.retries,
+            store=cast(AsyncStore, instance_store),
+        )
+        metrics.prelock_waiting.set_function(lambda: prelock.waiting)
+        metrics.waiters.set_function(lambda: waker.waiters)
+        return cls(config, client, sql_store, instance_store, Authenticator(config), metrics, dict(liveness or {}))
+
+    @property
+    def waker(self) -> Waker:
+        return self.instance_store.waker
+
+    async def check_lease_quota(self, identity: Identity) -> None:
+        """Refuse a new acquire (429) when the identity holds ``max_leases_per_client`` leases already.
+
+        The count is read at most once a second per instance and advanced by the grants made here since,
+        so across several instances the bound can be passed by the grants of the last second.
+        """
+        if not identity.scoped:
+            return
+        limit = self.config.limits.max_leases_per_client
+        quota = self._quotas.get(identity.name)
+        now = monotonic()
+        if quota is None or now - quota.read_at > QUOTA_REFRESH_SECONDS:
+            quota = _Quota(await self.sql_store.count_held_leases(identity.name), now)
+            self._quotas[identity.name] = quota
+        if quota.count + quota.granted_since >= limit:
+            raise LimitExceeded(
+                f"{identity.name!r} holds {limit} leases, the most this service allows per client",
+                limit="max_leases_per_client",
+            )
+
+    def note_granted(self, identity: Identity) -> None:
+        quota = self._quotas.get(identity.name)
+        if quota is not None:
+            quota.granted_since += 1
