@@ -83,16 +83,33 @@ def test_acquire_fast_path_statements() -> None:
     assert lease.tokens == {"a": 11, "b": 3} and lease.expires_in == 5.0
 
 
-def test_acquire_without_room_checks_the_key_then_reclaims() -> None:
+def test_acquire_without_room_lets_go_at_once_then_checks_without_locks() -> None:
     d = SQLite()
     flow = flows.try_acquire(d, "o", "k", (Want("a", 1),), 5000)
     assert next(flow).name == "SEM_TAKE"
-    assert flow.send(Result([], 0)).name == "LEASE_FIND"  # a retry must get its lease, not a refusal
-    assert flow.send(Result([], 0)).name == "SEMS_LOCK"
-    assert flow.send(Result([(5, "a", 1, 1)], 1)).name == "EXPIRED_FOR_SEMS"
-    with pytest.raises(StopIteration) as done:
+    # No room: roll back at once (the refused must not hold the row the next grant needs) ...
+    with pytest.raises(flows.Restart) as refused:
         flow.send(Result([], 0))
+    assert refused.value.readonly
+    # ... then, locking nothing: a retry must get its lease, not a refusal; then why there was no room.
+    check = refused.value.flow()
+    assert next(check).name == "LEASE_FIND"
+    assert check.send(Result([], 0)).name == "SEMS_READ"
+    assert check.send(Result([(5, "a", 1, 1)], 1)).name == "EXPIRED_FOR_SEMS"
+    with pytest.raises(StopIteration) as done:
+        check.send(Result([], 0))
     assert done.value.value is None
+    # An expired lease holds the room: reclaim it under lock, in a writing transaction.
+    check = refused.value.flow()
+    next(check)
+    check.send(Result([], 0))
+    check.send(Result([(5, "a", 1, 1)], 1))
+    with pytest.raises(flows.Restart) as reclaim:
+        check.send(Result([(42,)], 1))
+    assert not reclaim.value.readonly
+    slow = reclaim.value.flow()
+    assert next(slow).name == "LEASE_FIND"
+    assert slow.send(Result([], 0)).name == "SEMS_LOCK"
 
 
 def test_every_statement_a_flow_names_exists_in_every_dialect() -> None:

@@ -70,11 +70,13 @@ class DuplicateKey(Exception):
 
 
 class Restart(Exception):
-    """Raised by a flow: roll back, then run ``flow()`` in a new transaction."""
+    """Raised by a flow: roll back, then run ``flow()`` in a new transaction (a read-only one if
+    ``readonly``: on SQLite it then does not take the write lock)."""
 
-    def __init__(self, flow: Callable[[], Flow[Any]]) -> None:
+    def __init__(self, flow: Callable[[], Flow[Any]], readonly: bool = False) -> None:
         super().__init__("restart")
         self.flow = flow
+        self.readonly = readonly
 
 
 # ---------------------------------------------------------------------------------------------- acquire
@@ -91,14 +93,37 @@ def try_acquire(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms:
     if len(wants) == 1 and d.has("ACQUIRE_ONE"):
         return (yield from _acquire_one(d, owner, key, wants[0], ttl_ms))
     tokens: dict[str, int] = {}
-    for i, want in enumerate(wants):
+    for want in wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count})
         if taken.rowcount == 0:
-            if i == 0:  # nothing written yet: carry on in this transaction
-                return (yield from _acquire_slow(d, owner, key, wants, ttl_ms))
-            raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms))
+            raise _refused(d, owner, key, wants, ttl_ms)
         tokens[want.name] = d.taken_token(taken)
     return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
+
+
+def _refused(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int) -> Restart:
+    """A semaphore had no room (or does not exist). Roll back at once, which lets go of the semaphore
+    rows, and find out why without locking anything: on a hot semaphore the refused are the many, and
+    they must not hold the row that the next grant needs."""
+    return Restart(lambda: _why_refused(d, owner, key, wants, ttl_ms), readonly=True)
+
+
+def _why_refused(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int) -> Flow[Lease | None]:
+    # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
+    existing = yield from _find_lease(owner, key)
+    if existing is not None:
+        return decide.replay(existing[1], wants)
+    found = yield Stmt("SEMS_READ", {"names": [w.name for w in wants]})
+    sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used in found.rows}
+    for want in wants:
+        if want.name not in sems:
+            raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
+    decide.check_counts(wants, {n: cap for n, (_, cap, _) in sems.items()})
+    # Expired leases never block: if any hold these semaphores, reclaim them under lock and try again.
+    expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": sorted(sid for sid, _, _ in sems.values())})
+    if expired.rows:
+        raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms))
+    return None
 
 
 def _acquire_one(d: Dialect, owner: str, key: str, want: Want, ttl_ms: int) -> Flow[Lease | None]:
@@ -113,7 +138,7 @@ def _acquire_one(d: Dialect, owner: str, key: str, want: Want, ttl_ms: int) -> F
     except DuplicateKey:
         raise Restart(lambda: _replay(owner, key, [want])) from None
     if not done.rows:
-        raise Restart(lambda: _acquire_slow(d, owner, key, [want], ttl_ms))
+        raise _refused(d, owner, key, [want], ttl_ms)
     _, acquired_ms, expires_ms, token = done.rows[0]
     return Lease(
         key=key,

@@ -256,7 +256,7 @@ class SQLStore:
                 restarts += 1
                 if restarts > MAX_RESTARTS:
                     raise StorageError("an operation kept restarting; giving up", url=self.url) from None
-                make_flow = restart.flow
+                make_flow, readonly = restart.flow, restart.readonly
             except DuplicateKey:
                 raise StorageError("unexpected duplicate key", url=self.url) from None
             except DBAPIError as exc:

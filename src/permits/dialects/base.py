@@ -89,6 +89,11 @@ PORTABLE_SQL: dict[str, str] = {
     "PERMIT_INSERT": """
         INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
         SELECT :lease_id, id, :count, :token FROM permits_semaphore WHERE name = :name AND deleted = 0""",
+    # The same without locks, for a refused acquire that only needs to know why. params: names
+    # -> id, name, capacity, used
+    "SEMS_READ": """
+        SELECT id, name, capacity, used FROM permits_semaphore
+        WHERE name IN :names AND deleted = 0 ORDER BY name""",
     # Held leases past their expiry that hold any of these semaphores. params: sem_ids -> id
     "EXPIRED_FOR_SEMS": """
         SELECT DISTINCT l.id FROM permits_lease l
