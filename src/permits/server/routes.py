@@ -146,7 +146,9 @@ async def revoke(body: schemas.RevokeIn, identity: Caller, state: State) -> dict
     reason = _validate.reason(body.reason)
     if not reason.strip():
         raise InvalidArgument("a revoke needs a reason", field="reason")
-    lease = await state.client.revoke(body.key, owner=body.owner, reason=f"{identity.name}: {reason}")
+    # The note says who revoked it, where there are identities to tell apart.
+    note = f"{identity.name}: {reason}" if identity.scoped else reason
+    lease = await state.client.revoke(body.key, owner=body.owner, reason=note)
     state.metrics.reclaims.labels("revoked").inc()
     return _wire.lease_out(lease)
 

@@ -1,0 +1,97 @@
+"""Real ``permits serve`` processes for the tests: started on a free port, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+_LISTENING = re.compile(r"permits serving on (http://\S+?)(?:;| )")
+
+
+class Service:
+    """One ``permits serve`` process. Its output is kept, to show when a test fails."""
+
+    def __init__(
+        self,
+        db_url: str,
+        *,
+        tokens: list[dict[str, Any]] | None = None,
+        env: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
+    ) -> None:
+        environment = {**os.environ, **(env or {})}
+        environment.pop("PERMITS_TOKEN", None)
+        if tokens is not None:
+            environment["PERMITS_TOKENS"] = json.dumps(tokens)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "permits", "serve", "--db", db_url, "--port", "0", *args],
+            cwd=ROOT,
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.output: list[str] = []
+        found = threading.Event()
+        self.url = ""
+
+        def read() -> None:
+            assert self.process.stdout is not None
+            for line in self.process.stdout:
+                self.output.append(line)
+                match = _LISTENING.search(line)
+                if match and not found.is_set():
+                    self.url = match.group(1)
+                    found.set()
+            found.set()
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+        if not found.wait(60) or not self.url:
+            self.stop()
+            raise RuntimeError("permits serve did not start:\n" + self.log())
+
+    def log(self) -> str:
+        return "".join(self.output[-200:])
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(5)
+        return self.process.returncode
+
+
+@contextmanager
+def running(db_url: str, **options: Any) -> Iterator[Service]:
+    service = Service(db_url, **options)
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def wait_until(check: Any, timeout: float = 20.0, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {check}")
+        time.sleep(interval)
