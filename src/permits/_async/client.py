@@ -222,11 +222,15 @@ class AsyncClient:
 
     # ---------------------------------------------------------------------------------------- semaphores
 
-    async def create_semaphore(self, name: str, capacity: int, *, exist_ok: bool = False) -> Semaphore:
+    async def create_semaphore(
+        self, name: str, capacity: int, *, exist_ok: bool = False, who: str | None = None
+    ) -> Semaphore:
         """Create a semaphore of ``capacity`` permits. With ``exist_ok``, an existing semaphore of the same
-        capacity is returned instead of raising ``SemaphoreExists``."""
+        capacity is returned instead of raising ``SemaphoreExists``. ``who`` (default: this client's owner)
+        is recorded as the creator in the capacity history."""
+        by = self.owner if who is None else _validate.owner(who)
         return await self._store.create_semaphore(
-            _validate.name(name), _validate.capacity(capacity), self.owner, bool(exist_ok)
+            _validate.name(name), _validate.capacity(capacity), by, bool(exist_ok)
         )
 
     async def create_mutex(self, name: str, *, exist_ok: bool = False) -> Semaphore:

@@ -71,6 +71,7 @@ class AsyncHTTPStore:
         )
         self._opened = False
         self._closed = False
+        self._max_wait = 0.0
 
     @property
     def url(self) -> str:
@@ -81,7 +82,9 @@ class AsyncHTTPStore:
         if self._closed:
             raise UsageError("this client is closed")
         if not self._opened:
-            await self._call("GET", "/v1/whoami")
+            about = await self._call("GET", "/v1/whoami")
+            # A wait is a long poll on the service, which bounds it: ask for no more than it allows.
+            self._max_wait = float(about.get("limits", {}).get("max_wait", self._max_wait))
             self._opened = True
 
     async def close(self) -> None:
@@ -93,6 +96,8 @@ class AsyncHTTPStore:
     async def try_acquire(
         self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0
     ) -> Lease | None:
+        await self.open()
+        wait = min(wait, self._max_wait)
         body = {
             "wants": [{"name": w.name, "count": w.count} for w in wants],
             "key": key,

@@ -72,6 +72,7 @@ class HTTPStore:
         )
         self._opened = False
         self._closed = False
+        self._max_wait = 0.0
 
     @property
     def url(self) -> str:
@@ -82,7 +83,9 @@ class HTTPStore:
         if self._closed:
             raise UsageError("this client is closed")
         if not self._opened:
-            self._call("GET", "/v1/whoami")
+            about = self._call("GET", "/v1/whoami")
+            # A wait is a long poll on the service, which bounds it: ask for no more than it allows.
+            self._max_wait = float(about.get("limits", {}).get("max_wait", self._max_wait))
             self._opened = True
 
     def close(self) -> None:
@@ -94,6 +97,8 @@ class HTTPStore:
     def try_acquire(
         self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0
     ) -> Lease | None:
+        self.open()
+        wait = min(wait, self._max_wait)
         body = {
             "wants": [{"name": w.name, "count": w.count} for w in wants],
             "key": key,

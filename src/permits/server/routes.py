@@ -61,9 +61,15 @@ def _who(identity: Identity, who: str | None) -> str:
 
 
 @router.get("/whoami", response_model=schemas.WhoAmIOut, responses=_ERRORS, tags=["service"])
-async def whoami(identity: Caller) -> dict[str, Any]:
-    """The identity of the token, and whether it is an admin."""
-    return {"identity": identity.name, "admin": identity.admin, "version": permits.__version__}
+async def whoami(identity: Caller, state: State) -> dict[str, Any]:
+    """The identity of the token, whether it is an admin, and the bounds this service sets."""
+    limits = state.config.limits
+    return {
+        "identity": identity.name,
+        "admin": identity.admin,
+        "version": permits.__version__,
+        "limits": {"max_wait": limits.max_wait, "max_ttl": limits.max_ttl, "max_wants": limits.max_wants},
+    }
 
 
 # ---------------------------------------------------------------------------------------------- leases
@@ -175,7 +181,9 @@ async def list_semaphores(identity: Caller, state: State, prefix: str = "") -> d
 async def create_semaphore(body: schemas.CreateSemaphoreIn, identity: Caller, state: State) -> JSONResponse:
     """Create a semaphore (admin). With ``exist_ok``, one of the same capacity is returned instead of 409."""
     identity.require_admin("creating a semaphore")
-    sem = await state.client.create_semaphore(body.name, body.capacity, exist_ok=body.exist_ok)
+    sem = await state.client.create_semaphore(
+        body.name, body.capacity, exist_ok=body.exist_ok, who=_who(identity, body.who)
+    )
     return JSONResponse(_wire.semaphore_out(sem), status_code=201)
 
 

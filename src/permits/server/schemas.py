@@ -165,10 +165,17 @@ class ReconcileOut(BaseModel):
     drift: list[DriftOut]
 
 
+class LimitsOut(BaseModel):
+    max_wait: float
+    max_ttl: float
+    max_wants: int
+
+
 class WhoAmIOut(BaseModel):
     identity: str
     admin: bool
     version: str
+    limits: LimitsOut
 
 
 class ErrorDetail(BaseModel):

@@ -1,0 +1,252 @@
+"""A real ``permits serve`` process with tokens: who may do what, error bodies, limits and tokens on the
+wire. One service per backend for the module; every test keeps to its own semaphores (``ns``)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+import permits
+from tests._proxy import CuttingProxy
+from tests._service import Service, running
+
+ADMIN, ALICE, BOB = "admin-token-0123456789", "alice-token-0123456789", "bob-token-012345678901"
+CAROL = "carol-token-0123456789"
+TOKENS = [
+    {"name": "ops", "token": ADMIN, "admin": True},
+    {"name": "alice", "token": ALICE},
+    # A token may be configured by its SHA-256 alone, to keep the secret out of the config.
+    {"name": "bob", "token_sha256": hashlib.sha256(BOB.encode()).hexdigest()},
+    {"name": "carol", "token": CAROL},
+]
+
+
+@pytest.fixture(scope="module", params=["sqlite", "mysql", "postgresql"])
+def service(
+    request: pytest.FixtureRequest, servers: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Service]:
+    backend = str(request.param)
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path_factory.mktemp('auth') / 'permits.db'}"
+    else:
+        url = servers.url_for(backend).render_as_string(hide_password=False)
+    limits = {
+        "PERMITS_LIMITS__MAX_WAIT": "5",
+        "PERMITS_LIMITS__MAX_WANTS": "3",
+        "PERMITS_LIMITS__MAX_TTL": "3600",
+        "PERMITS_LIMITS__MAX_LEASES_PER_CLIENT": "3",
+        "PERMITS_LIMITS__MAX_WAITERS": "2",
+        "PERMITS_LIMITS__MAX_BODY_BYTES": "4096",
+        "PERMITS_MAINTENANCE__ENABLED": "false",
+    }
+    with running(url, tokens=TOKENS, env=limits) as svc:
+        yield svc
+
+
+def _http(service: Service, token: str | None) -> httpx.Client:
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    return httpx.Client(base_url=service.url, headers=headers, timeout=30)
+
+
+def _error(response: httpx.Response) -> tuple[int, str]:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "details"}, body
+    return response.status_code, body["error"]["code"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/whoami"),
+        ("GET", "/v1/semaphores"),
+        ("POST", "/v1/leases"),
+        ("POST", "/v1/leases/release"),
+        ("GET", "/v1/leases/some-key"),
+        ("GET", "/v1/holders/x"),
+        ("DELETE", "/v1/semaphores/x"),
+    ],
+)
+def test_no_token_or_a_wrong_one_is_401(service: Service, method: str, path: str) -> None:
+    for token in (None, "not-a-token-at-all-00000"):
+        with _http(service, token) as http:
+            response = http.request(method, path, json={})
+        assert _error(response) == (401, "unauthorized")
+    with _http(service, None) as http:
+        response = http.get("/v1/whoami", headers={"Authorization": f"Basic {ALICE}"})
+    assert _error(response) == (401, "unauthorized")
+
+
+def test_wrong_token_through_the_client_raises_unauthorized(service: Service) -> None:
+    with pytest.raises(permits.Unauthorized):
+        permits.connect(service.url, token="not-a-token-at-all-00000").list_semaphores()
+    with permits.connect(service.url, token=BOB) as bob:
+        assert bob.list_semaphores("nothing-has-this-prefix") == []
+
+
+def test_only_admins_manage_semaphores(service: Service, ns: str) -> None:
+    with permits.connect(service.url, token=ALICE) as alice, permits.connect(service.url, token=ADMIN) as admin:
+        with pytest.raises(permits.Forbidden):
+            alice.create_semaphore(f"{ns}s", 2)
+        admin.create_semaphore(f"{ns}s", 2)
+        for attempt in (
+            lambda: alice.set_capacity(f"{ns}s", 5, reason="mine now"),
+            lambda: alice.delete_semaphore(f"{ns}s"),
+            lambda: alice.sweep(),
+            lambda: alice.reconcile(),
+            lambda: alice.revoke("k", owner="ops", reason="x"),
+        ):
+            with pytest.raises(permits.Forbidden):
+                attempt()
+        assert admin.get_semaphore(f"{ns}s").capacity == 2  # nothing changed
+        change = admin.set_capacity(f"{ns}s", 3, reason="more room", who="oncall")
+        assert change.changed_by == "ops/oncall"  # who did it: the identity, then what it said
+
+
+def test_a_client_reaches_only_its_own_leases(service: Service, ns: str) -> None:
+    with (
+        permits.connect(service.url, token=ADMIN) as admin,
+        permits.connect(service.url, token=ALICE, owner="worker-1") as alice,
+        permits.connect(service.url, token=BOB, owner="worker-1") as bob,
+    ):
+        admin.create_semaphore(f"{ns}s", 5)
+        lease = alice.acquire(f"{ns}s", key=f"{ns}job-7")
+        assert lease.owner == "worker-1"  # shown as asked, without the identity prefix
+
+        # Bob, with the same owner name and key, can neither see, extend nor release Alice's lease: for him
+        # it does not exist, which is exactly what "not yours" must look like.
+        with pytest.raises(permits.LeaseNotFound):
+            bob.get_lease(f"{ns}job-7")
+        with pytest.raises(permits.LeaseNotFound):
+            bob.extend(f"{ns}job-7", 30)
+        assert bob.release(f"{ns}job-7") == permits.ReleaseOutcome.NOT_FOUND
+        assert alice.get_lease(f"{ns}job-7").held
+
+        # Bob reusing Alice's key gets a lease of his own, never hers.
+        his = bob.acquire(f"{ns}s", key=f"{ns}job-7")
+        assert his.token != lease.token
+        assert admin.get_semaphore(f"{ns}s").used == 2
+
+        # The holders list shows a client the keys of its own leases only; an admin sees all.
+        seen_by_bob = {h.owner: h.key for h in bob.holders(f"{ns}s")}
+        assert seen_by_bob == {"alice/worker-1": "", "bob/worker-1": f"{ns}job-7"}
+        assert {h.key for h in admin.holders(f"{ns}s")} == {f"{ns}job-7"}
+
+        # An admin revokes Alice's lease by its stored owner; she learns it at her next extend.
+        revoked = admin.revoke(f"{ns}job-7", owner="alice/worker-1", reason="deploy froze")
+        assert revoked.end_note == "ops: deploy froze"
+        with pytest.raises(permits.LeaseLost) as lost:
+            alice.extend(lease, 30)
+        assert lost.value.reason == "revoked"
+        assert bob.release(his) == permits.ReleaseOutcome.RELEASED
+
+
+def test_error_bodies_and_statuses(service: Service, ns: str) -> None:
+    with _http(service, ADMIN) as http:
+        assert _error(http.get(f"/v1/semaphores/{ns}nope")) == (404, "semaphore_not_found")
+        assert _error(http.get("/v2/anything")) == (404, "not_found")
+        assert _error(http.post("/v1/semaphores", json={"name": "", "capacity": 1})) == (422, "invalid_argument")
+        assert _error(http.post("/v1/semaphores", json={"name": f"{ns}s", "capacity": "1"})) == (
+            422,
+            "invalid_argument",
+        )
+        assert _error(http.post("/v1/semaphores", json={"name": f"{ns}s", "capacity": 1, "x": 1})) == (
+            422,
+            "invalid_argument",
+        )
+        assert http.post("/v1/semaphores", json={"name": f"{ns}s", "capacity": 1}).status_code == 201
+        assert _error(http.post("/v1/semaphores", json={"name": f"{ns}s", "capacity": 1})) == (409, "semaphore_exists")
+        assert _error(http.post("/v1/leases", json={"wants": {f"{ns}s": 2}})) == (422, "count_exceeds_capacity")
+        granted = http.post("/v1/leases", json={"wants": {f"{ns}s": 1}, "key": "k"})
+        assert granted.status_code == 201
+        assert _error(http.post("/v1/leases", json={"wants": {f"{ns}s": 1}})) == (409, "acquire_timeout")
+        assert _error(
+            http.post("/v1/leases", json={"wants": [{"name": f"{ns}s", "count": 1}], "key": "k2", "wait": 0.3})
+        ) == (
+            409,
+            "acquire_timeout",
+        )
+        assert _error(http.delete(f"/v1/semaphores/{ns}s")) == (409, "semaphore_in_use")
+        # A form-encoded body (curl -d without a Content-Type) is read as JSON all the same.
+        done = http.post(
+            "/v1/leases/release", content='{"key": "k"}', headers={"Content-Type": "application/x-www-form-urlencoded"}
+        )
+        assert done.json() == {"outcome": "released"}
+
+
+def test_bounds_are_refused_with_a_clear_status(service: Service, ns: str) -> None:
+    with _http(service, ADMIN) as http:
+        for name in ("a", "b", "c", "d"):
+            http.post("/v1/semaphores", json={"name": f"{ns}{name}", "capacity": 1})
+        too_many = {f"{ns}{n}": 1 for n in "abcd"}
+        response = http.post("/v1/leases", json={"wants": too_many})
+        assert _error(response) == (422, "invalid_argument") and "at most 3" in response.json()["error"]["message"]
+        assert _error(http.post("/v1/leases", json={"wants": {f"{ns}a": 1}, "wait": 6})) == (422, "invalid_argument")
+        assert _error(http.post("/v1/leases", json={"wants": {f"{ns}a": 1}, "ttl": 3601})) == (422, "invalid_argument")
+        big = http.post("/v1/leases", json={"wants": {f"{ns}a": 1}, "key": "x" * 5000})
+        assert _error(big) == (413, "request_too_large")
+    with _http(service, CAROL) as http:
+        # At most 3 held leases per client on this service.
+        for i in range(3):
+            assert http.post("/v1/leases", json={"wants": {f"{ns}{'abc'[i]}": 1}, "ttl": 60}).status_code == 201
+        refused = http.post("/v1/leases", json={"wants": {f"{ns}d": 1}})
+        assert _error(refused) == (429, "limit_exceeded") and refused.headers["Retry-After"]
+        assert refused.json()["error"]["details"]["limit"] == "max_leases_per_client"
+
+
+def test_fencing_tokens_round_trip_exactly_up_to_2_63_minus_1(service: Service, servers: Any, ns: str) -> None:
+    """Tokens travel as decimal strings: a JSON number would lose the last digits above 2**53."""
+    with permits.connect(service.url, token=ADMIN) as admin:
+        admin.create_semaphore(f"{ns}big", 1)
+    top = 2**63 - 1
+    db_url = _db_url_of(service)
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(_sync_driver(db_url))
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE permits_semaphore SET last_token = :t WHERE name = :n"), {"t": top - 1, "n": f"{ns}big"}
+        )
+    engine.dispose()
+    with _http(service, ADMIN) as http:
+        raw = http.post("/v1/leases", json={"wants": {f"{ns}big": 1}, "key": "top", "owner": "t"}).json()
+    assert raw["tokens"] == {f"{ns}big": str(top)}
+    with permits.connect(service.url, token=ADMIN) as admin:
+        assert admin.get_lease("top", owner="t").tokens == {f"{ns}big": top}
+        assert admin.get_semaphore(f"{ns}big").last_token == top
+
+
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+def test_database_outage_is_a_503_that_names_no_database(servers: Any, ns: str, server: str) -> None:
+    real = servers.url_for(server)
+    with CuttingProxy((real.host, real.port)) as proxy:
+        via_proxy = real.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        with running(via_proxy, env={"PERMITS_MAINTENANCE__ENABLED": "false"}) as svc, _http(svc, None) as http:
+            assert http.post("/v1/semaphores", json={"name": f"{ns}s", "capacity": 1}).status_code == 201
+            proxy.cut_after_server_bytes(0, every=True)
+            proxy.cut_all()
+            response = http.post("/v1/leases", json={"wants": {f"{ns}s": 1}, "key": "k"})
+            assert _error(response) == (503, "storage_unavailable")
+            assert response.headers["Retry-After"] == "1"
+            text_ = response.text.lower()
+            assert real.host not in text_ and str(proxy.port) not in text_ and "select" not in text_
+            assert _error(http.get("/readyz")) == (503, "storage_unavailable")
+            proxy.heal()
+            # Back: the retry with the same key is granted exactly once.
+            again = http.post("/v1/leases", json={"wants": {f"{ns}s": 1}, "key": "k"})
+            assert again.status_code == 201
+            assert http.get(f"/v1/semaphores/{ns}s").json()["used"] == 1
+            assert http.get("/readyz").json() == {"status": "ready"}
+
+
+def _db_url_of(service: Service) -> str:
+    args = service.process.args
+    assert isinstance(args, list)
+    return str(args[args.index("--db") + 1])
+
+
+def _sync_driver(url: str) -> str:
+    return url.replace("mysql://", "mysql+pymysql://").replace("postgresql://", "postgresql+psycopg://")
