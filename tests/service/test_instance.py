@@ -1,0 +1,265 @@
+"""Inside one service instance: the pre-lock and the maintenance tasks, on every backend.
+
+These drive ``ServiceState`` (what ``permits serve`` runs) directly on an event loop, with real databases,
+so they can look at what reaches the database and run two instances' maintenance side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import permits
+from permits import EndReason
+from permits.server.config import LivenessCheck, Maintenance, ServerConfig
+from permits.server.maintenance import Maintainer, Task
+from permits.server.state import ServiceState
+
+
+def _state(db_url: str, **config: Any) -> ServiceState:
+    return ServiceState.build(ServerConfig(database_url=db_url, **config))
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+# ------------------------------------------------------------------------------------------- pre-lock
+
+
+@pytest.mark.parametrize("prelock", [True, False])
+def test_prelock_sends_one_attempt_per_semaphore_at_a_time(db_url: str, ns: str, prelock: bool) -> None:
+    async def scenario() -> tuple[int, int]:
+        state = _state(db_url, prelock=prelock)
+        inner = state.sql_store
+        attempt = inner.try_acquire
+        in_flight = peak = 0
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                await asyncio.sleep(0.01)  # hold the attempt open long enough for others to pile up
+                return await attempt(*args, **kwargs)
+            finally:
+                in_flight -= 1
+
+        inner.try_acquire = counted  # type: ignore[method-assign]
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}hot", 5)
+            leases = await asyncio.gather(*(client.try_acquire(f"{ns}hot", ttl=30) for _ in range(12)))
+            for lease in leases:
+                if lease is not None:
+                    await client.release(lease)
+            assert (await client.get_semaphore(f"{ns}hot")).used == 0
+            assert await client.reconcile() == []
+        return peak, sum(lease is not None for lease in leases)
+
+    peak, granted = _run(scenario())
+    assert granted == 5  # capacity holds either way
+    if prelock:
+        assert peak == 1  # the rest queued in memory, not on database connections
+    else:
+        assert peak > 1
+
+
+def test_prelock_queue_wait_is_bounded(db_url: str, ns: str) -> None:
+    async def scenario() -> None:
+        state = _state(db_url, prelock_wait=0.2)
+        attempt = state.sql_store.try_acquire
+
+        async def slow(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(1.0)  # a database that answers slowly
+            return await attempt(*args, **kwargs)
+
+        state.sql_store.try_acquire = slow  # type: ignore[method-assign]
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}s", 5)
+            results = await asyncio.gather(
+                *(client.try_acquire(f"{ns}s", ttl=30) for _ in range(3)), return_exceptions=True
+            )
+            assert sum(isinstance(r, permits.Lease) for r in results) == 1
+            queued_too_long = [r for r in results if isinstance(r, permits.ServiceUnavailable)]
+            assert len(queued_too_long) == 2 and all(r.retryable for r in queued_too_long)
+
+    _run(scenario())
+
+
+def test_a_release_wakes_a_waiter_at_once(db_url: str, ns: str) -> None:
+    async def scenario() -> float:
+        state = _state(db_url)
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}s", 1)
+            held = await client.acquire(f"{ns}s", ttl=30)
+            # The waiter's backoff has grown to about a second by the time of the release.
+            waiter = asyncio.create_task(client.acquire(f"{ns}s", ttl=30, timeout=20))
+            await asyncio.sleep(2.5)
+            released_at = asyncio.get_running_loop().time()
+            await client.release(held)
+            lease = await waiter
+            woke_after = asyncio.get_running_loop().time() - released_at
+            await client.release(lease)
+            return woke_after
+
+    assert _run(scenario()) < 0.3
+
+
+# ---------------------------------------------------------------------------------------- maintenance
+
+
+def test_two_instances_never_run_a_task_at_once(db_url: str, ns: str) -> None:
+    async def scenario() -> list[str]:
+        first, second = _state(db_url), _state(db_url)
+        async with first.client, second.client:
+            outcomes = []
+            for state in (first, second):
+                maintainer = Maintainer(state)
+                sweep = maintainer.sweep
+
+                async def slow_sweep(sweep: Any = sweep) -> dict[str, Any]:
+                    await asyncio.sleep(0.5)  # still running when the other instance asks
+                    return dict(await sweep())
+
+                task = next(t for t in maintainer.tasks() if t.name == "sweep")
+                outcomes.append(maintainer.run_once(Task(task.name, task.interval, slow_sweep)))
+            return list(await asyncio.gather(*outcomes))
+
+    assert sorted(_run(scenario())) == ["done", "skipped"]
+
+
+def test_sweep_task_reclaims_expired_leases(db_url: str, ns: str) -> None:
+    async def scenario() -> None:
+        state = _state(db_url)
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}s", 3)
+            short = await client.acquire(f"{ns}s", ttl=0.1, owner=f"{ns}w")
+            await asyncio.sleep(0.3)
+            maintainer = Maintainer(state)
+            assert await maintainer.run_once(next(t for t in maintainer.tasks() if t.name == "sweep")) == "done"
+            assert (await client.get_lease(short.key, owner=f"{ns}w")).end_reason == EndReason.SWEPT
+
+    _run(scenario())
+
+
+@pytest.fixture
+def liveness_server() -> Iterator[str]:
+    """Answers /check/<owner>: 200 for owners containing "alive", 404 for "dead", 500 otherwise."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status = 200 if "alive" in self.path else 404 if "dead" in self.path else 500
+            self.send_response(status)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/check/{{owner}}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_liveness_releases_only_dead_owners(db_url: str, ns: str, liveness_server: str) -> None:
+    async def scenario() -> None:
+        probe_calls: list[str] = []
+
+        def python_probe(owner: str) -> bool | None:
+            probe_calls.append(owner)
+            return not owner.endswith("gone")
+
+        config = ServerConfig(
+            database_url=db_url,
+            maintenance=Maintenance(liveness=[LivenessCheck(prefix=f"{ns}http-", url=liveness_server)]),
+        )
+        state = ServiceState.build(config, liveness={f"{ns}py-": python_probe})
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}s", 10)
+            owners = [
+                f"{ns}http-alive",
+                f"{ns}http-dead",
+                f"{ns}http-unknown",
+                f"{ns}py-here",
+                f"{ns}py-gone",
+                f"{ns}other",
+            ]
+            leases = {o: await client.acquire(f"{ns}s", owner=o, ttl=60) for o in owners}
+            maintainer = Maintainer(state)
+            task = next(t for t in maintainer.tasks() if t.name == "liveness")
+            assert await maintainer.run_once(task) == "done"
+            ended = {}
+            for owner, lease in leases.items():
+                now = await client.get_lease(lease.key, owner=owner)
+                ended[owner] = now.end_reason
+            assert ended == {
+                f"{ns}http-alive": None,
+                f"{ns}http-dead": EndReason.OWNER_DEAD,
+                f"{ns}http-unknown": None,  # no clear answer: release nothing
+                f"{ns}py-here": None,
+                f"{ns}py-gone": EndReason.OWNER_DEAD,
+                f"{ns}other": None,  # no check covers it
+            }
+            assert sorted(set(probe_calls) & {f"{ns}py-here", f"{ns}py-gone"}) == [f"{ns}py-gone", f"{ns}py-here"]
+            assert (await client.get_semaphore(f"{ns}s")).used == 4
+            assert await client.reconcile() == []
+
+    _run(scenario())
+
+
+def test_staleness_releases_leases_held_too_long(db_url: str, ns: str) -> None:
+    async def scenario() -> None:
+        config = ServerConfig(database_url=db_url, maintenance=Maintenance(max_lease_age=0.5))
+        state = ServiceState.build(config)
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}s", 2)
+            old = await client.acquire(f"{ns}s", ttl=600, owner=f"{ns}w")
+            await asyncio.sleep(0.8)
+            young = await client.acquire(f"{ns}s", ttl=600, owner=f"{ns}w")
+            maintainer = Maintainer(state)
+            assert await maintainer.run_once(next(t for t in maintainer.tasks() if t.name == "staleness")) == "done"
+            stale = await client.get_lease(old.key, owner=f"{ns}w")
+            assert stale.end_reason == EndReason.STALE and "max_lease_age" in (stale.end_note or "")
+            assert (await client.get_lease(young.key, owner=f"{ns}w")).held
+            with pytest.raises(permits.LeaseLost):
+                await client.extend(old, 60, owner=f"{ns}w")
+
+    _run(scenario())
+
+
+def test_cleanup_deletes_old_ended_leases_and_history_in_batches(db_url: str, ns: str) -> None:
+    async def scenario() -> None:
+        config = ServerConfig(
+            database_url=db_url,
+            maintenance=Maintenance(keep_ended_leases=0.2, keep_capacity_history=0.2, cleanup_batch=2),
+        )
+        state = ServiceState.build(config)
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}s", 10)
+            ended = [await client.acquire(f"{ns}s", ttl=60, owner=f"{ns}w") for _ in range(5)]
+            for lease in ended:
+                await client.release(lease, owner=f"{ns}w")
+            held = await client.acquire(f"{ns}s", ttl=60, owner=f"{ns}w")
+            await client.set_capacity(f"{ns}s", 11, reason="more")
+            await asyncio.sleep(0.4)
+            maintainer = Maintainer(state)
+            summary = await maintainer.cleanup()
+            assert summary["leases_deleted"] >= 5 and summary["history_deleted"] >= 2
+            for lease in ended:
+                with pytest.raises(permits.LeaseNotFound):
+                    await client.get_lease(lease.key, owner=f"{ns}w")
+            assert (await client.get_lease(held.key, owner=f"{ns}w")).held  # held leases are never deleted
+            assert await client.capacity_history(f"{ns}s") == []
+            # Tokens carry on above every deleted lease's.
+            fresh = await client.acquire(f"{ns}s", ttl=60, owner=f"{ns}w")
+            assert fresh.token > held.token > max(lease.token for lease in ended)
+            assert await client.reconcile() == []
+
+    _run(scenario())
