@@ -1,0 +1,149 @@
+"""``permits serve`` as a process: graceful shutdown, the CLI pointed at a service, open mode's bind rule,
+the OpenAPI document, and several instances on one database."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import permits
+from tests._service import Service, running, wait_until
+
+
+def test_shutdown_answers_waiters_and_lets_requests_finish(sqlite_url: str, ns: str) -> None:
+    service = Service(sqlite_url, env={"PERMITS_MAINTENANCE__ENABLED": "false"})
+    try:
+        with permits.connect(service.url) as client:
+            client.create_semaphore(f"{ns}s", 1)
+            client.acquire(f"{ns}s", ttl=60)
+            answers: list[httpx.Response] = []
+
+            def wait_for_room() -> None:
+                with httpx.Client(base_url=service.url, timeout=60) as http:
+                    answers.append(http.post("/v1/leases", json={"wants": {f"{ns}s": 1}, "wait": 50}))
+
+            waiter = threading.Thread(target=wait_for_room)
+            waiter.start()
+            wait_until(lambda: _metric(service, "permits_waiters") == 1)
+            asked_at = time.monotonic()
+            service.process.terminate()
+            waiter.join(20)
+            assert answers, "the waiter got no answer"
+            answered_after = time.monotonic() - asked_at
+        assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "service_unavailable"
+        assert answers[0].headers["Retry-After"] == "1"
+        assert answered_after < 5, answered_after
+        # uvicorn finishes its graceful shutdown, then ends by the signal it was sent, as systemd expects.
+        assert service.process.wait(20) in (0, -15), service.log()
+        assert "Application shutdown complete" in service.log()
+    finally:
+        service.stop()
+
+
+def test_cli_commands_accept_a_service_url(sqlite_url: str, ns: str) -> None:
+    with running(sqlite_url) as service:
+        env = {**os.environ, "PERMITS_DATABASE_URL": service.url}
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "permits", *args], env=env, capture_output=True, text=True)
+
+        assert cli("sem", "create", f"{ns}job", "--capacity", "1").returncode == 0
+        listed = cli("sem", "ls", "--prefix", ns, "--json")
+        assert [s["name"] for s in json.loads(listed.stdout)] == [f"{ns}job"]
+        run = cli("run", f"{ns}job", "--timeout", "5", "--", sys.executable, "-c", "print('ran under the lease')")
+        assert run.returncode == 0 and "ran under the lease" in run.stdout
+        lease = json.loads(cli("acquire", f"{ns}job", "--key", "k1").stdout)
+        assert lease["counts"] == {f"{ns}job": 1} and isinstance(lease["tokens"][f"{ns}job"], int)
+        busy = cli("run", f"{ns}job", "--timeout", "0", "--", "true")
+        assert busy.returncode == 75
+        assert cli("release", "k1").stdout.strip() == "released"
+        upgrade = cli("db", "upgrade")
+        assert upgrade.returncode == 1 and "permits db upgrade --db DATABASE_URL" in upgrade.stderr
+
+
+def test_open_mode_refuses_to_listen_beyond_loopback(sqlite_url: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "permits", "serve", "--db", sqlite_url, "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "PERMITS_TOKENS"},
+    )
+    assert done.returncode == 2
+    assert "no tokens are configured" in done.stderr and "loopback" in done.stderr
+
+
+def test_bad_config_is_a_clear_error(tmp_path: Path, sqlite_url: str) -> None:
+    config = tmp_path / "permits.toml"
+    config.write_text('[[tokens]]\nname = "has/slash"\ntoken = "0123456789abcdef"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "permits", "serve", "--db", sqlite_url, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "bad setting tokens" in done.stderr, done.stderr
+
+
+def test_openapi_document_describes_every_route(sqlite_url: str) -> None:
+    with running(sqlite_url) as service:
+        document = httpx.get(f"{service.url}/openapi.json").json()
+    paths = document["paths"]
+    for path in (
+        "/v1/leases",
+        "/v1/leases/release",
+        "/v1/leases/extend",
+        "/v1/leases/revoke",
+        "/v1/leases/{key}",
+        "/v1/semaphores",
+        "/v1/semaphores/{name}",
+        "/v1/holders/{name}",
+        "/v1/capacity-history/{name}",
+        "/v1/sweep",
+        "/v1/reconcile",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ):
+        assert path in paths, path
+    token = document["components"]["schemas"]["LeaseOut"]["properties"]["tokens"]
+    assert token["additionalProperties"]["type"] == "string"
+
+
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+def test_several_instances_serve_one_database(servers: Any, ns: str, server: str) -> None:
+    db_url = servers.url_for(server).render_as_string(hide_password=False)
+    with (
+        running(db_url) as first,
+        running(db_url) as second,
+        permits.connect(first.url) as a,
+        permits.connect(second.url) as b,
+    ):
+        a.create_semaphore(f"{ns}s", 2)
+        held = [a.acquire(f"{ns}s", ttl=30), b.acquire(f"{ns}s", ttl=30)]
+        assert a.try_acquire(f"{ns}s") is None and b.try_acquire(f"{ns}s") is None
+        # A waiter on one instance finds room released through the other (by polling).
+        waiter: list[Any] = []
+        thread = threading.Thread(target=lambda: waiter.append(b.acquire(f"{ns}s", ttl=30, timeout=20)))
+        thread.start()
+        time.sleep(0.3)
+        a.release(held[0])
+        thread.join(25)
+        assert waiter and waiter[0].token > held[1].token
+        assert sorted(h.key for h in a.holders(f"{ns}s")) == sorted([held[1].key, waiter[0].key])
+
+
+def _metric(service: Service, name: str) -> float | None:
+    for line in httpx.get(f"{service.url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
