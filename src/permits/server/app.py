@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import permits
@@ -112,7 +112,12 @@ def create_app(
             return errors.error_response(exc)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics", tags=["service"])
+    @app.get(
+        "/metrics",
+        tags=["service"],
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
     async def metrics_endpoint() -> Response:
         """Prometheus metrics."""
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

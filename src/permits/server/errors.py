@@ -128,6 +128,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # the framework could not parse the body: bad input like any other
+            return error_response(InvalidArgument(f"the body is not valid JSON ({exc.detail})", field="body"))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "service_error")
         return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code)
 

@@ -12,7 +12,14 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-Seconds = Annotated[StrictFloat | StrictInt, Field(description="seconds")]
+from permits import _validate
+
+Seconds = Annotated[StrictFloat | StrictInt, Field(description="seconds", ge=0)]
+Name = Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_NAME_LENGTH, description="a semaphore name")]
+Key = Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_KEY_LENGTH)]
+Owner = Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_OWNER_LENGTH)]
+Count = Annotated[StrictInt, Field(ge=1, le=_validate.MAX_CAPACITY)]
+Reason = Annotated[StrictStr, Field(max_length=_validate.MAX_REASON_LENGTH)]
 #: A fencing token: a decimal string, exact up to 2**63-1 in every language.
 Token = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,19}$", examples=["17"])]
 
@@ -22,18 +29,16 @@ class _Strict(BaseModel):
 
 
 class WantIn(_Strict):
-    name: StrictStr
-    count: StrictInt = 1
+    name: Name
+    count: Count = 1
 
 
 class AcquireIn(_Strict):
-    wants: list[WantIn] | dict[StrictStr, StrictInt] = Field(
+    wants: list[WantIn] | dict[Name, Count] = Field(
         description='the permits to take, all or nothing: [{"name": "db", "count": 1}] or {"db": 1}'
     )
-    key: StrictStr | None = Field(default=None, description="idempotency key: retrying with it never grants twice")
-    owner: StrictStr | None = Field(
-        default=None, description="scopes keys within your identity (default: the identity)"
-    )
+    key: Key | None = Field(default=None, description="idempotency key: retrying with it never grants twice")
+    owner: Owner | None = Field(default=None, description="scopes keys within your identity (default: the identity)")
     ttl: Seconds | None = Field(default=None, description="lease TTL (default: the service's)")
     wait: Seconds = Field(default=0, description="how long to wait for room before answering 409 acquire_timeout")
 
@@ -44,8 +49,8 @@ class AcquireIn(_Strict):
 
 
 class LeaseRefIn(_Strict):
-    key: StrictStr
-    owner: StrictStr | None = None
+    key: Key
+    owner: Owner | None = None
 
 
 class ExtendIn(LeaseRefIn):
@@ -53,27 +58,27 @@ class ExtendIn(LeaseRefIn):
 
 
 class RevokeIn(_Strict):
-    key: StrictStr
-    owner: StrictStr = Field(description="the lease's owner as stored (see the holders list)")
-    reason: StrictStr
+    key: Key
+    owner: Owner = Field(description="the lease's owner as stored (see the holders list)")
+    reason: Reason
 
 
 class CreateSemaphoreIn(_Strict):
-    name: StrictStr
-    capacity: StrictInt
+    name: Name
+    capacity: Count
     exist_ok: StrictBool = False
-    who: StrictStr | None = Field(default=None, description="recorded in the capacity history (default: your identity)")
+    who: Owner | None = Field(default=None, description="recorded in the capacity history (default: your identity)")
 
 
 class SetCapacityIn(_Strict):
-    capacity: StrictInt
-    reason: StrictStr
-    who: StrictStr | None = None
+    capacity: Count
+    reason: Reason
+    who: Owner | None = None
 
 
 class SweepIn(_Strict):
-    batch_size: StrictInt = 500
-    max_batches: StrictInt | None = None
+    batch_size: Annotated[StrictInt, Field(ge=1, le=100_000)] = 500
+    max_batches: Annotated[StrictInt, Field(ge=1, le=100_000)] | None = None
 
 
 class ReconcileIn(_Strict):
