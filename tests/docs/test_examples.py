@@ -2,7 +2,8 @@
 
 ```python blocks of one file run in order in one namespace; ```sh blocks run with bash, failing on the
 first failing command. Both run in a fresh directory on the embedded default (sqlite:///permits.db).
-```console blocks show output or deployment-specific commands and are not run.
+```toml blocks are service settings: each must load as a valid ``ServerConfig``. ```console blocks show
+output or deployment-specific commands and are not run.
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ def test_shell_examples(doc: Path, tmp_path: Path) -> None:
             timeout=120,
         )
         assert done.returncode == 0, f"{doc.name}:\n{block}\n{done.stdout}\n{done.stderr}"
+
+
+@pytest.mark.parametrize("doc", [p for p in DOCS if _blocks(p, "toml")], ids=lambda p: p.name)
+def test_settings_examples_load(doc: Path, tmp_path: Path) -> None:
+    from permits.server.config import ServerConfig
+
+    for i, block in enumerate(_blocks(doc, "toml")):
+        path = tmp_path / f"example{i}.toml"
+        path.write_text(block)
+        config = ServerConfig.load(path)
+        assert config.database_url and config.tokens, f"{doc.name}: example {i} loaded as {config}"
 
 
 def test_the_demo_runs_and_capacity_holds(tmp_path: Path) -> None:
