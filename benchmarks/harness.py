@@ -33,6 +33,12 @@ Optional hooks, used when present:
         still held although every client released). Empty list = fine.
     client.stats() -> Mapping[str, int]
         Counters (e.g. deadlock retries), summed over clients in the result.
+    system.sample() -> Mapping[str, float]
+        Called in the parent every SAMPLE_INTERVAL seconds while the clients
+        run (e.g. a service's busy database connections); the result keeps the
+        mean and the maximum of each figure.
+    system.teardown(backend_url, scenario) -> None
+        After the run and ``verify``: stop what ``setup`` started.
 
 ``backend_url`` is driver-less: ``sqlite:////abs/path.db``,
 ``mysql://user:pw@host:port/db`` or ``postgresql://user@host:port/db``.
@@ -503,6 +509,8 @@ class RunResult:
     # 1-minute load average when the run started: on a shared 2-core machine
     # a high value flags figures skewed by some other process.
     load_before: float = 0.0
+    # system.sample() figures over the run: {name: {"mean": ..., "max": ...}}
+    samples: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def fairness(self) -> float:
@@ -629,7 +637,8 @@ def _run(
             abort.set()
         start.set()
         if not abort.is_set():
-            _collect(procs, results, "result", reports, failures, time.perf_counter() + seconds + grace)
+            with _sampling(sys_obj, result):
+                _collect(procs, results, "result", reports, failures, time.perf_counter() + seconds + grace)
     finally:
         abort.set()
         start.set()
@@ -645,11 +654,47 @@ def _run(
 
     _summarise(result, reports, failures)
     verify = getattr(sys_obj, "verify", None)
-    if verify is not None and not failures:
-        for problem in verify(backend_url, scenario):
-            result.errors.append(f"verify: {problem}")
-            result.error_count += 1
+    try:
+        if verify is not None and not failures:
+            for problem in verify(backend_url, scenario):
+                result.errors.append(f"verify: {problem}")
+                result.error_count += 1
+    finally:
+        teardown = getattr(sys_obj, "teardown", None)
+        if teardown is not None:
+            teardown(backend_url, scenario)
     return result
+
+
+SAMPLE_INTERVAL = 0.1
+
+
+@contextlib.contextmanager
+def _sampling(sys_obj: Any, result: RunResult) -> Iterator[None]:
+    """Call ``sys_obj.sample()`` every SAMPLE_INTERVAL seconds in a thread while the body runs."""
+    sample = getattr(sys_obj, "sample", None)
+    if sample is None:
+        yield
+        return
+    import threading
+
+    seen: dict[str, list[float]] = {}
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(SAMPLE_INTERVAL):
+            with contextlib.suppress(Exception):  # a missed sample is not a failed run
+                for name, value in sample().items():
+                    seen.setdefault(name, []).append(float(value))
+
+    thread = threading.Thread(target=loop, name="bench-sampler", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        result.samples = {n: {"mean": sum(v) / len(v), "max": max(v)} for n, v in seen.items() if v}
 
 
 def _collect(

@@ -11,6 +11,10 @@ Three systems on each backend, in one run on one machine:
 - ``permits``: the library, with every guarantee on.
 Each at 1, 4 and 16 client processes, ``hot`` (one semaphore of capacity 10) and ``spread`` (one each),
 then again with old released rows already in the tables.
+
+Then, on MariaDB and PostgreSQL, the hot semaphore through the HTTP service (``permits serve``) with its
+pre-lock on and off, beside the library talking to the database directly, at 1, 16 and 64 clients: what
+the pre-lock does to throughput, latency and the database connections the service keeps busy.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import RunResult, default_url, describe_machine, run
 
-SYSTEMS = {"floor": "floor", "seed": "seed", "permits": "systems:PERMITS"}
+SYSTEMS = {
+    "floor": "floor",
+    "seed": "seed",
+    "permits": "systems:PERMITS",
+    "service+prelock": "service_system:PRELOCK_ON",
+    "service-prelock": "service_system:PRELOCK_OFF",
+}
+SERVICE_SYSTEMS = ("permits", "service+prelock", "service-prelock")
 
 
 @dataclass(frozen=True)
@@ -35,10 +46,11 @@ class Plan:
     seconds: float
     history: int
     history_clients: tuple[int, ...]
+    service_clients: tuple[int, ...]
 
 
-FULL = Plan(("sqlite", "mariadb", "postgresql"), (1, 4, 16), 5.0, 1_000_000, (1, 16))
-QUICK = Plan(("sqlite", "mariadb", "postgresql"), (1, 4), 1.0, 10_000, (1,))
+FULL = Plan(("sqlite", "mariadb", "postgresql"), (1, 4, 16), 5.0, 1_000_000, (1, 16), (1, 16, 64))
+QUICK = Plan(("sqlite", "mariadb", "postgresql"), (1, 4), 1.0, 10_000, (1,), (4,))
 
 
 def _run(system: str, backend: str, scenario: str, clients: int, plan: Plan, history: int = 0) -> RunResult:
@@ -60,19 +72,35 @@ def main() -> int:
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     if args.backends:
-        plan = Plan(tuple(args.backends.split(",")), plan.clients, plan.seconds, plan.history, plan.history_clients)
+        plan = Plan(
+            tuple(args.backends.split(",")),
+            plan.clients,
+            plan.seconds,
+            plan.history,
+            plan.history_clients,
+            plan.service_clients,
+        )
 
     started = time.monotonic()
     results: dict[tuple[str, str, str, int, int], RunResult] = {}
     for backend in plan.backends:
         for scenario in ("hot", "spread"):
             for clients in plan.clients:
-                for system in SYSTEMS:
+                for system in ("floor", "seed", "permits"):
                     results[(system, backend, scenario, clients, 0)] = _run(system, backend, scenario, clients, plan)
             for clients in plan.history_clients:
                 for system in ("seed", "permits"):
                     key = (system, backend, scenario, clients, plan.history)
                     results[key] = _run(system, backend, scenario, clients, plan, plan.history)
+
+    for backend in plan.backends:
+        if backend == "sqlite":
+            continue  # one machine, one file: the service is for the servers
+        for clients in plan.service_clients:
+            for system in SERVICE_SYSTEMS:
+                key = (system, backend, "hot", clients, 0)
+                if key not in results:
+                    results[key] = _run(system, backend, "hot", clients, plan)
 
     errors = [(k, r) for k, r in results.items() if r.error_count]
     text = _markdown(plan, results, args, time.monotonic() - started)
@@ -143,7 +171,41 @@ def _markdown(plan: Plan, results: dict[tuple[str, str, str, int, int], RunResul
                     row.append(f"{full:.0f} | {change}")
                 lines.append(" | ".join(row) + " |")
         lines.append("")
+    service_backends = [b for b in plan.backends if b != "sqlite"]
+    if service_backends:
+        lines += [
+            "## Through the service: the pre-lock",
+            "",
+            "The hot semaphore (capacity 10) through one `permits serve` process, with its in-memory pre-lock",
+            "on and off, beside the library talking to the database directly. Every client is a process of its",
+            "own with the sync client; through the service each cycle is two HTTP requests. `db conns` is the",
+            "number of database connections the service had checked out, sampled every 0.1 s (mean / max);",
+            "`queued` the requests waiting in its pre-lock (mean).",
+            "",
+        ]
+        for backend in service_backends:
+            lines += [
+                f"### {backend}",
+                "",
+                "| clients | system | cycles/s | p50 ms | p99 ms | db conns mean / max | queued |",
+                "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+            ]
+            for clients in plan.service_clients:
+                for system in SERVICE_SYSTEMS:
+                    r = results[(system, backend, "hot", clients, 0)]
+                    conns = r.samples.get("permits_db_connections_in_use")
+                    queued = r.samples.get("permits_prelock_waiting")
+                    waiting = "-" if queued is None else f"{queued['mean']:.1f}"
+                    lines.append(
+                        f"| {clients} | {system} | {r.cycles_per_s:.0f} | {_ms(r.p50_ms)} | {_ms(r.p99_ms)} "
+                        f"| {_pair(conns)} | {waiting} |"
+                    )
+            lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _pair(sample: dict[str, float] | None) -> str:
+    return "-" if sample is None else f"{sample['mean']:.1f} / {sample['max']:.0f}"
 
 
 def _ms(value: float | None) -> str:

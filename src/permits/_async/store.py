@@ -67,6 +67,11 @@ class AsyncSQLStore:
         return redact(self._settings.url)
 
     @property
+    def connections_in_use(self) -> int:
+        """Connections checked out of the pool now (the service exports it as a metric)."""
+        return int(self._engine.pool.checkedout())  # type: ignore[attr-defined]
+
+    @property
     def dialect_name(self) -> str:
         return self._dialect.name
 

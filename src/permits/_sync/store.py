@@ -68,6 +68,11 @@ class SQLStore:
         return redact(self._settings.url)
 
     @property
+    def connections_in_use(self) -> int:
+        """Connections checked out of the pool now (the service exports it as a metric)."""
+        return int(self._engine.pool.checkedout())  # type: ignore[attr-defined]
+
+    @property
     def dialect_name(self) -> str:
         return self._dialect.name
 

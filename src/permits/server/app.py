@@ -7,10 +7,10 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -69,28 +69,7 @@ def create_app(
     app.include_router(routes.router)
     app.add_middleware(_BodyLimit, max_bytes=config.limits.max_body_bytes)
 
-    @app.middleware("http")
-    async def _access(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        started = time.monotonic()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        state.metrics.requests.labels(path, str(response.status_code)).inc()
-        identity = getattr(request.state, "identity", None)
-        access_log.info(
-            "%s %s %s",
-            request.method,
-            path,
-            response.status_code,
-            extra={
-                "method": request.method,
-                "route": path,
-                "status": response.status_code,
-                "duration_ms": round((time.monotonic() - started) * 1000, 2),
-                "identity": None if identity is None else identity.name,
-            },
-        )
-        return response
+    app.add_middleware(_AccessLog, metrics=state.metrics)
 
     @app.get("/", include_in_schema=False)
     async def index() -> Response:
@@ -134,6 +113,49 @@ async def _refresh_gauges(state: ServiceState) -> None:
         await asyncio.sleep(GAUGE_REFRESH_SECONDS)
 
 
+class _AccessLog:
+    """Logs and counts every request: route, status, duration and the caller's identity. A plain ASGI
+    middleware: Starlette's BaseHTTPMiddleware costs a task and a stream per request."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 500
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.labels(route, str(status)).inc()
+            identity = getattr(scope.get("state", {}).get("identity"), "name", None)
+            if access_log.isEnabledFor(logging.INFO):
+                access_log.info(
+                    "%s %s %s",
+                    scope["method"],
+                    route,
+                    status,
+                    extra={
+                        "method": scope["method"],
+                        "route": route,
+                        "status": status,
+                        "duration_ms": round((time.monotonic() - started) * 1000, 2),
+                        "identity": identity,
+                    },
+                )
+
+
 class _BodyLimit:
     """Refuses a request body over ``max_bytes`` with 413, by its Content-Length or, for a chunked body,
     as soon as it grows past the bound."""
@@ -152,7 +174,8 @@ class _BodyLimit:
             headers = [(n, v) for n, v in scope.get("headers", []) if n != b"content-type"]
             kind = dict(scope.get("headers", [])).get(b"content-type", b"")
             if not kind or kind.startswith(b"application/x-www-form-urlencoded"):
-                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+                # In place, not a copy: the outer middleware reads what the router records in the scope.
+                scope["headers"] = [*headers, (b"content-type", b"application/json")]
         too_large = RequestTooLarge(f"request bodies are at most {self.max_bytes} bytes", limit="max_body_bytes")
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:

@@ -85,6 +85,9 @@ class Metrics:
             registry=r,
         )
         self.waiters = Gauge("permits_waiters", "Requests waiting for room on this instance now", registry=r)
+        self.db_connections = Gauge(
+            "permits_db_connections_in_use", "Database connections this instance has checked out now", registry=r
+        )
         self.maintenance_runs = Counter(
             "permits_maintenance_runs_total",
             "Maintenance task runs by task and outcome (done, skipped: another instance runs it, failed)",

@@ -33,13 +33,14 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _state(request: Request) -> ServiceState:
+async def _state(request: Request) -> ServiceState:
+    # async, like every dependency here: FastAPI runs a plain function on a worker thread.
     state: ServiceState = request.app.state.permits
     return state
 
 
 async def _identity(request: Request) -> Identity:
-    identity = _state(request).auth.identify(request.headers.get("authorization"))
+    identity = (await _state(request)).auth.identify(request.headers.get("authorization"))
     request.state.identity = identity
     return identity
 

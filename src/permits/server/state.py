@@ -7,10 +7,9 @@ of instances can serve one database, and an instance can be killed at any moment
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 from permits._async.client import AsyncClient
-from permits._async.store import AsyncSQLStore
 from permits._config import DEFAULT_TTL, Settings
 from permits._exceptions import ConfigurationError, LimitExceeded
 from permits._io import monotonic
@@ -19,6 +18,7 @@ from permits.server.config import ServerConfig
 from permits.server.maintenance import LivenessProbe
 from permits.server.metrics import Metrics
 from permits.server.prelock import InstanceStore, PreLock, Waker
+from permits.stores import async_sql_store
 from permits.stores.base import AsyncStore
 
 #: The owner the service's own client records (capacity changes made with no ``who``).
@@ -38,7 +38,8 @@ class _Quota:
 class ServiceState:
     config: ServerConfig
     client: AsyncClient
-    sql_store: AsyncSQLStore
+    #: the database store: AsyncSQLStore, or SQLite's ThreadedSQLStore (with the same methods)
+    sql_store: Any
     instance_store: InstanceStore
     auth: Authenticator
     metrics: Metrics
@@ -67,7 +68,7 @@ class ServiceState:
                 "the service keeps its state in a SQL database: use sqlite://, mysql:// or postgresql://",
                 field="database_url",
             )
-        sql_store = AsyncSQLStore(settings)
+        sql_store = async_sql_store(settings)
         sql_store.on_retry = lambda fault: metrics.store_retries.labels(fault).inc()
         prelock = PreLock(config.prelock, config.prelock_wait, on_wait=metrics.prelock_wait_seconds.observe)
         waker = Waker(config.limits.max_waiters)
@@ -82,6 +83,7 @@ class ServiceState:
         )
         metrics.prelock_waiting.set_function(lambda: prelock.waiting)
         metrics.waiters.set_function(lambda: waker.waiters)
+        metrics.db_connections.set_function(lambda: sql_store.connections_in_use)
         return cls(config, client, sql_store, instance_store, Authenticator(config), metrics, dict(liveness or {}))
 
     @property

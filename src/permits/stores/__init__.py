@@ -9,6 +9,7 @@ the same behaviour suite (tests/conformance).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from permits._config import Settings
 from permits.stores.base import AsyncStore, Store
@@ -51,6 +52,17 @@ def async_store_for(settings: Settings) -> AsyncStore:
         from permits._async.http_store import AsyncHTTPStore
 
         return AsyncHTTPStore(settings)
+    store: AsyncStore = async_sql_store(settings)
+    return store
+
+
+def async_sql_store(settings: Settings) -> Any:
+    """The asyncio SQL store for a database URL. SQLite's runs each operation on a worker thread over
+    the sync store (see ``permits.stores.threaded``); the servers' use their native async drivers."""
+    if settings.url.get_backend_name() == "sqlite":
+        from permits.stores.threaded import ThreadedSQLStore
+
+        return ThreadedSQLStore(settings)
     from permits._async.store import AsyncSQLStore
 
     return AsyncSQLStore(settings)

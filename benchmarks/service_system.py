@@ -1,0 +1,106 @@
+"""permits through its HTTP service, as a benchmark system (see the interface at the top of harness.py).
+
+``setup`` starts one ``permits serve`` process in front of the backend, with the pre-lock on or off; each
+client process talks to it with the public sync client over HTTP (``try_acquire`` then ``release``).
+While the clients run, the parent samples the service's /metrics for the database connections it has
+checked out and the requests queued in its pre-lock.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+from harness import Scenario
+from systems import PERMITS
+
+import permits
+
+_URL_FILE = Path(tempfile.gettempdir()) / "permits-bench-service.url"
+_SAMPLED = ("permits_db_connections_in_use", "permits_prelock_waiting")
+
+
+class ServiceSystem:
+    def __init__(self, prelock: bool) -> None:
+        self.prelock = prelock
+        self._process: subprocess.Popen[str] | None = None
+
+    def setup(self, backend_url: str, scenario: Scenario) -> None:
+        PERMITS.setup(backend_url, scenario)  # fresh tables and the scenario's semaphores
+        env = {
+            **os.environ,
+            "PERMITS_PRELOCK": "true" if self.prelock else "false",
+            "PERMITS_MAINTENANCE__ENABLED": "false",
+            "PERMITS_LIMITS__MAX_WAITERS": "100000",
+        }
+        env.pop("PERMITS_TOKENS", None)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "permits", "serve", "--db", backend_url, "--port", "0", "--log-level", "warning"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert self._process.stdout is not None
+        deadline = time.monotonic() + 60
+        for line in self._process.stdout:
+            if line.startswith("permits serving on "):
+                url = line.split()[3].rstrip(";")
+                _URL_FILE.write_text(url)
+                break
+            if time.monotonic() > deadline:
+                break
+        else:
+            raise RuntimeError("permits serve did not start")
+
+    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> _ServiceClient:
+        return _ServiceClient(_URL_FILE.read_text(), scenario.semaphores_for(client_index))
+
+    def sample(self) -> dict[str, float]:
+        text = httpx.get(f"{_URL_FILE.read_text()}/metrics", timeout=2).text
+        values = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in _SAMPLED:
+                values[name] = float(value)
+        return values
+
+    def verify(self, backend_url: str, scenario: Scenario) -> list[str]:
+        return PERMITS.verify(backend_url, scenario)
+
+    def teardown(self, backend_url: str, scenario: Scenario) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+            try:
+                self._process.wait(30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process = None
+
+
+class _ServiceClient:
+    def __init__(self, url: str, names: tuple[str, ...]) -> None:
+        self._client = permits.connect(url, owner=f"bench-{uuid.uuid4().hex[:8]}")
+        self._wants = {name: 1 for name in names}
+
+    def cycle(self) -> bool:
+        lease = self._client.try_acquire(self._wants, ttl=60)
+        if lease is None:
+            return False
+        self._client.release(lease)
+        return True
+
+    def close(self) -> None:
+        self._client.close()
+
+
+PRELOCK_ON = ServiceSystem(prelock=True)
+PRELOCK_OFF = ServiceSystem(prelock=False)

@@ -1,0 +1,62 @@
+"""SQLite's asyncio store: each operation runs whole on a worker thread, over the sync SQL store.
+
+SQLite's driver is synchronous. Through aiosqlite every cursor call is a hop to the connection's own
+thread and back, several per statement, so an acquire and a release on the asyncio store cost about four
+times what they cost on the sync one (10 ms against 2.3 ms per cycle, measured on this project's 2-core
+machine). Running the whole transaction on a worker thread costs one hop per operation instead. The
+event loop never blocks: the loop's default executor runs the calls, and SQLite serialises writers
+itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from permits._config import Settings
+from permits._sync.store import SQLStore
+
+
+class ThreadedSQLStore:
+    """The ``AsyncStore`` protocol over a ``SQLStore``; every method is a coroutine run on a thread."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._inner = SQLStore(settings)
+
+    @property
+    def url(self) -> str:
+        return self._inner.url
+
+    @property
+    def dialect_name(self) -> str:
+        return self._inner.dialect_name
+
+    @property
+    def connections_in_use(self) -> int:
+        return self._inner.connections_in_use
+
+    @property
+    def on_retry(self) -> Callable[[str], None] | None:
+        return self._inner.on_retry
+
+    @on_retry.setter
+    def on_retry(self, hook: Callable[[str], None] | None) -> None:
+        self._inner.on_retry = hook
+
+    async def wait_for_room(self, names: Any, seconds: float) -> None:
+        await asyncio.sleep(seconds)  # never hold a worker thread just to wait
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._inner, name)
+        if not callable(method):
+            return method
+
+        @functools.wraps(method)
+        async def on_a_thread(*args: Any, **kwargs: Any) -> Any:
+            # A cancelled caller does not stop the thread: the operation commits or rolls back whole,
+            # and its key (or the lease's state) makes a retry safe either way.
+            return await asyncio.to_thread(method, *args, **kwargs)
+
+        return on_a_thread
