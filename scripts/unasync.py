@@ -20,6 +20,7 @@ LINES = {
     "from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine": (
         "from sqlalchemy import Connection, create_engine"
     ),
+    "from sqlalchemy.ext.asyncio import AsyncConnection": "from sqlalchemy import Connection",
     "IS_ASYNC = True": "IS_ASYNC = False",
 }
 TOKENS = [
@@ -35,9 +36,11 @@ TOKENS = [
     (r"\bAsyncSQLStore\b", "SQLStore"),
     (r"\bAsyncHTTPStore\b", "HTTPStore"),
     (r"\bAsyncStore\b", "Store"),
+    (r"\bAsyncFencingGuard\b", "FencingGuard"),
+    (r"\bAsyncWatchdog\b", "Watchdog"),
     (r"\bAsyncConnection\b", "Connection"),
     (r"\bcreate_async_engine\b", "create_engine"),
-    (r"\basync_(sleep|shield|run_sync|store_for)\b", r"sync_\1"),
+    (r"\basync_(sleep|shield|run_sync|store_for|event|wait|spawn|join|current|interrupt)\b", r"sync_\1"),
     (r"\bpermits\._async\b", "permits._sync"),
     (r"The asyncio twin", "The sync twin"),
 ]

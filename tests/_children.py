@@ -148,7 +148,41 @@ def operate(args: dict[str, Any]) -> None:
     client.close()
 
 
-COMMANDS = {"cycles": cycles, "hold": hold, "operate": operate}
+# ------------------------------------------------------------------------------------------ fenced writer
+
+
+def fenced_writer(args: dict[str, Any]) -> None:
+    """Acquire a lease, then write to a downstream table through the fencing guard, once per line on stdin.
+
+    Says ``held <token>`` once it holds the lease and ``accepted`` or ``refused <highest>`` for each write.
+    The parent freezes it (SIGSTOP) between writes to make its lease go stale.
+    """
+    from sqlalchemy import create_engine, text
+
+    from permits.fencing import FencingGuard, StaleFencingToken
+
+    guard = FencingGuard()
+    engine = create_engine(args["downstream"])
+    with permits.connect(args["url"], owner=args["owner"]) as client:
+        lease = client.acquire(args["name"], ttl=args["ttl"], timeout=10)
+        _say(f"held {lease.token}")
+        for line in sys.stdin:
+            value = line.strip()
+            try:
+                with engine.begin() as conn:
+                    guard.check(conn, args["resource"], lease.token)
+                    conn.execute(
+                        text("UPDATE fenced_doc SET body = :body, token = :token WHERE id = 1"),
+                        {"body": value, "token": lease.token},
+                    )
+            except StaleFencingToken as exc:
+                _say(f"refused {exc.details['highest']}")
+            else:
+                _say("accepted")
+    engine.dispose()
+
+
+COMMANDS = {"cycles": cycles, "hold": hold, "operate": operate, "fenced_writer": fenced_writer}
 
 if __name__ == "__main__":
     COMMANDS[sys.argv[1]](json.loads(sys.argv[2]))

@@ -15,7 +15,8 @@ exception the embedded library would::
     ├── IdempotencyConflict                       same key, different request
     ├── LeaseError
     │   ├── LeaseNotFound (LookupError)           no lease was ever granted under this key
-    │   └── LeaseLost                             the lease ended: released, expired, swept or revoked
+    │   ├── LeaseLost                             the lease ended: released, expired, swept or revoked
+    │   └── StaleFencingToken                     a fenced write carried a token older than one accepted
     ├── StorageError                              the database failed; ``__cause__`` is the driver error
     │   ├── StorageUnavailable (retryable)        cannot connect, or the connection dropped
     │   ├── StorageConflict (retryable)           deadlock, serialization failure, lock wait timeout, busy
@@ -160,6 +161,14 @@ class LeaseLost(LeaseError):
     @property
     def reason(self) -> str:
         return str(self.details.get("reason", ""))
+
+
+class StaleFencingToken(LeaseError):
+    """A fenced write carried a token lower than one its resource has accepted already: the writer's lease
+    ended and a newer holder has written since (``permits.fencing``). ``details``: resource, token,
+    highest."""
+
+    code = "stale_fencing_token"
 
 
 class StorageError(PermitsError):

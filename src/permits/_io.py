@@ -4,9 +4,10 @@ names where the ``_async`` sources use ``async_*`` (see scripts/unasync.py)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -30,3 +31,65 @@ def sync_shield(value: T) -> T:
 
 def monotonic() -> float:
     return time.monotonic()
+
+
+# ---- what the lease watchdog runs on: an event, a background runner, and the caller to interrupt
+
+
+def async_event() -> asyncio.Event:
+    return asyncio.Event()
+
+
+def sync_event() -> threading.Event:
+    return threading.Event()
+
+
+async def async_wait(event: asyncio.Event, seconds: float) -> bool:
+    """Wait until ``event`` is set or ``seconds`` pass; True if it was set."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout=max(0.0, seconds))
+    except TimeoutError:
+        return False
+    return True
+
+
+def sync_wait(event: threading.Event, seconds: float) -> bool:
+    return event.wait(max(0.0, seconds))
+
+
+def async_spawn(run: Callable[[], Awaitable[None]], name: str) -> asyncio.Task[None]:
+    return asyncio.ensure_future(run())
+
+
+def sync_spawn(run: Callable[[], None], name: str) -> threading.Thread:
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+async def async_join(task: asyncio.Task[None]) -> None:
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def sync_join(thread: threading.Thread) -> None:
+    if thread is not threading.current_thread():
+        thread.join()
+
+
+def async_current() -> asyncio.Task[Any] | None:
+    """The task to cancel when its lease is lost."""
+    return asyncio.current_task()
+
+
+def sync_current() -> Any:
+    """Threads cannot be cancelled: the sync watchdog tells its holder through the flag and the callback."""
+    return None
+
+
+def async_interrupt(task: Any) -> None:
+    if task is not None and not task.done():
+        task.cancel()
+
+
+def sync_interrupt(task: Any) -> None:
+    pass

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,8 +25,6 @@ from permits._exceptions import (
     AcquireTimeout,
     ConfigurationError,
     InvalidArgument,
-    LeaseLost,
-    LeaseNotFound,
     PermitsError,
 )
 from permits._models import Want
@@ -274,34 +271,6 @@ def reconcile(repair: bool, db: str | None) -> None:
 # ---------------------------------------------------------------------------------------------- run
 
 
-class _Keepalive(threading.Thread):
-    """Extends the lease every ttl/3 while the command runs; stops the command if the lease is lost."""
-
-    def __init__(self, client: Client, lease: permits.Lease, ttl: float, on_lost: Callable[[str], None]) -> None:
-        super().__init__(name="permits-keepalive", daemon=True)
-        self._client = client
-        self._lease = lease
-        self._ttl = ttl
-        self._on_lost = on_lost
-        self._stop_event = threading.Event()
-        self.lost = False
-
-    def run(self) -> None:
-        while not self._stop_event.wait(self._ttl / 3):
-            try:
-                self._client.extend(self._lease, self._ttl)
-            except (LeaseLost, LeaseNotFound) as exc:
-                self.lost = True
-                self._on_lost(str(exc))
-                return
-            except PermitsError as exc:  # the database may be back before the lease runs out
-                click.echo(f"permits: warning: could not extend the lease: {exc}", err=True)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join()
-
-
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("wants", nargs=-1, required=True, metavar="NAME[:COUNT]... -- COMMAND [ARGS]...")
 @click.option("--ttl", type=float, default=60.0, show_default=True, help="Lease TTL; renewed every ttl/3.")
@@ -314,6 +283,16 @@ class _Keepalive(threading.Thread):
     show_default=True,
     help="Exit status when no permit could be had within --timeout.",
 )
+@click.option(
+    "--max-hold", type=float, default=None, help="Keep the lease alive at most this many seconds (default: no cap)."
+)
+@click.option(
+    "--on-lost-signal",
+    type=click.Choice(["TERM", "INT", "HUP", "KILL", "USR1", "USR2", "NONE"]),
+    default="TERM",
+    show_default=True,
+    help="Signal COMMAND gets when the lease is lost (NONE: let it finish; permits still exits 76).",
+)
 @_owner_option
 @_db_option
 def run(
@@ -322,14 +301,17 @@ def run(
     timeout: float | None,
     key: str | None,
     conflict_exit_code: int,
+    max_hold: float | None,
+    on_lost_signal: str,
     owner: str | None,
     db: str | None,
 ) -> None:
     """Hold permits while COMMAND runs: flock(1) for a fleet.
 
-    Waits for the permits, runs COMMAND, keeps the lease alive, releases it when COMMAND ends and exits
-    with COMMAND's status. If the lease is lost (it expired while the database was unreachable, or was
-    revoked), COMMAND gets SIGTERM and permits exits 76.
+    Waits for the permits, runs COMMAND, keeps the lease alive with a watchdog (an extend every ttl/3),
+    releases it when COMMAND ends and exits with COMMAND's status. If the lease is lost (revoked, released
+    by maintenance, expired while the database was unreachable, or past --max-hold), COMMAND gets
+    --on-lost-signal at once and permits exits 76 when it ends.
     """
     args = list(wants)
     if "--" in sys.argv:
@@ -355,9 +337,12 @@ def run(
             sys.exit(127)
 
         def on_lost(why: str) -> None:
-            click.echo(f"permits: lease lost while the command ran ({why}); stopping it", err=True)
+            if on_lost_signal == "NONE":
+                click.echo(f"permits: lease lost while the command ran ({why})", err=True)
+                return
+            click.echo(f"permits: lease lost while the command ran ({why}); sending SIG{on_lost_signal}", err=True)
             if child is not None and child.poll() is None:
-                child.terminate()
+                child.send_signal(getattr(signal, f"SIG{on_lost_signal}"))
 
         # Pass on the signals a supervisor sends, so the command can stop cleanly; we release after it.
         forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -367,16 +352,15 @@ def run(
                 child.send_signal(signum)
 
         previous = {s: signal.signal(s, forward) for s in forwarded}
-        keepalive = _Keepalive(client, lease, ttl, on_lost)
-        keepalive.start()
+        watchdog = client.keepalive(lease, ttl=ttl, max_hold=max_hold, on_lost=on_lost)
         try:
-            status = child.wait()
+            with watchdog:
+                status = child.wait()
         finally:
-            keepalive.stop()
             for s, handler in previous.items():
                 signal.signal(s, handler)
             client.release(lease)
-    if keepalive.lost:
+    if watchdog.lost.is_set():
         sys.exit(EXIT_LEASE_LOST)
     sys.exit(status if status >= 0 else 128 - status)
 

@@ -150,3 +150,37 @@ def test_run_stops_the_command_when_the_lease_is_lost(db_url: str, ns: str) -> N
 def test_run_usage_error(db_url: str) -> None:
     done = _permits(db_url, "run", "x", check=False)
     assert done.returncode == 2 and "--" in done.stderr
+
+
+def test_run_max_hold_signals_the_command_and_exits_76(db_url: str, ns: str) -> None:
+    name = f"{ns}capped"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "permits",
+            "run",
+            name,
+            "--ttl",
+            "0.6",
+            "--max-hold",
+            "1",
+            "--on-lost-signal",
+            "INT",
+            "--",
+            sys.executable,
+            "-c",
+            "import time; time.sleep(30)",
+        ],
+        env={**os.environ, "PERMITS_DATABASE_URL": db_url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 76, done.stderr
+    assert "lease lost while the command ran (max_hold); sending SIGINT" in done.stderr
+    assert time.monotonic() - started < 15
+    with permits.connect(db_url) as client:
+        assert client.get_semaphore(name).used == 0

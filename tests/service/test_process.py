@@ -147,3 +147,48 @@ def _metric(service: Service, name: str) -> float | None:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return None
+
+
+def test_serve_without_a_database_says_so_and_exits(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "permits", "serve", "--db", "mysql://root@127.0.0.1:1/nothing", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "permits: storage_unavailable: database unavailable at mysql://root@127.0.0.1:1/nothing" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_metrics_count_what_happened(sqlite_url: str, ns: str) -> None:
+    with running(sqlite_url, env={"PERMITS_MAINTENANCE__ENABLED": "false"}) as service:
+        with permits.connect(service.url) as client:
+            client.create_semaphore(f"{ns}m", 2)
+            held = client.acquire(f"{ns}m", ttl=60)
+            client.acquire(f"{ns}m", ttl=60)
+            assert client.try_acquire(f"{ns}m") is None
+            with pytest.raises(permits.AcquireTimeout):
+                client.acquire(f"{ns}m", timeout=0.3)
+            client.release(held)
+        wait_until(lambda: _metric(service, f'permits_semaphore_leases{{semaphore="{ns}m"}}') == 1.0, timeout=15)
+        assert _metric(service, 'permits_acquire_total{outcome="granted"}') == 2
+        assert _metric(service, 'permits_acquire_total{outcome="refused"}') == 1
+        assert (_metric(service, 'permits_acquire_total{outcome="timeout"}') or 0) >= 1
+        assert _metric(service, 'permits_release_total{outcome="released"}') == 1
+        assert _metric(service, "permits_hold_seconds_count") == 1
+        assert _metric(service, f'permits_semaphore_capacity{{semaphore="{ns}m"}}') == 2
+        assert _metric(service, f'permits_semaphore_used{{semaphore="{ns}m"}}') == 1
+        assert _metric(service, 'permits_http_requests_total{route="/v1/leases",status="201"}') == 2
+
+
+def test_the_printed_url_answers_with_a_page(sqlite_url: str, ns: str) -> None:
+    with running(sqlite_url) as service:
+        with permits.connect(service.url) as client:
+            client.create_semaphore(f"{ns}<b>", 3)
+        page = httpx.get(service.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "permits" in page.text and 'href="/docs"' in page.text
+    assert f"{ns}&lt;b&gt;" in page.text and f"{ns}<b>" not in page.text  # names are escaped
+    assert "sqlite:" not in page.text  # no database URL in any answer

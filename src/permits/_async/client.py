@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from sqlalchemy.engine import URL
 
 from permits import _validate
+from permits._async.watchdog import AsyncWatchdog
 from permits._backoff import WAIT_BACKOFF
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
 from permits._exceptions import AcquireTimeout, StorageConflict, UsageError
@@ -168,11 +171,18 @@ class AsyncClient:
         owner: str | None = None,
         ttl: Seconds | None = None,
         timeout: Seconds | None = None,
+        keepalive: bool = False,
+        max_hold: Seconds | None = None,
+        on_lost: Callable[[str], Any] | None = None,
     ) -> AsyncHeld:
         """``async with client.lease("backups") as lease:`` acquires (waiting up to ``timeout``) and
-        releases on exit, also when the body raises."""
+        releases on exit, also when the body raises. With ``keepalive``, a watchdog extends the lease
+        while the block runs (see ``keepalive()``; ``max_hold`` and ``on_lost`` go to it), and the block's
+        task is cancelled if the lease is lost; ``held.lost`` tells a sync holder."""
         owner_, key_, wants_, ttl_ = self._request(wants, key, owner, ttl)
-        return AsyncHeld(self, wants_, key_, owner_, ttl_ / 1000, _validate.timeout(timeout))
+        hold = None if max_hold is None else _validate.timeout(max_hold)
+        watch = _Watch(keepalive or hold is not None or on_lost is not None, hold, on_lost)
+        return AsyncHeld(self, wants_, key_, owner_, ttl_ / 1000, _validate.timeout(timeout), watch)
 
     def mutex(
         self,
@@ -182,10 +192,40 @@ class AsyncClient:
         owner: str | None = None,
         ttl: Seconds | None = None,
         timeout: Seconds | None = None,
+        keepalive: bool = False,
+        max_hold: Seconds | None = None,
+        on_lost: Callable[[str], Any] | None = None,
     ) -> AsyncHeld:
         """A lease on one permit of ``name``: mutual exclusion when ``name`` has capacity 1 (see
         ``create_mutex``). Sugar over ``lease``: the same code path."""
-        return self.lease({name: 1}, key=key, owner=owner, ttl=ttl, timeout=timeout)
+        return self.lease(
+            {name: 1},
+            key=key,
+            owner=owner,
+            ttl=ttl,
+            timeout=timeout,
+            keepalive=keepalive,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+
+    def keepalive(
+        self,
+        lease: Lease,
+        *,
+        ttl: Seconds | None = None,
+        max_hold: Seconds | None = None,
+        on_lost: Callable[[str], Any] | None = None,
+    ) -> AsyncWatchdog:
+        """A watchdog that extends ``lease`` about every ttl/3 while the holder works:
+        ``async with client.keepalive(lease) as dog:``. When the lease is lost, ``dog.lost`` is set,
+        ``on_lost(reason)`` is called, and the task that entered the block is cancelled. ``max_hold``
+        caps the total time it keeps the lease alive."""
+        if not isinstance(lease, Lease):
+            raise _validate.InvalidArgument("keepalive takes the Lease that acquire returned", field="lease")
+        ttl_ = None if ttl is None else _validate.ttl_ms(ttl) / 1000
+        hold = None if max_hold is None else _validate.timeout(max_hold)
+        return AsyncWatchdog(self, lease, ttl=ttl_, max_hold=hold, on_lost=on_lost)
 
     async def release(self, lease: Lease | str, *, owner: str | None = None) -> ReleaseOutcome:
         """Give a lease's permits back. Idempotent: ``RELEASED``, ``ALREADY_RELEASED``, ``LOST`` (it had
@@ -313,6 +353,15 @@ class AsyncClient:
         return (self.owner if owner is None else _validate.owner(owner)), _validate.key(lease)
 
 
+@dataclass(frozen=True, slots=True)
+class _Watch:
+    """Whether and how a held lease is kept alive."""
+
+    on: bool = False
+    max_hold: float | None = None
+    on_lost: Callable[[str], Any] | None = None
+
+
 class AsyncHeld:
     """The context manager behind ``AsyncClient.lease`` and ``AsyncClient.mutex``."""
 
@@ -324,6 +373,7 @@ class AsyncHeld:
         owner: str,
         ttl: float,
         timeout: float | None,
+        watch: _Watch | None = None,
     ) -> None:
         self._client = client
         self._wants = wants
@@ -331,7 +381,15 @@ class AsyncHeld:
         self._owner = owner
         self._ttl = ttl
         self._timeout = timeout
+        self._watch = watch or _Watch()
         self.lease: Lease | None = None
+        #: the watchdog while the block runs, when keepalive is on
+        self.watchdog: AsyncWatchdog | None = None
+
+    @property
+    def lost(self) -> bool:
+        """True once the watchdog found the lease lost (see ``watchdog.reason``)."""
+        return self.watchdog is not None and self.watchdog.lost.is_set()
 
     async def __aenter__(self) -> Lease:
         try:
@@ -345,7 +403,14 @@ class AsyncHeld:
                 with contextlib.suppress(Exception):
                     await async_shield(self._client.release(self._key, owner=self._owner))
             raise
+        if self._watch.on:
+            self.watchdog = AsyncWatchdog(
+                self._client, self.lease, max_hold=self._watch.max_hold, on_lost=self._watch.on_lost
+            )
+            await self.watchdog.start()
         return self.lease
 
     async def __aexit__(self, *exc_info: Any) -> None:
+        if self.watchdog is not None:
+            await self.watchdog.stop()
         await async_shield(self._client.release(self._key, owner=self._owner))

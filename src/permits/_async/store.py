@@ -192,6 +192,9 @@ class AsyncSQLStore:
 
     # ---------------------------------------------------------------------- service maintenance (SQL only)
 
+    async def leases_per_semaphore(self) -> dict[str, int]:
+        return await self._run(flows.leases_per_semaphore, readonly=True)
+
     async def held_owners(self) -> list[str]:
         return await self._run(flows.held_owners, readonly=True)
 

@@ -441,6 +441,12 @@ def sweep_batch(limit: int) -> Flow[tuple[int, list[tuple[str, str]]]]:
     return len(names), [names[i] for i in ended]
 
 
+def leases_per_semaphore() -> Flow[dict[str, int]]:
+    """How many held leases each semaphore has (for the service's gauges)."""
+    found = yield Stmt("LEASES_PER_SEMAPHORE")
+    return {str(name): int(n) for name, n in found.rows}
+
+
 def held_owners() -> Flow[list[str]]:
     """The owners that hold leases now (held leases are few: at most the sum of the capacities)."""
     found = yield Stmt("HELD_OWNERS")

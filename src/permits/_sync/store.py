@@ -193,6 +193,9 @@ class SQLStore:
 
     # ---------------------------------------------------------------------- service maintenance (SQL only)
 
+    def leases_per_semaphore(self) -> dict[str, int]:
+        return self._run(flows.leases_per_semaphore, readonly=True)
+
     def held_owners(self) -> list[str]:
         return self._run(flows.held_owners, readonly=True)
 

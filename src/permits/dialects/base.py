@@ -193,6 +193,13 @@ PORTABLE_SQL: dict[str, str] = {
     "LEASES_HELD_BY": """
         SELECT COUNT(*) FROM permits_lease
         WHERE state = 1 AND (owner = :exact OR (owner >= :low AND owner < :high))""",
+    # Held leases per semaphore (held leases are few). -> name, leases
+    "LEASES_PER_SEMAPHORE": """
+        SELECT s.name, COUNT(*) FROM permits_permit p
+        JOIN permits_lease l ON l.id = p.lease_id
+        JOIN permits_semaphore s ON s.id = p.semaphore_id
+        WHERE l.state = 1 AND s.deleted = 0
+        GROUP BY s.name""",
     # -> owner (of held leases)
     "HELD_OWNERS": "SELECT DISTINCT owner FROM permits_lease WHERE state = 1",
     # params: owner, limit -> id, lease_key

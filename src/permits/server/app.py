@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import json
 import logging
 import time
@@ -11,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import permits
@@ -73,7 +74,7 @@ def create_app(
 
     @app.get("/", include_in_schema=False)
     async def index() -> Response:
-        return RedirectResponse("/docs")
+        return HTMLResponse(await _index_page(state))
 
     @app.get("/healthz", tags=["service"])
     async def healthz() -> dict[str, str]:
@@ -107,10 +108,60 @@ def create_app(
 async def _refresh_gauges(state: ServiceState) -> None:
     limit = state.config.metrics_max_semaphores
     while True:
-        if limit:
-            with contextlib.suppress(PermitsError):
-                state.metrics.semaphores.snapshot = (await state.client.list_semaphores())[:limit]
+        with contextlib.suppress(PermitsError):
+            semaphores = await state.client.list_semaphores()
+            gauges = state.metrics.semaphores
+            gauges.total = len(semaphores)
+            gauges.snapshot = semaphores[:limit]
+            gauges.leases = await state.sql_store.leases_per_semaphore() if limit else {}
         await asyncio.sleep(GAUGE_REFRESH_SECONDS)
+
+
+_BACKENDS = {"sqlite": "SQLite", "mysql": "MariaDB/MySQL", "postgresql": "PostgreSQL"}
+
+
+async def _index_page(state: ServiceState) -> str:
+    """A small self-contained page for whoever opens the printed URL: what this is, where the API is, and
+    (in open mode only, where anyone may read everything anyway) the semaphores as they are now."""
+    rows = ""
+    if state.config.open_mode:
+        try:
+            semaphores = await state.client.list_semaphores()
+        except PermitsError as exc:
+            rows = f"<p>The database does not answer: {html.escape(exc.code)}.</p>"
+        else:
+            cells = "".join(
+                f"<tr><td>{html.escape(s.name)}</td><td>{s.used}</td><td>{s.capacity}</td><td>{s.last_token}</td></tr>"
+                for s in semaphores
+            )
+            rows = (
+                "<table><caption>Semaphores</caption><thead><tr><th scope=col>name</th><th scope=col>in use</th>"
+                f"<th scope=col>capacity</th><th scope=col>last token</th></tr></thead><tbody>{cells}</tbody></table>"
+                if semaphores
+                else "<p>No semaphores yet: create one with <code>POST /v1/semaphores</code>.</p>"
+            )
+    backend = state.sql_store.dialect_name
+    mode = (
+        "Open mode: no tokens are configured, so this service listens on loopback only."
+        if state.config.open_mode
+        else "Requests need a bearer token: <code>Authorization: Bearer &lt;token&gt;</code>."
+    )
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>permits</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:48rem;margin:2rem auto;padding:0 1rem;line-height:1.5}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #999;padding:.2rem .6rem;text-align:left}}</style>
+</head><body><main>
+<h1>permits {html.escape(permits.__version__)}</h1>
+<p>Distributed counting semaphores, mutexes and leases, kept in {html.escape(_BACKENDS.get(backend, backend))}.</p>
+<p>{mode}</p>
+<ul>
+<li><a href="/docs">Interactive API reference</a> (<a href="/openapi.json">OpenAPI document</a>)</li>
+<li><a href="/metrics">Prometheus metrics</a>, <a href="/healthz">/healthz</a>, <a href="/readyz">/readyz</a></li>
+</ul>
+{rows}
+</main></body></html>
+"""
 
 
 class _AccessLog:

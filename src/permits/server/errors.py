@@ -116,6 +116,8 @@ def _json_safe(details: dict[str, Any]) -> dict[str, Any]:
 def install(app: FastAPI) -> None:
     @app.exception_handler(PermitsError)
     async def _permits_error(request: Request, exc: PermitsError) -> JSONResponse:
+        if isinstance(exc, StorageError):
+            request.app.state.permits.metrics.storage_errors.labels(exc.code).inc()
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)

@@ -104,15 +104,24 @@ class Metrics:
 class _SemaphoreGauges(Collector):
     def __init__(self) -> None:
         self.snapshot: list[Semaphore] = []
+        self.leases: dict[str, int] = {}
+        self.total = 0
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         capacity = GaugeMetricFamily("permits_semaphore_capacity", "Capacity per semaphore", labels=["semaphore"])
         used = GaugeMetricFamily("permits_semaphore_used", "Permits in use per semaphore", labels=["semaphore"])
+        leases = GaugeMetricFamily(
+            "permits_semaphore_leases",
+            "Held leases per semaphore (expired, unreclaimed included)",
+            labels=["semaphore"],
+        )
         count = GaugeMetricFamily("permits_semaphores", "Semaphores that exist")
         for sem in self.snapshot:
             capacity.add_metric([sem.name], sem.capacity)
             used.add_metric([sem.name], sem.used)
-        count.add_metric([], len(self.snapshot))
+            leases.add_metric([sem.name], self.leases.get(sem.name, 0))
+        count.add_metric([], self.total)
         yield capacity
         yield used
+        yield leases
         yield count

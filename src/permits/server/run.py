@@ -63,6 +63,9 @@ class _Server(uvicorn.Server):
 def serve(config: ServerConfig, log_format: str = "text", log_level: str = "info") -> None:
     config.check_bind()
     configure_logging(log_format, log_level)
+    # Fail before listening, with the library's own message, if the database cannot be used: unreachable,
+    # or its schema missing or out of date (the embedded default creates it). A supervisor restarts us.
+    asyncio.run(_check_database(config))
     app = create_app(config)
     uv_config = uvicorn.Config(
         app,
@@ -75,6 +78,11 @@ def serve(config: ServerConfig, log_format: str = "text", log_level: str = "info
         proxy_headers=not is_loopback(config.host),
     )
     _Server(uv_config, app, config.open_mode).run()
+
+
+async def _check_database(config: ServerConfig) -> None:
+    async with ServiceState.build(config).client as client:
+        await client.ping()
 
 
 async def maintain_once(config: ServerConfig, only: tuple[str, ...]) -> dict[str, str]:

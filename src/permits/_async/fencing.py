@@ -1,0 +1,43 @@
+"""The fencing guard (see ``permits.fencing``); the sync twin is generated from this file."""
+
+from __future__ import annotations
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from permits._fencing import FenceStatements, check_args, refuse_or_accept
+
+
+class AsyncFencingGuard:
+    """Refuses writes whose fencing token is lower than the highest accepted for their resource."""
+
+    def __init__(self, table: str = "permits_fence") -> None:
+        self._sql = FenceStatements(table)
+
+    async def install(self, conn: AsyncConnection) -> None:
+        """Create the fence table if it is missing (idempotent)."""
+        await conn.execute(self._sql.create(conn.dialect.name))
+
+    async def check(self, conn: AsyncConnection, resource: str, token: int) -> None:
+        """Accept ``token`` for ``resource`` and record it, or raise ``StaleFencingToken``. Call it inside
+        the transaction of the write it guards, so that the check and the write commit together."""
+        params = check_args(resource, token)
+        while True:
+            if (await conn.execute(self._sql.advance, params)).rowcount > 0:
+                return
+            found = await conn.execute(self._sql.highest(conn.dialect.name), params)
+            if refuse_or_accept(params, found.scalar()):
+                return
+            try:
+                # A savepoint: losing the race for the first token must not undo the caller's own work.
+                async with conn.begin_nested():
+                    await conn.execute(self._sql.first, params)
+                return
+            except IntegrityError:
+                continue  # another writer recorded the first token meanwhile: compare with it
+
+    async def highest(self, conn: AsyncConnection, resource: str) -> int | None:
+        """The highest token accepted for ``resource`` so far, or None."""
+        found = await conn.execute(self._sql.highest(conn.dialect.name, locking=False), {"resource": resource})
+        value = found.scalar()
+        return None if value is None else int(value)

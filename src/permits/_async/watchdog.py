@@ -1,0 +1,130 @@
+"""The lease watchdog: keeps a lease alive while its holder works, and says so at once when it is lost.
+
+It extends the lease about every ttl/3, on the database's clock. When an extend finds the lease gone
+(released, expired, swept, revoked), the holder is told at once and never silently: ``lost`` is set,
+``on_lost`` is called with the reason, and in asyncio code the guarded task (the one that started the
+watchdog) is cancelled. A failed extend that is not a verdict (the database is unreachable) is retried
+until the lease's own expiry, as last measured by the database, has passed; then the lease is lost as
+``expired``. With ``max_hold``, extends stop making the lease outlive that many seconds from the start;
+it then runs out, and is reported lost with reason ``max_hold``.
+
+The sync twin (generated) runs the same loop on a daemon thread; threads cannot be cancelled, so the sync
+holder learns of a loss through ``lost`` and ``on_lost``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from permits._exceptions import LeaseLost, LeaseNotFound, PermitsError
+from permits._io import (
+    async_current,
+    async_event,
+    async_interrupt,
+    async_join,
+    async_spawn,
+    async_wait,
+    monotonic,
+)
+from permits._models import Lease
+
+if TYPE_CHECKING:
+    from permits._async.client import AsyncClient
+
+logger = logging.getLogger("permits.watchdog")
+
+#: The reason given when ``max_hold`` ran out.
+MAX_HOLD = "max_hold"
+
+
+class AsyncWatchdog:
+    """Extends ``lease`` every ``ttl / 3`` seconds until stopped; see the module docstring.
+
+    :param ttl: each extend sets the lease to expire this many seconds later (default: its current TTL).
+    :param max_hold: the most seconds, from now, that the lease may be kept alive.
+    :param on_lost: called with the reason (``revoked``, ``expired``, ``max_hold``...) when it is lost.
+    :param cancel: in asyncio code, cancel the task that started the watchdog when the lease is lost.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        lease: Lease,
+        *,
+        ttl: float | None = None,
+        max_hold: float | None = None,
+        on_lost: Callable[[str], Any] | None = None,
+        cancel: bool = True,
+    ) -> None:
+        self._client = client
+        self.lease = lease
+        self.ttl = ttl if ttl is not None else max(0.003, (lease.expires_at - lease.acquired_at).total_seconds())
+        self.max_hold = max_hold
+        self._on_lost = on_lost
+        self._cancel = cancel
+        #: set when the lease is lost; ``reason`` says why
+        self.lost = async_event()
+        self.reason: str | None = None
+        self._stop = async_event()
+        self._guarded: Any = None
+        self._runner: Any = None
+        self._started = 0.0
+
+    async def start(self) -> AsyncWatchdog:
+        self._started = monotonic()
+        self._guarded = async_current() if self._cancel else None
+        self._runner = async_spawn(self._run, "permits-watchdog")
+        return self
+
+    async def stop(self) -> None:
+        """Stop extending (the lease stays as it is; release it separately)."""
+        self._stop.set()
+        if self._runner is not None:
+            await async_join(self._runner)
+
+    async def __aenter__(self) -> AsyncWatchdog:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.stop()
+
+    async def _run(self) -> None:
+        # When the lease runs out, as the database last measured it (on this process's monotonic clock).
+        expires = monotonic() + self.lease.expires_in
+        while not await async_wait(self._stop, self.ttl / 3):
+            ttl = self.ttl
+            if self.max_hold is not None:
+                ttl = min(ttl, self.max_hold - (monotonic() - self._started))
+                if ttl < 0.001:
+                    # Keep no longer than max_hold: let the lease run out, then say it is gone.
+                    if await async_wait(self._stop, expires - monotonic()):
+                        return
+                    await self._lose(MAX_HOLD, f"max_hold of {self.max_hold:g} s reached")
+                    return
+            asked = monotonic()
+            try:
+                self.lease = await self._client.extend(self.lease, ttl)
+            except (LeaseLost, LeaseNotFound) as exc:
+                await self._lose(str(exc.details.get("reason") or "not_found"), str(exc))
+                return
+            except PermitsError as exc:  # the database may answer again before the lease runs out
+                logger.warning("could not extend lease %r: %s", self.lease.key, exc)
+                if monotonic() >= expires:
+                    await self._lose("expired", f"could not extend before it expired: {exc}")
+                    return
+                continue
+            # Measured from before the request: the database's clock started the new TTL no earlier.
+            expires = asked + self.lease.expires_in
+
+    async def _lose(self, reason: str, message: str) -> None:
+        self.reason = reason
+        self.lost.set()
+        logger.warning("lease %r lost: %s", self.lease.key, message)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(reason)
+            except Exception:
+                logger.exception("the on_lost callback of lease %r failed", self.lease.key)
+        async_interrupt(self._guarded)

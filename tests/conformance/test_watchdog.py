@@ -1,0 +1,84 @@
+"""The lease watchdog, on every backend, directly and through the service, sync and asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import permits
+from tests._service import wait_until
+
+
+def test_keepalive_keeps_a_lease_past_its_ttl_and_stops_at_release(client_url: str, ns: str) -> None:
+    with permits.connect(client_url, owner=f"{ns}w") as client:
+        client.create_semaphore(f"{ns}s", 1)
+        lost: list[str] = []
+        held = client.lease(f"{ns}s", ttl=0.6, keepalive=True, on_lost=lost.append)
+        with held as lease:
+            time.sleep(1.8)  # three TTLs: only the watchdog keeps it
+            assert client.try_acquire(f"{ns}s") is None
+            assert client.get_lease(lease.key).held
+        assert lost == [] and not held.lost
+        assert held.watchdog is not None and held.watchdog.reason is None
+        assert client.get_lease(lease.key).end_reason == permits.EndReason.RELEASED
+        assert client.get_semaphore(f"{ns}s").used == 0
+
+
+def test_a_revoked_lease_is_reported_lost_at_once(client_url: str, ns: str) -> None:
+    with permits.connect(client_url, owner=f"{ns}w") as client, permits.connect(client_url, owner=f"{ns}a") as admin:
+        client.create_semaphore(f"{ns}s", 1)
+        lost: list[str] = []
+        held = client.lease(f"{ns}s", ttl=0.9, keepalive=True, on_lost=lost.append)
+        with held as lease:
+            admin.revoke(lease.key, owner=f"{ns}w", reason="maintenance window")
+            revoked_at = time.monotonic()
+            wait_until(lambda: lost, timeout=5, interval=0.01)
+            told_after = time.monotonic() - revoked_at
+            assert held.lost and held.watchdog is not None and held.watchdog.reason == "revoked"
+        assert lost == ["revoked"]
+        assert told_after < 0.9 / 3 + 0.5  # at the next extend, not at the TTL
+
+
+def test_max_hold_caps_how_long_the_lease_is_kept(client_url: str, ns: str) -> None:
+    with permits.connect(client_url, owner=f"{ns}w") as client:
+        client.create_semaphore(f"{ns}s", 1)
+        lost: list[str] = []
+        started = time.monotonic()
+        held = client.lease(f"{ns}s", ttl=0.4, max_hold=0.8, on_lost=lost.append)
+        with held as lease:
+            wait_until(lambda: lost, timeout=5, interval=0.01)
+            assert lost == ["max_hold"]
+            assert 0.8 <= time.monotonic() - started < 2.0
+            assert not client.get_lease(lease.key).held
+        assert client.get_semaphore(f"{ns}s").used == 0
+
+
+def test_asyncio_holder_is_cancelled_when_its_lease_is_lost(client_url: str, ns: str) -> None:
+    async def scenario() -> tuple[bool, str | None, float]:
+        async with (
+            permits.connect_async(client_url, owner=f"{ns}w") as client,
+            permits.connect_async(client_url, owner=f"{ns}a") as admin,
+        ):
+            await client.create_semaphore(f"{ns}s", 1)
+            entered = asyncio.Event()
+            held: Any = None
+
+            async def work() -> None:
+                nonlocal held
+                held = client.lease(f"{ns}s", ttl=0.6, keepalive=True)
+                async with held as lease:
+                    entered.set()
+                    await admin.revoke(lease.key, owner=f"{ns}w", reason="test")
+                    await asyncio.sleep(30)  # the watchdog cancels this
+
+            task = asyncio.create_task(work())
+            await entered.wait()
+            started = asyncio.get_running_loop().time()
+            await asyncio.wait({task}, timeout=10)
+            took = asyncio.get_running_loop().time() - started
+            assert held is not None and held.watchdog is not None
+            return task.cancelled(), held.watchdog.reason, took
+
+    cancelled, reason, took = asyncio.run(scenario())
+    assert cancelled and reason == "revoked" and took < 2
