@@ -4,6 +4,7 @@ wire. One service per backend for the module; every test keeps to its own semaph
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,12 +17,16 @@ from tests._service import Service, running
 
 ADMIN, ALICE, BOB = "admin-token-0123456789", "alice-token-0123456789", "bob-token-012345678901"
 CAROL = "carol-token-0123456789"
+# Identities of their own in this run: the servers' databases are shared by the whole session, and other
+# tests hold leases under owners such as "alice".
+RUN = uuid.uuid4().hex[:6]
+OPS, ALICE_ID, BOB_ID, CAROL_ID = f"ops-{RUN}", f"alice-{RUN}", f"bob-{RUN}", f"carol-{RUN}"
 TOKENS = [
-    {"name": "ops", "token": ADMIN, "admin": True},
-    {"name": "alice", "token": ALICE},
+    {"name": OPS, "token": ADMIN, "admin": True},
+    {"name": ALICE_ID, "token": ALICE},
     # A token may be configured by its SHA-256 alone, to keep the secret out of the config.
-    {"name": "bob", "token_sha256": hashlib.sha256(BOB.encode()).hexdigest()},
-    {"name": "carol", "token": CAROL},
+    {"name": BOB_ID, "token_sha256": hashlib.sha256(BOB.encode()).hexdigest()},
+    {"name": CAROL_ID, "token": CAROL},
 ]
 
 
@@ -97,13 +102,13 @@ def test_only_admins_manage_semaphores(service: Service, ns: str) -> None:
             lambda: alice.delete_semaphore(f"{ns}s"),
             lambda: alice.sweep(),
             lambda: alice.reconcile(),
-            lambda: alice.revoke("k", owner="ops", reason="x"),
+            lambda: alice.revoke("k", owner=OPS, reason="x"),
         ):
             with pytest.raises(permits.Forbidden):
                 attempt()
         assert admin.get_semaphore(f"{ns}s").capacity == 2  # nothing changed
         change = admin.set_capacity(f"{ns}s", 3, reason="more room", who="oncall")
-        assert change.changed_by == "ops/oncall"  # who did it: the identity, then what it said
+        assert change.changed_by == f"{OPS}/oncall"  # who did it: the identity, then what it said
 
 
 def test_a_client_reaches_only_its_own_leases(service: Service, ns: str) -> None:
@@ -132,12 +137,12 @@ def test_a_client_reaches_only_its_own_leases(service: Service, ns: str) -> None
 
         # The holders list shows a client the keys of its own leases only; an admin sees all.
         seen_by_bob = {h.owner: h.key for h in bob.holders(f"{ns}s")}
-        assert seen_by_bob == {"alice/worker-1": "", "bob/worker-1": f"{ns}job-7"}
+        assert seen_by_bob == {f"{ALICE_ID}/worker-1": "", f"{BOB_ID}/worker-1": f"{ns}job-7"}
         assert {h.key for h in admin.holders(f"{ns}s")} == {f"{ns}job-7"}
 
         # An admin revokes Alice's lease by its stored owner; she learns it at her next extend.
-        revoked = admin.revoke(f"{ns}job-7", owner="alice/worker-1", reason="deploy froze")
-        assert revoked.end_note == "ops: deploy froze"
+        revoked = admin.revoke(f"{ns}job-7", owner=f"{ALICE_ID}/worker-1", reason="deploy froze")
+        assert revoked.end_note == f"{OPS}: deploy froze"
         with pytest.raises(permits.LeaseLost) as lost:
             alice.extend(lease, 30)
         assert lost.value.reason == "revoked"
