@@ -44,6 +44,7 @@ from permits._exceptions import (
     error_codes,
 )
 from permits._models import (
+    RWLOCK_READERS,
     CapacityChange,
     Drift,
     EndReason,
@@ -52,7 +53,10 @@ from permits._models import (
     ReleaseOutcome,
     Semaphore,
     SweepResult,
+    Waiter,
     Want,
+    exclusive,
+    shared,
 )
 from permits._sync.client import Client, Held
 
@@ -129,6 +133,7 @@ __all__ = [
     "LeaseNotFound",
     "LimitExceeded",
     "PermitsError",
+    "RWLOCK_READERS",
     "ReleaseOutcome",
     "RequestTooLarge",
     "SchemaMismatch",
@@ -146,10 +151,13 @@ __all__ = [
     "SweepResult",
     "Unauthorized",
     "UsageError",
+    "Waiter",
     "Want",
     "connect",
     "connect_async",
     "error_class",
     "error_codes",
+    "exclusive",
+    "shared",
     "__version__",
 ]

@@ -104,6 +104,8 @@ class Semaphore:
     last_token: int
     created_at: datetime
     updated_at: datetime
+    #: serves its waiters in arrival order (see ``create_semaphore(fair=True)``)
+    fair: bool = False
 
     @property
     def available(self) -> int:
@@ -116,6 +118,7 @@ class Semaphore:
             "used": self.used,
             "available": self.available,
             "last_token": self.last_token,
+            "fair": self.fair,
             "created_at": self.created_at.isoformat(),
             "updated_at": self.updated_at.isoformat(),
         }
@@ -143,6 +146,45 @@ class Holder:
             "expires_at": self.expires_at.isoformat(),
             "expires_in": round(self.expires_in, 3),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """A request waiting for room on a fair semaphore, in its place in the queue."""
+
+    key: str
+    owner: str
+    count: int
+    #: its place: the semaphore serves the lowest ticket first
+    ticket: int
+    waiting_since: datetime
+    #: seconds until the place is given up unless the waiter asks again (it does, while it waits)
+    place_expires_in: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "owner": self.owner,
+            "count": self.count,
+            "ticket": self.ticket,
+            "waiting_since": self.waiting_since.isoformat(),
+            "place_expires_in": round(self.place_expires_in, 3),
+        }
+
+
+#: The capacity of a read-write lock (``create_rwlock``): how many readers may hold it at once. A writer
+#: takes all of it (``exclusive``); a reader takes one permit (``shared``).
+RWLOCK_READERS = 1_000_000
+
+
+def shared(name: str) -> Want:
+    """A read (shared) hold on the read-write lock ``name``: one of its permits."""
+    return Want(name, 1)
+
+
+def exclusive(name: str) -> Want:
+    """A write (exclusive) hold on the read-write lock ``name``: all of its permits."""
+    return Want(name, RWLOCK_READERS)
 
 
 @dataclass(frozen=True, slots=True)

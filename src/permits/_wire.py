@@ -21,6 +21,7 @@ from permits._models import (
     Lease,
     Semaphore,
     SweepResult,
+    Waiter,
 )
 
 
@@ -65,6 +66,7 @@ def semaphore_out(sem: Semaphore) -> dict[str, Any]:
         "used": sem.used,
         "available": sem.available,
         "last_token": str(sem.last_token),
+        "fair": sem.fair,
         "created_at": sem.created_at.isoformat(),
         "updated_at": sem.updated_at.isoformat(),
     }
@@ -79,9 +81,28 @@ def semaphore_in(data: dict[str, Any]) -> Semaphore:
             last_token=int(data["last_token"]),
             created_at=datetime.fromisoformat(data["created_at"]),
             updated_at=datetime.fromisoformat(data["updated_at"]),
+            fair=bool(data.get("fair", False)),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _malformed("semaphore", exc) from exc
+
+
+def waiter_out(waiter: Waiter, *, show_key: bool = True) -> dict[str, Any]:
+    return {**waiter.to_dict(), "key": waiter.key if show_key else None}
+
+
+def waiter_in(data: dict[str, Any]) -> Waiter:
+    try:
+        return Waiter(
+            key="" if data.get("key") is None else str(data["key"]),
+            owner=str(data["owner"]),
+            count=int(data["count"]),
+            ticket=int(data["ticket"]),
+            waiting_since=datetime.fromisoformat(data["waiting_since"]),
+            place_expires_in=float(data["place_expires_in"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise _malformed("waiter", exc) from exc
 
 
 def holder_out(holder: Holder, *, show_key: bool = True) -> dict[str, Any]:

@@ -128,11 +128,22 @@ def sem() -> None:
 @click.argument("name")
 @click.option("--capacity", type=int, required=True, help="How many permits it holds.")
 @click.option("--exist-ok", is_flag=True, help="Succeed if it exists already with the same capacity.")
+@click.option("--fair", is_flag=True, help="Serve waiting acquires in arrival order.")
 @_db_option
-def sem_create(name: str, capacity: int, exist_ok: bool, db: str | None) -> None:
+def sem_create(name: str, capacity: int, exist_ok: bool, fair: bool, db: str | None) -> None:
     """Create semaphore NAME."""
     with _client(db) as client:
-        _echo_json(client.create_semaphore(name, capacity, exist_ok=exist_ok).to_dict())
+        _echo_json(client.create_semaphore(name, capacity, exist_ok=exist_ok, fair=fair).to_dict())
+
+
+@sem.command("rwlock")
+@click.argument("name")
+@click.option("--exist-ok", is_flag=True, help="Succeed if it exists already.")
+@_db_option
+def sem_rwlock(name: str, exist_ok: bool, db: str | None) -> None:
+    """Create a read-write lock NAME (take it with NAME:1 to read, NAME:1000000 to write)."""
+    with _client(db) as client:
+        _echo_json(client.create_rwlock(name, exist_ok=exist_ok).to_dict())
 
 
 @sem.command("set")
@@ -167,10 +178,11 @@ def sem_ls(prefix: str, as_json: bool, db: str | None) -> None:
 @click.argument("name")
 @_db_option
 def sem_show(name: str, db: str | None) -> None:
-    """Show NAME: capacity, use, holders and capacity history."""
+    """Show NAME: capacity, use, holders, waiters (fair mode) and capacity history."""
     with _client(db) as client:
         info = client.get_semaphore(name).to_dict()
         info["holders"] = [h.to_dict() for h in client.holders(name)]
+        info["waiters"] = [w.to_dict() for w in client.waiters(name)]
         info["capacity_history"] = [c.to_dict() for c in client.capacity_history(name, limit=20)]
     _echo_json(info)
 

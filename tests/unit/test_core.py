@@ -95,7 +95,7 @@ def test_acquire_without_room_lets_go_at_once_then_checks_without_locks() -> Non
     check = refused.value.flow()
     assert next(check).name == "LEASE_FIND"
     assert check.send(Result([], 0)).name == "SEMS_READ"
-    assert check.send(Result([(5, "a", 1, 1)], 1)).name == "EXPIRED_FOR_SEMS"
+    assert check.send(Result([(5, "a", 1, 1, 0)], 1)).name == "EXPIRED_FOR_SEMS"
     with pytest.raises(StopIteration) as done:
         check.send(Result([], 0))
     assert done.value.value is None
@@ -103,7 +103,7 @@ def test_acquire_without_room_lets_go_at_once_then_checks_without_locks() -> Non
     check = refused.value.flow()
     next(check)
     check.send(Result([], 0))
-    check.send(Result([(5, "a", 1, 1)], 1))
+    check.send(Result([(5, "a", 1, 1, 0)], 1))
     with pytest.raises(flows.Restart) as reclaim:
         check.send(Result([(42,)], 1))
     assert not reclaim.value.readonly

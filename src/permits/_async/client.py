@@ -15,9 +15,10 @@ from permits import _validate
 from permits._async.watchdog import AsyncWatchdog
 from permits._backoff import WAIT_BACKOFF
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
-from permits._exceptions import AcquireTimeout, StorageConflict, UsageError
+from permits._exceptions import AcquireTimeout, PermitsError, StorageConflict, UsageError
 from permits._io import async_shield, monotonic
 from permits._models import (
+    RWLOCK_READERS,
     CapacityChange,
     Drift,
     Holder,
@@ -25,6 +26,7 @@ from permits._models import (
     ReleaseOutcome,
     Semaphore,
     SweepResult,
+    Waiter,
     Want,
 )
 from permits._validate import Seconds, WantsLike
@@ -155,6 +157,9 @@ class AsyncClient:
             if deadline is not None:
                 remaining = deadline - monotonic()
                 if remaining <= 0:
+                    # Stop waiting for good: give up the places in fair queues now rather than at expiry.
+                    with contextlib.suppress(PermitsError):
+                        await self._store.dequeue(owner_, key_)
                     names = ", ".join(f"{w.name}:{w.count}" for w in wants_)
                     raise AcquireTimeout(
                         f"no room for {names} within {limit} s", key=key_, owner=owner_, timeout=limit
@@ -263,15 +268,31 @@ class AsyncClient:
     # ---------------------------------------------------------------------------------------- semaphores
 
     async def create_semaphore(
-        self, name: str, capacity: int, *, exist_ok: bool = False, who: str | None = None
+        self, name: str, capacity: int, *, exist_ok: bool = False, who: str | None = None, fair: bool = False
     ) -> Semaphore:
         """Create a semaphore of ``capacity`` permits. With ``exist_ok``, an existing semaphore of the same
-        capacity is returned instead of raising ``SemaphoreExists``. ``who`` (default: this client's owner)
-        is recorded as the creator in the capacity history."""
+        capacity (and mode) is returned instead of raising ``SemaphoreExists``. ``who`` (default: this
+        client's owner) is recorded as the creator in the capacity history.
+
+        ``fair``: waiting acquires are granted in arrival order, a large request included; one that waits
+        keeps its place only while it keeps asking (see docs/primitives.md)."""
         by = self.owner if who is None else _validate.owner(who)
+        if not isinstance(fair, bool):
+            raise _validate.InvalidArgument("fair must be True or False", field="fair")
         return await self._store.create_semaphore(
-            _validate.name(name), _validate.capacity(capacity), by, bool(exist_ok)
+            _validate.name(name), _validate.capacity(capacity), by, bool(exist_ok), fair
         )
+
+    async def create_rwlock(self, name: str, *, exist_ok: bool = False) -> Semaphore:
+        """Create a read-write lock: a fair semaphore of ``RWLOCK_READERS`` permits. Hold it with
+        ``permits.shared(name)`` (one permit: many readers at once) or ``permits.exclusive(name)`` (all of
+        them: one writer, no reader). Fair mode keeps writers from starving: once a writer waits, readers
+        that come after it wait behind it."""
+        return await self.create_semaphore(name, RWLOCK_READERS, exist_ok=exist_ok, fair=True)
+
+    async def waiters(self, name: str) -> list[Waiter]:
+        """The requests waiting for room on the fair semaphore ``name``, in queue order."""
+        return await self._store.waiters(_validate.name(name))
 
     async def create_mutex(self, name: str, *, exist_ok: bool = False) -> Semaphore:
         """Create a semaphore of capacity 1."""

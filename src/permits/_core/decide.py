@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from permits._exceptions import CountExceedsCapacity, IdempotencyConflict, LeaseLost
-from permits._models import EndReason, Holder, Lease, ReleaseOutcome, Semaphore, Want, ms_to_datetime
+from permits._models import EndReason, Holder, Lease, ReleaseOutcome, Semaphore, Waiter, Want, ms_to_datetime
 
 #: lease.state values: a lease is held (1) until it ends (0), and never comes back.
 HELD = 1
@@ -102,7 +102,7 @@ def has_room(want: Want, capacity: int, used: int) -> bool:
 
 
 def semaphore_from_row(row: Sequence[Any]) -> Semaphore:
-    """Columns: name, capacity, used, last_token, created_at_ms, updated_at_ms."""
+    """Columns: name, capacity, used, last_token, created_at_ms, updated_at_ms, fair."""
     name, capacity, used, last_token, created_ms, updated_ms = row[:6]
     return Semaphore(
         name=str(name),
@@ -111,6 +111,20 @@ def semaphore_from_row(row: Sequence[Any]) -> Semaphore:
         last_token=int(last_token),
         created_at=ms_to_datetime(int(created_ms)),
         updated_at=ms_to_datetime(int(updated_ms)),
+        fair=len(row) > 6 and bool(int(row[6])),
+    )
+
+
+def waiter_from_row(row: Sequence[Any]) -> Waiter:
+    """Columns: owner, lease_key, count, ticket, enqueued_at_ms, expires_at_ms, now_ms."""
+    owner, key, count, ticket, enqueued_ms, expires_ms, now_ms = row[:7]
+    return Waiter(
+        key=str(key),
+        owner=str(owner),
+        count=int(count),
+        ticket=int(ticket),
+        waiting_since=ms_to_datetime(int(enqueued_ms)),
+        place_expires_in=(int(expires_ms) - int(now_ms)) / 1000,
     )
 
 

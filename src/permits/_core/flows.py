@@ -33,6 +33,7 @@ from permits._models import (
     Lease,
     ReleaseOutcome,
     Semaphore,
+    Waiter,
     Want,
     ms_to_datetime,
 )
@@ -82,39 +83,49 @@ class Restart(Exception):
 # ---------------------------------------------------------------------------------------------- acquire
 
 
-def try_acquire(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int) -> Flow[Lease | None]:
+def try_acquire(
+    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0
+) -> Flow[Lease | None]:
     """Grant every want or none; ``None`` means no room (after reclaiming expired leases).
 
     The fast path is one conditional UPDATE per semaphore, in name order: it counts the permits and bumps
     the fencing token on the semaphore row, so capacity is checked by the database at the moment the row
     is written, and every grant writes the row (multi-primary engines such as Galera certify only rows a
     transaction writes). Only when a semaphore has no room does the flow look further.
+
+    ``queue_ms`` > 0 means the caller will wait: on a fair semaphore a refused request then takes a place
+    in the queue, kept for ``queue_ms`` unless the caller asks again, and a grant gives its place up.
     """
-    if len(wants) == 1 and d.has("ACQUIRE_ONE"):
+    if len(wants) == 1 and not queue_ms and d.has("ACQUIRE_ONE"):
         return (yield from _acquire_one(d, owner, key, wants[0], ttl_ms))
     tokens: dict[str, int] = {}
     for want in wants:
-        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count})
+        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
         if taken.rowcount == 0:
-            raise _refused(d, owner, key, wants, ttl_ms)
+            raise _refused(d, owner, key, wants, ttl_ms, queue_ms)
         tokens[want.name] = d.taken_token(taken)
+    if queue_ms:
+        yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
     return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
 
 
-def _refused(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int) -> Restart:
+def _refused(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0) -> Restart:
     """A semaphore had no room (or does not exist). Roll back at once, which lets go of the semaphore
     rows, and find out why without locking anything: on a hot semaphore the refused are the many, and
     they must not hold the row that the next grant needs."""
-    return Restart(lambda: _why_refused(d, owner, key, wants, ttl_ms), readonly=True)
+    return Restart(lambda: _why_refused(d, owner, key, wants, ttl_ms, queue_ms), readonly=True)
 
 
-def _why_refused(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int) -> Flow[Lease | None]:
+def _why_refused(
+    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0
+) -> Flow[Lease | None]:
     # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
     existing = yield from _find_lease(owner, key)
     if existing is not None:
         return decide.replay(existing[1], wants)
     found = yield Stmt("SEMS_READ", {"names": [w.name for w in wants]})
-    sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used in found.rows}
+    sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used, _ in found.rows}
+    fair = {str(name): int(sid) for sid, name, _, _, is_fair in found.rows if int(is_fair)}
     for want in wants:
         if want.name not in sems:
             raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
@@ -122,8 +133,49 @@ def _why_refused(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms
     # Expired leases never block: if any hold these semaphores, reclaim them under lock and try again.
     expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": sorted(sid for sid, _, _ in sems.values())})
     if expired.rows:
-        raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms))
+        raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms, queue_ms))
+    if queue_ms and fair:
+        raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms))
     return None
+
+
+def _enqueue(
+    d: Dialect, owner: str, key: str, wants: Sequence[Want], fair: Mapping[str, int], queue_ms: int
+) -> Flow[Lease | None]:
+    """Keep this request's places in the fair queues, or take them: a ticket per fair semaphore, taken in
+    name order under each semaphore's row lock, so every semaphore orders any two requests alike."""
+    kept = yield Stmt("WAITERS_REFRESH", {"owner": owner, "key": key, "place_ms": queue_ms})
+    if kept.rowcount > 0:
+        return None
+    for want in wants:
+        if want.name not in fair:
+            continue
+        ticket = yield Stmt("SEM_TICKET", {"id": fair[want.name]})
+        params = {"sem_id": fair[want.name], "ticket": d.taken_token(ticket), "owner": owner, "key": key}
+        try:
+            yield Stmt("WAITER_INSERT", {**params, "count": want.count, "place_ms": queue_ms})
+        except DuplicateKey:
+            raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms)) from None
+    return None
+
+
+def dequeue(owner: str, key: str) -> Flow[int]:
+    """Give up a request's places in the fair queues (its wait timed out)."""
+    done = yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
+    return done.rowcount
+
+
+def waiters(name: str) -> Flow[list[Waiter]]:
+    sem = yield Stmt("SEM_GET", {"name": name})
+    if not sem.rows:
+        raise SemaphoreNotFound(f"no semaphore named {name!r}", name=name)
+    rows = yield Stmt("WAITERS_LIST", {"name": name})
+    return [decide.waiter_from_row(r) for r in rows.rows]
+
+
+def purge_waiters(age_ms: int) -> Flow[int]:
+    done = yield Stmt("WAITERS_PURGE", {"age_ms": age_ms})
+    return done.rowcount
 
 
 def _acquire_one(d: Dialect, owner: str, key: str, want: Want, ttl_ms: int) -> Flow[Lease | None]:
@@ -151,7 +203,9 @@ def _acquire_one(d: Dialect, owner: str, key: str, want: Want, ttl_ms: int) -> F
     )
 
 
-def _acquire_slow(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int) -> Flow[Lease | None]:
+def _acquire_slow(
+    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0
+) -> Flow[Lease | None]:
     # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
     existing = yield from _find_lease(owner, key)
     if existing is not None:
@@ -175,10 +229,12 @@ def _acquire_slow(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_m
 
     tokens: dict[str, int] = {}
     for want in wants:
-        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count})
-        if taken.rowcount == 0:  # cannot happen while the rows are locked; start over rather than guess
-            raise Restart(lambda: try_acquire(d, owner, key, wants, ttl_ms))
+        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
+        if taken.rowcount == 0:  # room, but a fair queue ahead of us: wait like any refused request
+            raise _refused(d, owner, key, wants, ttl_ms, queue_ms)
         tokens[want.name] = d.taken_token(taken)
+    if queue_ms:
+        yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
     return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
 
 
@@ -324,15 +380,15 @@ def holders(name: str) -> Flow[list[Holder]]:
 # ------------------------------------------------------------------------------------------ semaphores
 
 
-def create_semaphore(name: str, capacity: int, by: str, exist_ok: bool) -> Flow[Semaphore]:
+def create_semaphore(name: str, capacity: int, by: str, exist_ok: bool, fair: bool = False) -> Flow[Semaphore]:
     # A deleted semaphore keeps its row as a tombstone, so its fencing tokens carry on from where they
     # were: a downstream store that saw token 500 is never handed 1 again.
-    revived = yield Stmt("SEM_REVIVE", {"name": name, "capacity": capacity})
+    revived = yield Stmt("SEM_REVIVE", {"name": name, "capacity": capacity, "fair": int(fair)})
     if revived.rowcount == 0:
         try:
-            yield Stmt("SEM_INSERT", {"name": name, "capacity": capacity})
+            yield Stmt("SEM_INSERT", {"name": name, "capacity": capacity, "fair": int(fair)})
         except DuplicateKey:
-            raise Restart(lambda: _existing_semaphore(name, capacity, exist_ok)) from None
+            raise Restart(lambda: _existing_semaphore(name, capacity, exist_ok, fair)) from None
     sem = yield from _get(name)
     yield Stmt(
         "HISTORY_INSERT",
@@ -341,11 +397,13 @@ def create_semaphore(name: str, capacity: int, by: str, exist_ok: bool) -> Flow[
     return sem
 
 
-def _existing_semaphore(name: str, capacity: int, exist_ok: bool) -> Flow[Semaphore]:
+def _existing_semaphore(name: str, capacity: int, exist_ok: bool, fair: bool) -> Flow[Semaphore]:
     sem = yield from _get(name)
-    if exist_ok and sem.capacity == capacity:
+    if exist_ok and sem.capacity == capacity and sem.fair == fair:
         return sem
     detail = "" if sem.capacity == capacity else f" with capacity {sem.capacity}"
+    if sem.fair != fair:
+        detail += " in fair mode" if sem.fair else " without fair mode"
     raise SemaphoreExists(f"semaphore {name!r} exists already{detail}", name=name, capacity=sem.capacity)
 
 

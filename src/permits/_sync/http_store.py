@@ -40,6 +40,7 @@ from permits._models import (
     ReleaseOutcome,
     Semaphore,
     SweepResult,
+    Waiter,
     Want,
 )
 
@@ -131,12 +132,22 @@ class HTTPStore:
         data = self._call("GET", f"/v1/leases/{path_part(key)}", params={"owner": owner})
         return _wire.lease_in(data)
 
+    def dequeue(self, owner: str, key: str) -> None:
+        """Nothing to do: the service keeps a waiting request's place only while the request asks, and
+        the place expires by itself within seconds once it stops."""
+
+    def waiters(self, name: str) -> list[Waiter]:
+        data = self._call("GET", f"/v1/waiters/{path_part(name)}")
+        return [_wire.waiter_in(w) for w in data["waiters"]]
+
     def holders(self, name: str) -> list[Holder]:
         data = self._call("GET", f"/v1/holders/{path_part(name)}")
         return [_wire.holder_in(h) for h in data["holders"]]
 
-    def create_semaphore(self, name: str, capacity: int, by: str, exist_ok: bool) -> Semaphore:
-        body = {"name": name, "capacity": capacity, "exist_ok": exist_ok, "who": by}
+    def create_semaphore(
+        self, name: str, capacity: int, by: str, exist_ok: bool, fair: bool = False
+    ) -> Semaphore:
+        body = {"name": name, "capacity": capacity, "exist_ok": exist_ok, "who": by, "fair": fair}
         return _wire.semaphore_in(self._call("POST", "/v1/semaphores", json=body))
 
     def get_semaphore(self, name: str) -> Semaphore:

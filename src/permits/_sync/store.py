@@ -26,6 +26,7 @@ from permits._models import (
     ReleaseOutcome,
     Semaphore,
     SweepResult,
+    Waiter,
     Want,
 )
 from permits.dialects.base import Fault, dialect_for_url
@@ -45,6 +46,10 @@ IS_ASYNC = False
 #: A flow may restart itself (for example, to answer a retry from the lease that exists); more than this
 #: many restarts in one call means something is wrong.
 MAX_RESTARTS = 10
+#: How long a waiter's place in a fair queue lasts unless it asks again. A waiting client asks at least
+#: every second (the wait backoff's cap), so a live waiter never loses its place; a dead one frees it
+#: within this many milliseconds.
+PLACE_MS = 5000
 
 
 class SQLStore:
@@ -133,7 +138,17 @@ class SQLStore:
         # This store never waits for room (the client's loop does); ``wait`` bounds how long it keeps
         # retrying lock conflicts, so a caller's timeout holds behind a frozen lock holder.
         deadline = monotonic() + wait if wait > 0 else None
-        return self._run(lambda: flows.try_acquire(self._dialect, owner, key, wants, ttl_ms), deadline=deadline)
+        # A caller that waits keeps a place in the queue of each fair semaphore it asks for.
+        queue_ms = PLACE_MS if wait > 0 else 0
+        return self._run(
+            lambda: flows.try_acquire(self._dialect, owner, key, wants, ttl_ms, queue_ms), deadline=deadline
+        )
+
+    def dequeue(self, owner: str, key: str) -> None:
+        self._run(lambda: flows.dequeue(owner, key))
+
+    def waiters(self, name: str) -> list[Waiter]:
+        return self._run(lambda: flows.waiters(name), readonly=True)
 
     def wait_for_room(self, names: Sequence[str], seconds: float) -> None:
         sync_sleep(seconds)
@@ -153,8 +168,10 @@ class SQLStore:
     def holders(self, name: str) -> list[Holder]:
         return self._run(lambda: flows.holders(name), readonly=True)
 
-    def create_semaphore(self, name: str, capacity: int, by: str, exist_ok: bool) -> Semaphore:
-        return self._run(lambda: flows.create_semaphore(name, capacity, by, exist_ok))
+    def create_semaphore(
+        self, name: str, capacity: int, by: str, exist_ok: bool, fair: bool = False
+    ) -> Semaphore:
+        return self._run(lambda: flows.create_semaphore(name, capacity, by, exist_ok, fair))
 
     def get_semaphore(self, name: str) -> Semaphore:
         return self._run(lambda: flows.get_semaphore(name), readonly=True)
@@ -225,6 +242,9 @@ class SQLStore:
             total += deleted
             if deleted < batch_size:
                 return total
+
+    def purge_waiters(self, age_ms: int) -> int:
+        return self._run(lambda: flows.purge_waiters(age_ms))
 
     def delete_capacity_history(self, older_than_ms: int, batch_size: int) -> int:
         total = 0

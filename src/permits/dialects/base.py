@@ -29,6 +29,19 @@ from sqlalchemy.exc import DBAPIError
 from permits._core.flows import Result
 from permits._exceptions import ConfigurationError
 
+#: Appended to the WHERE of every statement that takes room (``{fair_gate}``). A fair semaphore grants
+#: only the request at the head of its queue: no live waiter may hold an earlier ticket. A request that
+#: is not queued compares as if its ticket were the largest, so it never jumps the queue. For a semaphore
+#: that is not fair, ``fair = 0`` decides; the subquery is an index probe on an empty range anyway.
+FAIR_GATE = """
+          AND (permits_semaphore.fair = 0 OR NOT EXISTS (
+              SELECT 1 FROM permits_waiter w
+              WHERE w.semaphore_id = permits_semaphore.id AND w.expires_at_ms > {now}
+                AND w.ticket < COALESCE(
+                    (SELECT m.ticket FROM permits_waiter m
+                     WHERE m.semaphore_id = permits_semaphore.id AND m.owner = :owner AND m.lease_key = :key),
+                    9223372036854775807)))"""
+
 
 class Fault(enum.Enum):
     """How a database error should be handled."""
@@ -55,12 +68,13 @@ _EXPANDING = ("names", "ids", "sem_ids")
 PORTABLE_SQL: dict[str, str] = {
     # -> now_ms
     "NOW_MS": "SELECT {now}",
-    # Take room on one semaphore and bump its fencing token, only if the room is there.
-    # params: name, count -> rowcount 1 and the new token, or rowcount 0 (no room, or no such semaphore)
+    # Take room on one semaphore and bump its fencing token, only if the room is there (and, on a fair
+    # semaphore, the request is at the head of the queue).
+    # params: name, count, owner, key -> rowcount 1 and the new token, or rowcount 0
     "SEM_TAKE": """
         UPDATE permits_semaphore
         SET used = used + :count, last_token = last_token + 1, updated_at_ms = {now}
-        WHERE name = :name AND deleted = 0 AND used + :count <= capacity
+        WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
         RETURNING last_token""",
     # Lock the named semaphores in name order, so two multi-semaphore acquires never wait in a cycle.
     # params: names -> id, name, capacity, used
@@ -90,10 +104,35 @@ PORTABLE_SQL: dict[str, str] = {
         INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
         SELECT :lease_id, id, :count, :token FROM permits_semaphore WHERE name = :name AND deleted = 0""",
     # The same without locks, for a refused acquire that only needs to know why. params: names
-    # -> id, name, capacity, used
+    # -> id, name, capacity, used, fair
     "SEMS_READ": """
-        SELECT id, name, capacity, used FROM permits_semaphore
+        SELECT id, name, capacity, used, fair FROM permits_semaphore
         WHERE name IN :names AND deleted = 0 ORDER BY name""",
+    # ---- fair queues
+    # Take the next ticket of a fair semaphore (this locks its row: tickets are handed out in the same
+    # order on every semaphore of a request, since requests lock rows in name order). params: id -> ticket
+    "SEM_TICKET": """
+        UPDATE permits_semaphore SET last_ticket = last_ticket + 1 WHERE id = :id
+        RETURNING last_ticket""",
+    # params: sem_id, ticket, owner, key, count, place_ms
+    "WAITER_INSERT": """
+        INSERT INTO permits_waiter (semaphore_id, ticket, owner, lease_key, count, enqueued_at_ms, expires_at_ms)
+        VALUES (:sem_id, :ticket, :owner, :key, :count, {now}, {now} + :place_ms)""",
+    # A waiter keeps its place by asking again. params: owner, key, place_ms -> rowcount
+    "WAITERS_REFRESH": """
+        UPDATE permits_waiter SET expires_at_ms = {now} + :place_ms
+        WHERE owner = :owner AND lease_key = :key""",
+    # params: owner, key
+    "WAITERS_DELETE": "DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key",
+    # Live waiters of one semaphore, in queue order. params: name
+    # -> owner, lease_key, count, ticket, enqueued_at_ms, expires_at_ms, now_ms
+    "WAITERS_LIST": """
+        SELECT w.owner, w.lease_key, w.count, w.ticket, w.enqueued_at_ms, w.expires_at_ms, {now}
+        FROM permits_waiter w JOIN permits_semaphore s ON s.id = w.semaphore_id
+        WHERE s.name = :name AND s.deleted = 0 AND w.expires_at_ms > {now}
+        ORDER BY w.ticket""",
+    # Places that expired (their waiter gave up or died). params: age_ms
+    "WAITERS_PURGE": "DELETE FROM permits_waiter WHERE expires_at_ms <= {now} - :age_ms",
     # Held leases past their expiry that hold any of these semaphores. params: sem_ids -> id
     "EXPIRED_FOR_SEMS": """
         SELECT DISTINCT l.id FROM permits_lease l
@@ -139,18 +178,18 @@ PORTABLE_SQL: dict[str, str] = {
     # Bring a deleted semaphore back; its fencing tokens carry on. params: name, capacity
     "SEM_REVIVE": """
         UPDATE permits_semaphore
-        SET deleted = 0, capacity = :capacity, used = 0, created_at_ms = {now}, updated_at_ms = {now}
+        SET deleted = 0, capacity = :capacity, fair = :fair, used = 0, created_at_ms = {now}, updated_at_ms = {now}
         WHERE name = :name AND deleted = 1""",
-    # params: name, capacity (unique name)
+    # params: name, capacity, fair (unique name)
     "SEM_INSERT": """
-        INSERT INTO permits_semaphore (name, capacity, used, last_token, deleted, created_at_ms, updated_at_ms)
-        VALUES (:name, :capacity, 0, 0, 0, {now}, {now})""",
-    # params: name -> name, capacity, used, last_token, created_at_ms, updated_at_ms
+        INSERT INTO permits_semaphore (name, capacity, fair, used, last_token, deleted, created_at_ms, updated_at_ms)
+        VALUES (:name, :capacity, :fair, 0, 0, 0, {now}, {now})""",
+    # params: name -> name, capacity, used, last_token, created_at_ms, updated_at_ms, fair
     "SEM_GET": """
-        SELECT name, capacity, used, last_token, created_at_ms, updated_at_ms
+        SELECT name, capacity, used, last_token, created_at_ms, updated_at_ms, fair
         FROM permits_semaphore WHERE name = :name AND deleted = 0""",
     "SEM_LIST": """
-        SELECT name, capacity, used, last_token, created_at_ms, updated_at_ms
+        SELECT name, capacity, used, last_token, created_at_ms, updated_at_ms, fair
         FROM permits_semaphore WHERE deleted = 0 ORDER BY name""",
     # params: id, capacity
     "SEM_SET_CAPACITY": "UPDATE permits_semaphore SET capacity = :capacity, updated_at_ms = {now} WHERE id = :id",
@@ -254,7 +293,8 @@ class Dialect:
         self._sql = {name: s for name, s in sql.items() if s is not None}
         self._clauses: dict[str, TextClause] = {}
         for name, template in self._sql.items():
-            clause = text(template.format(now=self.now_sql, for_update=self.for_update).strip())
+            gate = FAIR_GATE.format(now=self.now_sql)
+            clause = text(template.format(now=self.now_sql, for_update=self.for_update, fair_gate=gate).strip())
             expanding: list[Any] = [bindparam(p, expanding=True) for p in _EXPANDING if f":{p}" in template]
             self._clauses[name] = clause.bindparams(*expanding) if expanding else clause
 
@@ -269,7 +309,7 @@ class Dialect:
         return str(self._clauses[name])
 
     def taken_token(self, result: Result) -> int:
-        """The fencing token that ``SEM_TAKE`` just handed out."""
+        """The counter that ``SEM_TAKE`` (fencing token) or ``SEM_TICKET`` (queue ticket) just bumped."""
         return int(result.rows[0][0])
 
     # ---- engine set-up

@@ -49,7 +49,9 @@ class MariaDB(Dialect):
         "SEM_TAKE": """
             UPDATE permits_semaphore
             SET used = used + :count, last_token = LAST_INSERT_ID(last_token + 1), updated_at_ms = {now}
-            WHERE name = :name AND deleted = 0 AND used + :count <= capacity""",
+            WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}""",
+        "SEM_TICKET": """
+            UPDATE permits_semaphore SET last_ticket = LAST_INSERT_ID(last_ticket + 1) WHERE id = :id""",
         # Release in one statement: end the lease and give back each of its semaphores' permits. A lease
         # has one permit row per semaphore, so each semaphore row matches once (a multi-table UPDATE
         # changes a row at most once, which is why batches use LEASES_END + SEM_GIVE_BACK instead).

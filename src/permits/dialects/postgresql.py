@@ -50,7 +50,7 @@ class PostgreSQL(Dialect):
             WITH taken AS (
                 UPDATE permits_semaphore
                 SET used = used + :count, last_token = last_token + 1, updated_at_ms = {now}
-                WHERE name = :name AND deleted = 0 AND used + :count <= capacity
+                WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
                 RETURNING id, last_token),
             lease AS (
                 INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)

@@ -157,7 +157,9 @@ class Maintainer:
         history = await store.delete_capacity_history(
             round(self.config.keep_capacity_history * 1000), self.config.cleanup_batch
         )
-        return {"leases_deleted": leases, "history_deleted": history}
+        # Places in fair queues that expired a minute ago or more: their waiters gave up or died.
+        places = await store.purge_waiters(60_000)
+        return {"leases_deleted": leases, "history_deleted": history, "places_deleted": places}
 
     def _probe_for(self, owner: str) -> LivenessProbe | None:
         # The longest matching prefix wins, so a specific check can override a general one.

@@ -178,6 +178,10 @@ class InstanceStore:
     async def wait_for_room(self, names: Sequence[str], seconds: float) -> None:
         await self.waker.wait(names, seconds)
 
+    async def dequeue(self, owner: str, key: str) -> None:
+        """Kept, on purpose: the service's wait ended, not the client's. A remote client asks again at
+        once and keeps its place; one that stopped asking loses it when the place expires."""
+
     async def release(self, owner: str, key: str) -> ReleaseOutcome:
         outcome = await self._inner.release(owner, key)
         granted = self._granted.pop((owner, key), None)

@@ -183,7 +183,7 @@ async def create_semaphore(body: schemas.CreateSemaphoreIn, identity: Caller, st
     """Create a semaphore (admin). With ``exist_ok``, one of the same capacity is returned instead of 409."""
     identity.require_admin("creating a semaphore")
     sem = await state.client.create_semaphore(
-        body.name, body.capacity, exist_ok=body.exist_ok, who=_who(identity, body.who)
+        body.name, body.capacity, exist_ok=body.exist_ok, who=_who(identity, body.who), fair=body.fair
     )
     return JSONResponse(_wire.semaphore_out(sem), status_code=201)
 
@@ -225,6 +225,17 @@ async def holders(name: str, identity: Caller, state: State) -> dict[str, Any]:
     return {
         "name": name,
         "holders": [_wire.holder_out(h, show_key=identity.admin or identity.owns(h.owner)) for h in found],
+    }
+
+
+@router.get("/waiters/{name:path}", response_model=schemas.WaitersOut, responses=_ERRORS, tags=["semaphores"])
+async def waiters(name: str, identity: Caller, state: State) -> dict[str, Any]:
+    """The requests waiting for room on a fair semaphore, in queue order (a client token sees the keys of
+    its own only)."""
+    found = await state.client.waiters(name)
+    return {
+        "name": name,
+        "waiters": [_wire.waiter_out(w, show_key=identity.admin or identity.owns(w.owner)) for w in found],
     }
 
 

@@ -67,6 +67,7 @@ class CreateSemaphoreIn(_Strict):
     name: Name
     capacity: Count
     exist_ok: StrictBool = False
+    fair: StrictBool = Field(default=False, description="serve waiting acquires in arrival order")
     who: Owner | None = Field(default=None, description="recorded in the capacity history (default: your identity)")
 
 
@@ -108,6 +109,7 @@ class SemaphoreOut(BaseModel):
     used: int
     available: int
     last_token: Token
+    fair: bool
     created_at: str
     updated_at: str
 
@@ -129,6 +131,20 @@ class HolderOut(BaseModel):
 class HoldersOut(BaseModel):
     name: str
     holders: list[HolderOut]
+
+
+class WaiterOut(BaseModel):
+    key: str | None = Field(description="null for another client's request, unless you are an admin")
+    owner: str
+    count: int
+    ticket: int
+    waiting_since: str
+    place_expires_in: float
+
+
+class WaitersOut(BaseModel):
+    name: str
+    waiters: list[WaiterOut]
 
 
 class CapacityChangeOut(BaseModel):

@@ -1,0 +1,150 @@
+"""Fair mode and read-write locks, on every backend, directly and through the service.
+
+Fair mode promises: waiting acquires are granted in the order they started waiting; a request at the head
+of the queue is not overtaken by later ones, however small; a waiter that stops asking (gave up, died)
+loses its place within PLACE_MS.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import permits
+from permits._async.store import PLACE_MS
+from tests._service import wait_until
+
+
+def _waiting(client: Any, name: str, count: int) -> bool:
+    return len(client.waiters(name)) >= count
+
+
+def test_waiters_are_granted_in_arrival_order(client_url: str, ns: str) -> None:
+    name = f"{ns}fair"
+    with permits.connect(client_url, owner=f"{ns}holder") as holder:
+        holder.create_semaphore(name, 1, fair=True)
+        assert holder.get_semaphore(name).fair
+        held = holder.acquire(name, ttl=30)
+        order: list[int] = []
+        threads = []
+        for i in range(4):
+
+            def wait_in_line(i: int = i) -> None:
+                with permits.connect(client_url, owner=f"{ns}w{i}") as client:
+                    lease = client.acquire(name, ttl=30, timeout=30)
+                    order.append(i)
+                    time.sleep(0.05)
+                    client.release(lease)
+
+            thread = threading.Thread(target=wait_in_line)
+            thread.start()
+            threads.append(thread)
+            wait_until(lambda i=i: _waiting(holder, name, i + 1), timeout=10)  # in line before the next comes
+        queue = holder.waiters(name)
+        assert [w.owner for w in queue] == [f"{ns}w{i}" for i in range(4)]
+        assert [w.ticket for w in queue] == sorted(w.ticket for w in queue)
+        assert all(w.count == 1 and 0 < w.place_expires_in <= PLACE_MS / 1000 for w in queue)
+        holder.release(held)
+        for thread in threads:
+            thread.join(60)
+        assert order == [0, 1, 2, 3]
+        assert holder.waiters(name) == []
+        assert holder.reconcile() == []
+
+
+def test_a_large_request_is_not_starved_by_small_ones(client_url: str, ns: str) -> None:
+    name = f"{ns}fair"
+    stop = threading.Event()
+    small_grants = [0]
+
+    def small_stream(i: int) -> None:
+        with permits.connect(client_url, owner=f"{ns}small{i}") as client:
+            while not stop.is_set():
+                lease = client.acquire(name, ttl=30, timeout=30)
+                small_grants[0] += 1
+                time.sleep(0.02)
+                client.release(lease)
+
+    with permits.connect(client_url, owner=f"{ns}big") as big:
+        big.create_semaphore(name, 3, fair=True)
+        stream = [threading.Thread(target=small_stream, args=(i,)) for i in range(3)]
+        for thread in stream:
+            thread.start()
+        try:
+            wait_until(lambda: small_grants[0] > 10, timeout=20)
+            started = time.monotonic()
+            lease = big.acquire({name: 3}, ttl=30, timeout=20)  # all of it: needs every small one out
+            waited = time.monotonic() - started
+            big.release(lease)
+        finally:
+            stop.set()
+            for thread in stream:
+                thread.join(60)
+        # Once in line, the large request is next: the small ones behind it wait until it is served.
+        assert waited < 5, waited
+        assert big.reconcile() == []
+
+
+def test_rwlock_readers_share_and_a_waiting_writer_is_not_overtaken(client_url: str, ns: str) -> None:
+    lock = f"{ns}schema"
+    with (
+        permits.connect(client_url, owner=f"{ns}r1") as r1,
+        permits.connect(client_url, owner=f"{ns}r2") as r2,
+        permits.connect(client_url, owner=f"{ns}writer") as writer,
+    ):
+        r1.create_rwlock(lock)
+        read1 = r1.acquire(permits.shared(lock), ttl=30)
+        read2 = r2.acquire(permits.shared(lock), ttl=30)  # readers share
+        assert writer.try_acquire(permits.exclusive(lock)) is None
+        got: list[Any] = []
+        waiting_writer = threading.Thread(
+            target=lambda: got.append(writer.acquire(permits.exclusive(lock), ttl=30, timeout=30))
+        )
+        waiting_writer.start()
+        wait_until(lambda: _waiting(r1, lock, 1), timeout=10)
+        # There is room for a reader, but a writer waits: a new reader waits behind it.
+        assert r2.try_acquire(permits.shared(lock), key=f"{ns}late-reader") is None
+        r1.release(read1)
+        r2.release(read2)
+        waiting_writer.join(30)
+        assert got and got[0].counts == {lock: permits.RWLOCK_READERS}
+        assert r1.try_acquire(permits.shared(lock)) is None  # the writer excludes readers
+        writer.release(got[0])
+        assert r1.try_acquire(permits.shared(lock)) is not None
+
+
+def test_shared_lock_combines_with_other_wants_in_one_acquire(client_url: str, ns: str) -> None:
+    with permits.connect(client_url, owner=f"{ns}w") as client:
+        client.create_rwlock(f"{ns}schema")
+        client.create_semaphore(f"{ns}backup-slots", 2)
+        lease = client.acquire([permits.shared(f"{ns}schema"), (f"{ns}backup-slots", 1)], ttl=30)
+        assert lease.counts == {f"{ns}schema": 1, f"{ns}backup-slots": 1}
+        assert client.try_acquire(permits.exclusive(f"{ns}schema")) is None
+        with pytest.raises(permits.CountExceedsCapacity):
+            client.try_acquire(permits.exclusive(f"{ns}backup-slots"))  # not a read-write lock
+        client.release(lease)
+
+
+def test_a_waiter_that_stops_asking_loses_its_place(client_url: str, ns: str, via: str) -> None:
+    name = f"{ns}fair"
+    with permits.connect(client_url, owner=f"{ns}holder") as holder:
+        holder.create_semaphore(name, 1, fair=True)
+        held = holder.acquire(name, ttl=60)
+        with permits.connect(client_url, owner=f"{ns}quitter") as quitter, pytest.raises(permits.AcquireTimeout):
+            quitter.acquire(name, ttl=30, timeout=0.5)
+        # A client that timed out gives its place up at once (through the service, the place lasts
+        # until it expires: the service cannot tell a client that stopped from one about to ask again).
+        if via == "db":
+            assert holder.waiters(name) == []
+        else:
+            wait_until(lambda: holder.waiters(name) == [], timeout=PLACE_MS / 1000 + 3)
+        holder.release(held)
+        assert holder.try_acquire(name) is not None
+
+
+def test_waiters_of_an_unknown_semaphore(client_url: str, ns: str) -> None:
+    with permits.connect(client_url) as client, pytest.raises(permits.SemaphoreNotFound):
+        client.waiters(f"{ns}nope")
