@@ -14,14 +14,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 from harness import Scenario
-from systems import PERMITS
-
-import permits
+from systems import PERMITS, PermitsClient
 
 _URL_FILE = Path(tempfile.gettempdir()) / "permits-bench-service.url"
 _SAMPLED = ("permits_db_connections_in_use", "permits_prelock_waiting")
@@ -60,8 +57,9 @@ class ServiceSystem:
         else:
             raise RuntimeError("permits serve did not start")
 
-    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> _ServiceClient:
-        return _ServiceClient(_URL_FILE.read_text(), scenario.semaphores_for(client_index))
+    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> PermitsClient:
+        # The same client as the direct system's: only the URL differs (the service's, over HTTP).
+        return PermitsClient(_URL_FILE.read_text(), scenario.semaphores_for(client_index))
 
     def sample(self) -> dict[str, float]:
         text = httpx.get(f"{_URL_FILE.read_text()}/metrics", timeout=2).text
@@ -84,22 +82,6 @@ class ServiceSystem:
                 self._process.kill()
                 self._process.wait()
         self._process = None
-
-
-class _ServiceClient:
-    def __init__(self, url: str, names: tuple[str, ...]) -> None:
-        self._client = permits.connect(url, owner=f"bench-{uuid.uuid4().hex[:8]}")
-        self._wants = {name: 1 for name in names}
-
-    def cycle(self) -> bool:
-        lease = self._client.try_acquire(self._wants, ttl=60)
-        if lease is None:
-            return False
-        self._client.release(lease)
-        return True
-
-    def close(self) -> None:
-        self._client.close()
 
 
 PRELOCK_ON = ServiceSystem(prelock=True)

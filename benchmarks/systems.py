@@ -35,8 +35,8 @@ class PermitsSystem:
             for name in scenario.all_semaphores():
                 client.create_semaphore(name, scenario.capacity)
 
-    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> _PermitsClient:
-        return _PermitsClient(backend_url, scenario.semaphores_for(client_index))
+    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> PermitsClient:
+        return PermitsClient(backend_url, scenario.semaphores_for(client_index))
 
     def load_history(self, backend_url: str, scenario: Scenario, rows: int) -> None:
         """``rows`` old released leases, spread over the scenario's semaphores, each with its permit row."""
@@ -94,7 +94,7 @@ class PermitsSystem:
         return problems
 
 
-class _PermitsClient:
+class PermitsClient:
     def __init__(self, url: str, names: tuple[str, ...]) -> None:
         self._client = permits.connect(url, owner=f"bench-{uuid.uuid4().hex[:8]}")
         self._wants = {name: 1 for name in names}
