@@ -13,7 +13,14 @@ from harness import Scenario, backend_of, connect, ensure_database
 
 import permits
 
-_TABLES = ("permits_permit", "permits_lease", "permits_capacity_change", "permits_semaphore", "permits_alembic_version")
+_TABLES = (
+    "permits_waiter",
+    "permits_permit",
+    "permits_lease",
+    "permits_capacity_change",
+    "permits_semaphore",
+    "permits_alembic_version",
+)
 
 
 def _reset(url: str) -> None:
