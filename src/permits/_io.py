@@ -4,6 +4,7 @@ names where the ``_async`` sources use ``async_*`` (see scripts/unasync.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -93,3 +94,12 @@ def async_interrupt(task: Any) -> None:
 
 def sync_interrupt(task: Any) -> None:
     pass
+
+
+def async_mutex() -> contextlib.AbstractContextManager[Any]:
+    """Guards state shared with the background runner: nothing to guard on one event loop."""
+    return contextlib.nullcontext()
+
+
+def sync_mutex() -> threading.Lock:
+    return threading.Lock()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
@@ -39,6 +39,9 @@ from permits.stores._engine import (
     translate,
 )
 
+if TYPE_CHECKING:
+    from permits._async.listener import AsyncRoomListener
+
 T = TypeVar("T")
 logger = logging.getLogger("permits.store")
 IS_ASYNC = True
@@ -66,6 +69,13 @@ class AsyncSQLStore:
         self.after_statement: Callable[[str], None] | None = None
         #: called with the fault's name each time a transaction is retried (the service counts them)
         self.on_retry: Callable[[str], None] | None = None
+        # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling.
+        self._listener: AsyncRoomListener | None = None
+        if self._dialect.name == "postgresql":
+            from permits._async.listener import AsyncRoomListener  # psycopg: the postgresql extra
+
+            conninfo = settings.url.set(drivername="postgresql").render_as_string(hide_password=False)
+            self._listener = AsyncRoomListener(conninfo)
 
     @property
     def url(self) -> str:
@@ -107,6 +117,8 @@ class AsyncSQLStore:
 
     async def close(self) -> None:
         self._closed = True
+        if self._listener is not None:
+            await self._listener.close()
         await self._engine.dispose()
 
     async def upgrade_schema(self) -> str:
@@ -150,7 +162,10 @@ class AsyncSQLStore:
         return await self._run(lambda: flows.waiters(name), readonly=True)
 
     async def wait_for_room(self, names: Sequence[str], seconds: float) -> None:
-        await async_sleep(seconds)
+        if self._listener is not None:
+            await self._listener.wait(names, seconds)
+        else:
+            await async_sleep(seconds)
 
     async def release(self, owner: str, key: str) -> ReleaseOutcome:
         return await self._run(lambda: flows.release(self._dialect, owner, key))

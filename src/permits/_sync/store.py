@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy import Connection, create_engine
@@ -40,6 +40,9 @@ from permits.stores._engine import (
     translate,
 )
 
+if TYPE_CHECKING:
+    from permits._sync.listener import RoomListener
+
 T = TypeVar("T")
 logger = logging.getLogger("permits.store")
 IS_ASYNC = False
@@ -67,6 +70,13 @@ class SQLStore:
         self.after_statement: Callable[[str], None] | None = None
         #: called with the fault's name each time a transaction is retried (the service counts them)
         self.on_retry: Callable[[str], None] | None = None
+        # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling.
+        self._listener: RoomListener | None = None
+        if self._dialect.name == "postgresql":
+            from permits._sync.listener import RoomListener  # psycopg: the postgresql extra
+
+            conninfo = settings.url.set(drivername="postgresql").render_as_string(hide_password=False)
+            self._listener = RoomListener(conninfo)
 
     @property
     def url(self) -> str:
@@ -108,6 +118,8 @@ class SQLStore:
 
     def close(self) -> None:
         self._closed = True
+        if self._listener is not None:
+            self._listener.close()
         self._engine.dispose()
 
     def upgrade_schema(self) -> str:
@@ -151,7 +163,10 @@ class SQLStore:
         return self._run(lambda: flows.waiters(name), readonly=True)
 
     def wait_for_room(self, names: Sequence[str], seconds: float) -> None:
-        sync_sleep(seconds)
+        if self._listener is not None:
+            self._listener.wait(names, seconds)
+        else:
+            sync_sleep(seconds)
 
     def release(self, owner: str, key: str) -> ReleaseOutcome:
         return self._run(lambda: flows.release(self._dialect, owner, key))

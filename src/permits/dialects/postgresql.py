@@ -35,14 +35,30 @@ class PostgreSQL(Dialect):
     overrides: ClassVar[dict[str, str | None]] = {
         # Release in one statement: the CTE ends the lease and the outer UPDATE gives back the permits of
         # each of its semaphores (one permit row per semaphore, so each semaphore row is matched once).
+        # Waiters LISTEN on permits_room (see _async/listener.py): each statement that gives permits back
+        # notifies, with the semaphore's name; PostgreSQL sends the notifications at commit.
+        # -> one row per semaphore given back (none: nothing was held under this key)
         "RELEASE": """
             WITH ended AS (
                 UPDATE permits_lease SET state = 0, end_reason = 'released', ended_at_ms = {now}
                 WHERE owner = :owner AND lease_key = :key AND state = 1 AND expires_at_ms > {now}
-                RETURNING id)
-            UPDATE permits_semaphore s SET used = s.used - p.count, updated_at_ms = {now}
-            FROM permits_permit p, ended e
-            WHERE p.lease_id = e.id AND s.id = p.semaphore_id""",
+                RETURNING id),
+            given AS (
+                UPDATE permits_semaphore s SET used = s.used - p.count, updated_at_ms = {now}
+                FROM permits_permit p, ended e
+                WHERE p.lease_id = e.id AND s.id = p.semaphore_id
+                RETURNING s.name)
+            SELECT pg_notify('permits_room', name) FROM given""",
+        "SEM_GIVE_BACK": """
+            WITH given AS (
+                UPDATE permits_semaphore SET used = used - :count, updated_at_ms = {now} WHERE id = :id
+                RETURNING name)
+            SELECT pg_notify('permits_room', name) FROM given""",
+        "SEM_SET_CAPACITY": """
+            WITH changed AS (
+                UPDATE permits_semaphore SET capacity = :capacity, updated_at_ms = {now} WHERE id = :id
+                RETURNING name)
+            SELECT pg_notify('permits_room', name) FROM changed""",
         # Acquire one semaphore in one statement: each CTE feeds the next, so when the UPDATE finds no room
         # nothing is inserted and no row comes back. params: owner, key, name, count, ttl_ms
         # -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no such semaphore)
