@@ -52,6 +52,8 @@ MAX_RESTARTS = 10
 #: every second (the wait backoff's cap), so a live waiter never loses its place; a dead one frees it
 #: within this many milliseconds.
 PLACE_MS = 5000
+#: At most this many queued requests are remembered for a later dequeue; older ones just expire.
+MAX_REMEMBERED_PLACES = 100_000
 
 
 class AsyncSQLStore:
@@ -69,6 +71,8 @@ class AsyncSQLStore:
         self.after_statement: Callable[[str], None] | None = None
         #: called with the fault's name each time a transaction is retried (the service counts them)
         self.on_retry: Callable[[str], None] | None = None
+        #: requests this store put in a fair queue and that were not granted yet (insertion-ordered)
+        self._queued: dict[tuple[str, str], None] = {}
         # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling.
         self._listener: AsyncRoomListener | None = None
         if self._dialect.name == "postgresql":
@@ -151,12 +155,24 @@ class AsyncSQLStore:
         deadline = monotonic() + wait if wait > 0 else None
         # A caller that waits keeps a place in the queue of each fair semaphore it asks for.
         queue_ms = PLACE_MS if wait > 0 else 0
-        return await self._run(
+        result: Any = await self._run(
             lambda: flows.try_acquire(self._dialect, owner, key, wants, ttl_ms, queue_ms), deadline=deadline
         )
+        if isinstance(result, flows.Queued):
+            self._queued[(owner, key)] = None
+            if len(self._queued) > MAX_REMEMBERED_PLACES:
+                self._queued.pop(next(iter(self._queued)))
+            return None
+        if result is not None:
+            self._queued.pop((owner, key), None)
+        lease: Lease | None = result
+        return lease
 
     async def dequeue(self, owner: str, key: str) -> None:
-        await self._run(lambda: flows.dequeue(owner, key))
+        # Only a request this store put in a queue has a place to give up: a timeout on any other costs
+        # nothing (behind a frozen lock holder, a write here would wait on that lock once more).
+        if self._queued.pop((owner, key), False) is not False:
+            await self._run(lambda: flows.dequeue(owner, key))
 
     async def waiters(self, name: str) -> list[Waiter]:
         return await self._run(lambda: flows.waiters(name), readonly=True)

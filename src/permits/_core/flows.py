@@ -139,14 +139,22 @@ def _why_refused(
     return None
 
 
+class Queued:
+    """What an attempt answers when it was refused and holds a place in a fair queue: no grant, like
+    ``None``, but the store then knows a timeout has a place to give up."""
+
+
+QUEUED = Queued()
+
+
 def _enqueue(
     d: Dialect, owner: str, key: str, wants: Sequence[Want], fair: Mapping[str, int], queue_ms: int
-) -> Flow[Lease | None]:
+) -> Flow[Queued]:
     """Keep this request's places in the fair queues, or take them: a ticket per fair semaphore, taken in
     name order under each semaphore's row lock, so every semaphore orders any two requests alike."""
     kept = yield Stmt("WAITERS_REFRESH", {"owner": owner, "key": key, "place_ms": queue_ms})
     if kept.rowcount > 0:
-        return None
+        return QUEUED
     for want in wants:
         if want.name not in fair:
             continue
@@ -156,7 +164,7 @@ def _enqueue(
             yield Stmt("WAITER_INSERT", {**params, "count": want.count, "place_ms": queue_ms})
         except DuplicateKey:
             raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms)) from None
-    return None
+    return QUEUED
 
 
 def dequeue(owner: str, key: str) -> Flow[int]:
