@@ -102,8 +102,10 @@ class Maintainer:
             logger.exception("maintenance task %s crashed", task.name)
             outcome, summary = "failed", {"error": type(exc).__name__}
         self.state.metrics.maintenance_runs.labels(task.name, outcome).inc()
-        level = logging.WARNING if outcome == "failed" else logging.INFO
-        if outcome != "skipped" or logger.isEnabledFor(logging.DEBUG):
+        # A run that found nothing to do is routine: DEBUG, so a sweep every 5 s does not fill the log.
+        did_something = any(isinstance(v, int) and v for v in summary.values())
+        level = logging.WARNING if outcome == "failed" else logging.INFO if did_something else logging.DEBUG
+        if logger.isEnabledFor(level):
             logger.log(
                 level,
                 "maintenance %s %s",
