@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import TextClause, text
 
@@ -44,13 +44,21 @@ def check_args(resource: object, token: object) -> dict[str, Any]:
     return {"resource": name, "token": token}
 
 
-def refuse_or_accept(params: dict[str, Any], highest: Any) -> bool:
-    """True when the write may go on; raises ``StaleFencingToken`` when a higher token was accepted.
-    ``False``: no token was ever recorded for the resource (record the first)."""
+def verdict(params: dict[str, Any], highest: Any) -> Literal["first", "accept", "advance"]:
+    """What to do after the conditional UPDATE changed no row and a locking read found ``highest``:
+
+    - ``"first"``: no token was ever recorded for the resource; record ours;
+    - ``"accept"``: ours is the one recorded (MySQL counts only changed rows, so the UPDATE said 0);
+    - ``"advance"``: a lower token committed after the UPDATE's snapshot (PostgreSQL at READ COMMITTED
+      finds a row inserted meanwhile only in a later statement); the row is locked now, so raise it again.
+
+    Raises ``StaleFencingToken`` when a higher token was accepted."""
     if highest is None:
-        return False
-    if int(highest) <= params["token"]:  # equal: the same holder again (MySQL counts only changed rows)
-        return True
+        return "first"
+    if int(highest) == params["token"]:
+        return "accept"
+    if int(highest) < params["token"]:
+        return "advance"
     raise StaleFencingToken(
         f"fencing token {params['token']} for {params['resource']!r} is stale: {int(highest)} was accepted already",
         resource=params["resource"],

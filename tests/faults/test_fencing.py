@@ -103,6 +103,39 @@ def test_first_writers_racing_on_a_new_resource(downstream: Any, ns: str, backen
         assert guard.highest(conn, resource) == 8
 
 
+def test_a_lower_first_token_committed_between_the_update_and_the_read_is_raised(
+    downstream: Any, ns: str, backend: str
+) -> None:
+    """PostgreSQL at READ COMMITTED: the guard's UPDATE finds no row, then another writer's lower first
+    token commits, and the guard's locking read (a later statement) finds it. The guard must raise the
+    row to its own token, not accept without recording it (CI caught this once as a race: 7 == 8)."""
+    if backend != "postgresql":
+        pytest.skip("the interleaving needs READ COMMITTED reads that do not block on an uncommitted insert")
+    from sqlalchemy import event
+
+    guard = FencingGuard()
+    resource = f"{ns}between"
+    other = downstream.connect()
+    other_txn = other.begin()
+    other.execute(text("INSERT INTO permits_fence (resource, token) VALUES (:r, 7)"), {"r": resource})
+
+    def commit_the_other_after_our_update(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("UPDATE permits_fence") and other_txn.is_active:
+            other_txn.commit()
+
+    event.listen(downstream, "after_cursor_execute", commit_the_other_after_our_update)
+    try:
+        with downstream.begin() as conn:
+            guard.check(conn, resource, 8)
+    finally:
+        event.remove(downstream, "after_cursor_execute", commit_the_other_after_our_update)
+        other.close()
+    with downstream.connect() as conn:
+        assert guard.highest(conn, resource) == 8
+    with downstream.begin() as conn, pytest.raises(StaleFencingToken):
+        guard.check(conn, resource, 7)
+
+
 def test_async_guard(db_url: str, ns: str, downstream: Any) -> None:
     import asyncio
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from permits._fencing import FenceStatements, check_args, refuse_or_accept
+from permits._fencing import FenceStatements, check_args, verdict
 
 
 class AsyncFencingGuard:
@@ -26,8 +26,11 @@ class AsyncFencingGuard:
             if (await conn.execute(self._sql.advance, params)).rowcount > 0:
                 return
             found = await conn.execute(self._sql.highest(conn.dialect.name), params)
-            if refuse_or_accept(params, found.scalar()):
+            next_step = verdict(params, found.scalar())
+            if next_step == "accept":
                 return
+            if next_step == "advance":
+                continue
             try:
                 # A savepoint: losing the race for the first token must not undo the caller's own work.
                 async with conn.begin_nested():

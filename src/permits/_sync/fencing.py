@@ -6,7 +6,7 @@ from __future__ import annotations
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy import Connection
 
-from permits._fencing import FenceStatements, check_args, refuse_or_accept
+from permits._fencing import FenceStatements, check_args, verdict
 
 
 class FencingGuard:
@@ -27,8 +27,11 @@ class FencingGuard:
             if (conn.execute(self._sql.advance, params)).rowcount > 0:
                 return
             found = conn.execute(self._sql.highest(conn.dialect.name), params)
-            if refuse_or_accept(params, found.scalar()):
+            next_step = verdict(params, found.scalar())
+            if next_step == "accept":
                 return
+            if next_step == "advance":
+                continue
             try:
                 # A savepoint: losing the race for the first token must not undo the caller's own work.
                 with conn.begin_nested():
