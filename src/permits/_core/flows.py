@@ -96,8 +96,8 @@ def try_acquire(
     ``queue_ms`` > 0 means the caller will wait: on a fair semaphore a refused request then takes a place
     in the queue, kept for ``queue_ms`` unless the caller asks again, and a grant gives its place up.
     """
-    if len(wants) == 1 and not queue_ms and d.has("ACQUIRE_ONE"):
-        return (yield from _acquire_one(d, owner, key, wants[0], ttl_ms))
+    if len(wants) == 1 and d.has("ACQUIRE_ONE"):
+        return (yield from _acquire_one(d, owner, key, wants[0], ttl_ms, queue_ms))
     tokens: dict[str, int] = {}
     for want in wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
@@ -186,11 +186,12 @@ def purge_waiters(age_ms: int) -> Flow[int]:
     return done.rowcount
 
 
-def _acquire_one(d: Dialect, owner: str, key: str, want: Want, ttl_ms: int) -> Flow[Lease | None]:
-    """One semaphore, one statement: take the room, insert the lease and its permit row, all or nothing.
+def _acquire_one(d: Dialect, owner: str, key: str, want: Want, ttl_ms: int, queue_ms: int = 0) -> Flow[Lease | None]:
+    """One semaphore, one statement: take the room, insert the lease and its permit row, and give up the
+    request's place in a fair queue if it had one, all or nothing.
 
     When there is no room, the statement changes nothing and the slow path runs in a transaction of its
-    own (the key check, then the reclaim of expired leases).
+    own (the key check, the reclaim of expired leases, a place in a fair queue for a caller that waits).
     """
     params = {"owner": owner, "key": key, "name": want.name, "count": want.count, "ttl_ms": ttl_ms}
     try:
@@ -198,7 +199,7 @@ def _acquire_one(d: Dialect, owner: str, key: str, want: Want, ttl_ms: int) -> F
     except DuplicateKey:
         raise Restart(lambda: _replay(owner, key, [want])) from None
     if not done.rows:
-        raise _refused(d, owner, key, [want], ttl_ms)
+        raise _refused(d, owner, key, [want], ttl_ms, queue_ms)
     _, acquired_ms, expires_ms, token = done.rows[0]
     return Lease(
         key=key,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -33,7 +34,9 @@ from permits.dialects.base import Fault, dialect_for_url
 from permits.dialects.mysql import MySQL
 from permits.stores._engine import (
     READONLY,
+    sync_driver_connection,
     sync_run_sync,
+    driver_error,
     engine_args,
     install_events,
     sync_engine,
@@ -72,6 +75,8 @@ class SQLStore:
         self.after_statement: Callable[[str], None] | None = None
         #: called with the fault's name each time a transaction is retried (the service counts them)
         self.on_retry: Callable[[str], None] | None = None
+        #: statements that run alone, compiled for the driver, by name
+        self._driver_statements: dict[str, tuple[str, tuple[str, ...] | None]] = {}
         #: requests this store put in a fair queue and that were not granted yet (insertion-ordered)
         self._queued: dict[tuple[str, str], None] = {}
         # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling.
@@ -348,8 +353,7 @@ class SQLStore:
             done: T = stop.value
             return done
         with self._engine.connect() as conn:
-            if first.alone and self._dialect.free_autocommit:
-                conn.execution_options(isolation_level="AUTOCOMMIT")
+            if first.alone and (self._dialect.free_autocommit or self._dialect.self_committing):
                 return self._drive_alone(conn, flow, first)
             if readonly:
                 conn.execution_options(**{READONLY: True})
@@ -358,7 +362,7 @@ class SQLStore:
 
     def _drive_alone(self, conn: Connection, flow: Flow[T], stmt: Stmt) -> T:
         try:
-            result = self._execute(conn, stmt)
+            result = self._send_alone(conn, stmt)
         except DBAPIError as exc:
             if self._dialect.classify(exc) is not Fault.DUPLICATE:
                 raise
@@ -370,6 +374,72 @@ class SQLStore:
             value: T = stop.value
             return value
         raise RuntimeError("a flow went on after a statement that runs alone")
+
+    def _send_alone(self, conn: Connection, stmt: Stmt) -> Result:
+        """Send a statement that is a whole transaction by itself (a grant, a release) as one request, on
+        the driver's own connection. SQLAlchemy never opens a transaction on ``conn``, so it adds no COMMIT
+        of its own (PyMySQL sends one even when there is nothing to commit) and none of its per-statement
+        work, which was most of a PostgreSQL client's CPU time per operation."""
+        sql, names = self._driver_sql(stmt.name)
+        given = dict(stmt.params)  # type: ignore[arg-type]
+        params = given if names is None else tuple(given[n] for n in names)
+        driver = sync_driver_connection(conn)
+        try:
+            if self._dialect.self_committing:
+                result = _send_batch(driver, sql, params)
+            else:
+                result = _send_autocommit(driver, sql, params)
+        except BaseException as exc:
+            error = driver_error(self._engine, exc)
+            if error is None or self._dialect.classify(error) is Fault.UNAVAILABLE:
+                # The connection was lost, or this call stopped half-way: its state is unknown.
+                conn.invalidate()
+            elif self._dialect.self_committing:
+                # The batch stopped at a statement's error, maybe with the ones before it done: undo them.
+                driver.rollback()
+            if error is None:
+                raise
+            raise error from exc
+        if self.after_statement is not None:
+            self.after_statement(stmt.name)
+        return result
+
+    def _execute_on_driver(self, conn: Connection, stmt: Stmt) -> Result:
+        """One statement of the transaction that SQLAlchemy began on ``conn``, sent on the driver's cursor."""
+        sql, names = self._driver_sql(stmt.name)
+        cursor = (sync_driver_connection(conn)).cursor()
+        try:
+            if isinstance(stmt.params, Mapping):
+                given = dict(stmt.params)
+                cursor.execute(sql, given if names is None else tuple(given[n] for n in names))
+            elif not stmt.params:
+                return Result([], 0)
+            else:  # a list of params: once per item
+                rows = [dict(p) for p in stmt.params]
+                cursor.executemany(sql, rows if names is None else [tuple(r[n] for n in names) for r in rows])
+        except Exception as exc:
+            error = driver_error(self._engine, exc)
+            if error is None:
+                raise
+            raise error from exc
+        if cursor.description is not None:
+            found = [tuple(r) for r in cursor.fetchall()]
+            result = Result(found, len(found))
+        else:
+            result = Result([], int(cursor.rowcount), cursor.lastrowid if self._dialect.name == "mysql" else None)
+        if self.after_statement is not None:
+            self.after_statement(stmt.name)
+        return result
+
+    def _driver_sql(self, name: str) -> tuple[str, tuple[str, ...] | None]:
+        """A statement compiled for the driver (its paramstyle and quoting), and the names of its positional
+        parameters in order (None: the paramstyle names them)."""
+        cached = self._driver_statements.get(name)
+        if cached is None:
+            compiled = self._dialect.clause(name).compile(dialect=sync_engine(self._engine).dialect)
+            order = None if compiled.positiontup is None else tuple(compiled.positiontup)
+            cached = self._driver_statements[name] = (compiled.string, order)
+        return cached
 
     def _drive(self, conn: Connection, flow: Flow[T], first: Stmt) -> T:
         stmt = first
@@ -388,6 +458,8 @@ class SQLStore:
             return value
 
     def _execute(self, conn: Connection, stmt: Stmt) -> Result:
+        if self._dialect.statements_on_driver and not self._dialect.expands(stmt.name):
+            return self._execute_on_driver(conn, stmt)
         clause = self._dialect.clause(stmt.name)
         if isinstance(stmt.params, Mapping):
             cursor = conn.execute(clause, dict(stmt.params))
@@ -405,3 +477,42 @@ class SQLStore:
         if self.after_statement is not None:
             self.after_statement(stmt.name)
         return result
+
+
+def _send_batch(driver: Any, sql: str, params: Any) -> Result:
+    """A batch that ends in its own COMMIT (MariaDB), on a PyMySQL or aiomysql connection."""
+    cursor = driver.cursor()
+    cursor.execute(sql, params)
+    result = _batch_result(cursor)
+    cursor.close()
+    return result
+
+
+def _send_autocommit(driver: Any, sql: str, params: Any) -> Result:
+    """One statement in autocommit (PostgreSQL), on a psycopg connection, which is left as it was found:
+    with autocommit off, idle. psycopg switches autocommit on the client side, at no round trip."""
+    driver.set_autocommit(True)
+    try:
+        cursor = driver.execute(sql, params, prepare=True)
+        rows = [tuple(r) for r in cursor.fetchall()] if cursor.description is not None else []
+        return Result(rows, len(rows)) if cursor.description is not None else Result([], int(cursor.rowcount))
+    finally:
+        with contextlib.suppress(Exception):  # a lost connection is dropped by the caller
+            driver.set_autocommit(False)
+
+
+def _batch_result(cursor: Any) -> Result:
+    """A batch's answer: its first result set that has columns, or else its first statement's row count.
+    Every result is read, so the connection is ready for the next request."""
+    rows: list[tuple[Any, ...]] | None = None
+    rowcount: int | None = None
+    while True:
+        if cursor.description is not None and rows is None:
+            rows = [tuple(r) for r in cursor.fetchall()]
+        if rowcount is None:
+            rowcount = int(cursor.rowcount)
+        if not cursor.nextset():
+            break
+    if rows is not None:
+        return Result(rows, len(rows))
+    return Result([], rowcount or 0)

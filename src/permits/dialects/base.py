@@ -29,18 +29,20 @@ from sqlalchemy.exc import DBAPIError
 from permits._core.flows import Result
 from permits._exceptions import ConfigurationError
 
-#: Appended to the WHERE of every statement that takes room (``{fair_gate}``). A fair semaphore grants
-#: only the request at the head of its queue: no live waiter may hold an earlier ticket. A request that
-#: is not queued compares as if its ticket were the largest, so it never jumps the queue. For a semaphore
-#: that is not fair, ``fair = 0`` decides; the subquery is an index probe on an empty range anyway.
+#: Appended to the WHERE of every statement that takes room (``{fair_gate}``). A fair semaphore keeps room
+#: for the requests waiting ahead: a request is granted only if, after it, there is still room for every
+#: live waiter that holds an earlier ticket. No waiter is passed over by a later request that takes room
+#: it needs, and waiters that all fit are granted together rather than one at a time. A request that is
+#: not queued compares as if its ticket were the largest, so it never jumps the queue. For a semaphore that
+#: is not fair, ``fair = 0`` decides; the subquery is an index probe on an empty range anyway.
 FAIR_GATE = """
-          AND (permits_semaphore.fair = 0 OR NOT EXISTS (
-              SELECT 1 FROM permits_waiter w
+          AND (permits_semaphore.fair = 0 OR used + :count + (
+              SELECT COALESCE(SUM(w.count), 0) FROM permits_waiter w
               WHERE w.semaphore_id = permits_semaphore.id AND w.expires_at_ms > {now}
                 AND w.ticket < COALESCE(
                     (SELECT m.ticket FROM permits_waiter m
                      WHERE m.semaphore_id = permits_semaphore.id AND m.owner = :owner AND m.lease_key = :key),
-                    9223372036854775807)))"""
+                    9223372036854775807)) <= capacity)"""
 
 
 class Fault(enum.Enum):
@@ -281,6 +283,15 @@ class Dialect:
     insert_returning: ClassVar[bool] = True
     #: switching a pooled connection to autocommit and back costs no round trip (see Stmt.alone)
     free_autocommit: ClassVar[bool] = False
+    #: a statement that runs alone (Stmt.alone) is a batch of statements ending in its own COMMIT. The store
+    #: sends it as one request on the driver's connection, outside SQLAlchemy's transaction, whose COMMIT
+    #: would cost a round trip of its own. A batch answers with its first result set that has columns, or
+    #: else with its first statement's row count.
+    self_committing: ClassVar[bool] = False
+    #: the statements of a transaction go to the driver's own connection too (through ``cursor()``, as
+    #: sqlite3 and psycopg offer it), inside the transaction SQLAlchemy began; only statements with a list
+    #: parameter (``IN :names``) go through SQLAlchemy, which expands them
+    statements_on_driver: ClassVar[bool] = False
     #: statements this dialect writes differently, or only it has (e.g. a one-statement RELEASE)
     overrides: ClassVar[Mapping[str, str | None]] = {}
     sync_driver: ClassVar[str] = ""
@@ -292,11 +303,16 @@ class Dialect:
         sql = {**PORTABLE_SQL, **self.overrides}
         self._sql = {name: s for name, s in sql.items() if s is not None}
         self._clauses: dict[str, TextClause] = {}
+        self._expanding = {name for name, template in self._sql.items() if any(f":{p}" in template for p in _EXPANDING)}
         for name, template in self._sql.items():
             gate = FAIR_GATE.format(now=self.now_sql)
             clause = text(template.format(now=self.now_sql, for_update=self.for_update, fair_gate=gate).strip())
             expanding: list[Any] = [bindparam(p, expanding=True) for p in _EXPANDING if f":{p}" in template]
             self._clauses[name] = clause.bindparams(*expanding) if expanding else clause
+
+    def expands(self, name: str) -> bool:
+        """The statement takes a list parameter (``IN :names``), which SQLAlchemy expands."""
+        return name in self._expanding
 
     def has(self, name: str) -> bool:
         return name in self._clauses
@@ -359,9 +375,9 @@ def dialect_for_url(url: URL) -> Dialect:
     """The dialect for a URL's backend: sqlite, mysql/mariadb, or postgresql."""
     backend = url.get_backend_name()
     if backend == "sqlite":
-        from permits.dialects.sqlite import SQLite
+        from permits.dialects.sqlite import sqlite_dialect
 
-        return SQLite()
+        return sqlite_dialect()
     if backend in ("mysql", "mariadb"):
         from permits.dialects.mysql import MariaDB
 

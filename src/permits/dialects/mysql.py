@@ -32,6 +32,12 @@ _READ_ONLY = {
     1836,  # ER_READ_ONLY_MODE
 }
 _DUPLICATE = {1062}  # ER_DUP_ENTRY
+# Client capability flags (pymysql.constants.CLIENT), spelled out so that this module loads without the
+# driver. FOUND_ROWS makes an UPDATE report the rows it matched, as SQLAlchemy expects; MULTI_STATEMENTS
+# lets one request carry a whole transaction (see ``self_committing``). Every value permits sends is a
+# bound parameter that the driver escapes, so several statements per request add no injection risk.
+_FOUND_ROWS = 2
+_MULTI_STATEMENTS = 1 << 16
 _SCHEMA = {1146}  # ER_NO_SUCH_TABLE
 
 
@@ -43,6 +49,11 @@ class MariaDB(Dialect):
     sync_driver = "pymysql"
     async_driver = "aiomysql"
     extra = "mysql"
+    # PyMySQL and aiomysql send COMMIT (and ROLLBACK) even when there is nothing to end, so a statement in
+    # autocommit would still cost two round trips through SQLAlchemy: the hot statements carry their own
+    # COMMIT and go as one request instead. A grant and a release are then one round trip each, like the
+    # bare conditional UPDATE.
+    self_committing = True
     overrides: ClassVar[dict[str, str | None]] = {
         # No UPDATE ... RETURNING here: LAST_INSERT_ID(expr) stores the new token in the session and the
         # server sends it back in the OK packet (cursor.lastrowid), so it costs no extra round trip.
@@ -50,18 +61,38 @@ class MariaDB(Dialect):
             UPDATE permits_semaphore
             SET used = used + :count, last_token = LAST_INSERT_ID(last_token + 1), updated_at_ms = {now}
             WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}""",
+        # Acquire one semaphore in one request (see self_committing). The token goes through a session
+        # variable, reset first: NULL means the UPDATE found no room, and then neither INSERT inserts anything
+        # and the batch commits nothing. LAST_INSERT_ID() is the lease's new id. A grant also gives up the
+        # request's places in fair queues (a waiting caller may hold some). params: owner, key, name,
+        # count, ttl_ms -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no such semaphore)
+        "ACQUIRE_ONE": """
+            SET @permits_token = NULL;
+            UPDATE permits_semaphore
+            SET used = used + :count, last_token = (@permits_token := last_token + 1), updated_at_ms = {now}
+            WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate};
+            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
+            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms FROM DUAL WHERE @permits_token IS NOT NULL
+            RETURNING id, acquired_at_ms, expires_at_ms, @permits_token;
+            INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
+            SELECT LAST_INSERT_ID(), id, :count, @permits_token FROM permits_semaphore
+            WHERE name = :name AND deleted = 0 AND @permits_token IS NOT NULL;
+            DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key AND @permits_token IS NOT NULL;
+            COMMIT""",
         "SEM_TICKET": """
             UPDATE permits_semaphore SET last_ticket = LAST_INSERT_ID(last_ticket + 1) WHERE id = :id""",
-        # Release in one statement: end the lease and give back each of its semaphores' permits. A lease
-        # has one permit row per semaphore, so each semaphore row matches once (a multi-table UPDATE
-        # changes a row at most once, which is why batches use LEASES_END + SEM_GIVE_BACK instead).
+        # Release in one request (see self_committing): end the lease and give back each of its semaphores'
+        # permits. A lease has one permit row per semaphore, so each semaphore row matches once (a
+        # multi-table UPDATE changes a row at most once, which is why batches use LEASES_END +
+        # SEM_GIVE_BACK instead).
         "RELEASE": """
             UPDATE permits_lease l
             JOIN permits_permit p ON p.lease_id = l.id
             JOIN permits_semaphore s ON s.id = p.semaphore_id
             SET l.state = 0, l.end_reason = 'released', l.ended_at_ms = {now},
                 s.used = s.used - p.count, s.updated_at_ms = {now}
-            WHERE l.owner = :owner AND l.lease_key = :key AND l.state = 1 AND l.expires_at_ms > {now}""",
+            WHERE l.owner = :owner AND l.lease_key = :key AND l.state = 1 AND l.expires_at_ms > {now};
+            COMMIT""",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }
@@ -80,6 +111,7 @@ class MariaDB(Dialect):
         idle = IDLE_IN_TRANSACTION_SECONDS
         return {
             "connect_args": {
+                "client_flag": _FOUND_ROWS | _MULTI_STATEMENTS,
                 "init_command": f"SET SESSION innodb_lock_wait_timeout = {seconds}, time_zone = '+00:00'"
                 f" /*M!100300 , idle_transaction_timeout = {idle} */",
                 "connect_timeout": 5,
@@ -112,6 +144,8 @@ class MySQL(MariaDB):
     insert_returning = False
     overrides: ClassVar[dict[str, str | None]] = {
         **MariaDB.overrides,
+        # MySQL has no INSERT ... RETURNING: one semaphore goes the way of several.
+        "ACQUIRE_ONE": None,
         "LEASE_INSERT": """
             INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
             VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms)""",

@@ -32,6 +32,8 @@ class PostgreSQL(Dialect):
     extra = "postgresql"
     # psycopg's autocommit is a client-side switch, and a transaction costs a BEGIN round trip of its own.
     free_autocommit = True
+    # SQLAlchemy's work per statement was most of the client's CPU per operation: see docs/design.md
+    statements_on_driver = True
     overrides: ClassVar[dict[str, str | None]] = {
         # Release in one statement: the CTE ends the lease and the outer UPDATE gives back the permits of
         # each of its semaphores (one permit row per semaphore, so each semaphore row is matched once).
@@ -60,7 +62,8 @@ class PostgreSQL(Dialect):
                 RETURNING name)
             SELECT pg_notify('permits_room', name) FROM changed""",
         # Acquire one semaphore in one statement: each CTE feeds the next, so when the UPDATE finds no room
-        # nothing is inserted and no row comes back. params: owner, key, name, count, ttl_ms
+        # nothing is inserted and no row comes back. A grant also gives up the request's places in fair
+        # queues (a waiting caller may hold some). params: owner, key, name, count, ttl_ms
         # -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no such semaphore)
         "ACQUIRE_ONE": """
             WITH taken AS (
@@ -75,8 +78,18 @@ class PostgreSQL(Dialect):
             permit AS (
                 INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
                 SELECT lease.id, taken.id, :count, taken.last_token FROM lease, taken
-                RETURNING token)
+                RETURNING token),
+            placed AS (
+                DELETE FROM permits_waiter
+                WHERE owner = :owner AND lease_key = :key AND EXISTS (SELECT 1 FROM lease))
             SELECT lease.id, lease.acquired_at_ms, lease.expires_at_ms, permit.token FROM lease, permit""",
+        # A waiter that gives up its place (its wait timed out) may leave room for the ones behind it.
+        # params: owner, key -> one row per semaphore whose queue it left
+        "WAITERS_DELETE": """
+            WITH gone AS (
+                DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key RETURNING semaphore_id)
+            SELECT pg_notify('permits_room', s.name) FROM permits_semaphore s
+            WHERE s.id IN (SELECT semaphore_id FROM gone)""",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }

@@ -9,6 +9,8 @@ several processes can share one file.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from permits.dialects.base import Dialect, Fault
@@ -18,10 +20,15 @@ _UNAVAILABLE = {sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR}
 _READ_ONLY = {sqlite3.SQLITE_READONLY}
 
 
+_NOW_SQL = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
+
+
 class SQLite(Dialect):
     name = "sqlite"
+    # SQLAlchemy's work per statement was most of a SQLite client's CPU per cycle: see docs/design.md
+    statements_on_driver = True
     # julianday('now') is fixed for the whole statement, like NOW() on the servers.
-    now_sql = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
+    now_sql = _NOW_SQL
     for_update = ""
     sync_driver = "pysqlite"
     async_driver = "aiosqlite"
@@ -30,6 +37,9 @@ class SQLite(Dialect):
         # The driver's own transaction handling is turned off (isolation_level=None) so that the store
         # can issue BEGIN IMMEDIATE itself; see stores/_events.py.
         return {"connect_args": {"timeout": lock_wait_timeout, "isolation_level": None}}
+
+    def prepare_connection(self, dbapi_connection: sqlite3.Connection) -> None:
+        """Called on each new connection, after the PRAGMAs (only the test clock has something to do)."""
 
     def _classify(self, orig: BaseException | None) -> Fault:
         code = getattr(orig, "sqlite_errorcode", None)
@@ -52,3 +62,69 @@ class SQLite(Dialect):
         if primary == sqlite3.SQLITE_ERROR and "no such table" in str(orig):
             return Fault.SCHEMA
         return Fault.OTHER
+
+
+# ------------------------------------------------------------------------------------- testing only
+#
+# Leases are timed on the database's clock, so a test of expiry either sleeps or moves that clock. The
+# stores opened inside ``offset_clock()`` read the clock as julianday('now') plus an offset that the test
+# advances, through a SQL function registered on each of their connections. Stores opened anywhere else
+# (every store, outside the tests) use the statements above unchanged: nothing in production reads the
+# offset, and no setting, URL or environment variable can turn it on.
+
+#: The SQL function that returns a test clock's offset in milliseconds.
+CLOCK_OFFSET_FUNCTION = "permits_test_clock_offset_ms"
+
+
+class OffsetClock:
+    """Testing only: how far ahead of real time the stores opened inside ``offset_clock()`` run.
+
+    Move it only between operations: a statement reads the offset each time it reads the clock, so a move
+    while a statement runs could give that statement two different times (``julianday('now')`` alone is
+    fixed for the whole statement, and with the offset still is as long as the offset stands still).
+    """
+
+    def __init__(self) -> None:
+        self.offset_ms = 0
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock forward (it never goes back: neither does a database's, as far as permits knows)."""
+        if not seconds >= 0:
+            raise ValueError(f"the clock only moves forward, not by {seconds}")
+        self.offset_ms += round(seconds * 1000)
+
+    def __call__(self) -> int:
+        return self.offset_ms
+
+
+_installed: OffsetClock | None = None
+
+
+@contextmanager
+def offset_clock() -> Iterator[OffsetClock]:
+    """Testing only: ``with offset_clock() as clock:`` every SQLite store opened in the block (by
+    ``permits.connect`` or the service's app) runs on ``clock``, for its whole life."""
+    global _installed
+    if _installed is not None:
+        raise RuntimeError("an offset clock is installed already")
+    _installed = clock = OffsetClock()
+    try:
+        yield clock
+    finally:
+        _installed = None
+
+
+class _OffsetSQLite(SQLite):
+    now_sql = f"({_NOW_SQL} + {CLOCK_OFFSET_FUNCTION}())"
+
+    def __init__(self, clock: OffsetClock) -> None:
+        self.clock = clock
+        super().__init__()
+
+    def prepare_connection(self, dbapi_connection: sqlite3.Connection) -> None:
+        dbapi_connection.create_function(CLOCK_OFFSET_FUNCTION, 0, self.clock)
+
+
+def sqlite_dialect() -> SQLite:
+    """The SQLite dialect: on the database's own clock, unless a test installed ``offset_clock()``."""
+    return SQLite() if _installed is None else _OffsetSQLite(_installed)

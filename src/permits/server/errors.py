@@ -123,6 +123,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":  # loc is ("body", offset): the body, not a field "0"
+            return error_response(InvalidArgument(f"the body is not valid JSON ({first.get('msg')})", field="body"))
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
         field = loc[0] if loc else "body"
         where = ".".join(loc) or "the body"

@@ -35,7 +35,9 @@ def engine_args(dialect: Dialect, settings: Settings, asynchronous: bool) -> tup
 
 def install_events(engine: Engine, dialect: Dialect, settings: Settings) -> None:
     """Per-connection settings that cannot go through connect_args."""
-    if dialect.name != "sqlite":
+    from permits.dialects.sqlite import SQLite
+
+    if not isinstance(dialect, SQLite):
         return
     busy_ms = max(1, round(settings.lock_wait_timeout * 1000))
 
@@ -48,6 +50,7 @@ def install_events(engine: Engine, dialect: Dialect, settings: Settings) -> None
         cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
         cursor.close()
+        dialect.prepare_connection(dbapi_connection)
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
@@ -81,6 +84,24 @@ async def async_run_sync(connection: Any, fn: Any) -> Any:
 
 def sync_run_sync(connection: Any, fn: Any) -> Any:
     return fn(connection)
+
+
+async def async_driver_connection(connection: Any) -> Any:
+    """The driver's own connection under a checked-out AsyncConnection (aiomysql's, say)."""
+    return (await connection.get_raw_connection()).driver_connection
+
+
+def sync_driver_connection(connection: Any) -> Any:
+    return connection.connection.driver_connection
+
+
+def driver_error(engine: Any, exc: BaseException) -> DBAPIError | None:
+    """A driver exception raised outside SQLAlchemy, wrapped as SQLAlchemy would have (None: not one)."""
+    base = sync_engine(engine).dialect.loaded_dbapi.Error
+    if not isinstance(exc, base):
+        return None
+    wrapped = DBAPIError.instance(None, None, exc, base)
+    return wrapped if isinstance(wrapped, DBAPIError) else None
 
 
 def sync_engine(engine: Any) -> Engine:
