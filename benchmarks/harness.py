@@ -77,7 +77,10 @@ import multiprocessing.queues
 import os
 import platform
 import queue
+import shutil
+import socket
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
@@ -105,23 +108,34 @@ class Scenario:
     ``hot``: every client shares one semaphore (maximum contention on one row).
     ``spread``: each client has its own semaphore (no logical contention; what
     is left is the cost of the engine itself: log flushes, index maintenance).
+
+    ``per_acquire``: how many semaphores one acquire takes together, one permit
+    of each (all or nothing). With more than one, ``hot`` clients share that
+    many semaphores and ``spread`` clients each have that many of their own.
     """
 
     name: str
     clients: int
     capacity: int = DEFAULT_CAPACITY
+    per_acquire: int = 1
 
     def __post_init__(self) -> None:
         if self.name not in SCENARIO_NAMES:
             raise ValueError(f"unknown scenario {self.name!r}; expected one of {SCENARIO_NAMES}")
-        if self.clients < 1 or self.capacity < 1:
-            raise ValueError("clients and capacity must be >= 1")
+        if self.clients < 1 or self.capacity < 1 or self.per_acquire < 1:
+            raise ValueError("clients, capacity and per_acquire must be >= 1")
+
+    @property
+    def label(self) -> str:
+        """``hot``, ``spread``; ``hotx3`` for three semaphores per acquire."""
+        return self.name if self.per_acquire == 1 else f"{self.name}x{self.per_acquire}"
 
     def semaphores_for(self, client_index: int) -> tuple[str, ...]:
         """Names of the semaphores client ``client_index`` acquires together."""
-        if self.name == "hot":
-            return ("hot",)
-        return (f"spread-{client_index:04d}",)
+        base = "hot" if self.name == "hot" else f"spread-{client_index:04d}"
+        if self.per_acquire == 1:
+            return (base,)
+        return tuple(f"{base}-{k}" for k in range(self.per_acquire))
 
     def all_semaphores(self) -> tuple[str, ...]:
         """Every semaphore ``setup`` must create, without duplicates, in order."""
@@ -326,6 +340,80 @@ def ensure_database(url: str) -> None:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(str(name))))
     finally:
         conn.close()
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (for a server a system starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_process(process: subprocess.Popen[Any] | None, grace: float = 30) -> None:
+    """Stop a server a system started: SIGTERM, then SIGKILL if it is still there after ``grace`` s."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def settle_statistics(url: str) -> None:
+    """After a bulk load: vacuum and analyse now, as a real table's autovacuum long since has, so that
+    autovacuum does not do it during the timed run (on PostgreSQL it cost 10-40% of a run's cycles)."""
+    conn = connect(url)
+    try:
+        cur = conn.cursor()
+        backend = backend_of(url)
+        if backend == "postgresql":
+            cur.execute("VACUUM ANALYZE")
+        elif backend == "sqlite":
+            cur.execute("ANALYZE")
+        else:  # MariaDB: fresh statistics for every table of the benchmark's database
+            cur.execute("SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE()")
+            for (table,) in cur.fetchall():
+                cur.execute(f"ANALYZE TABLE `{table}`")
+                cur.fetchall()
+    finally:
+        conn.close()
+
+
+def ensure_max_connections(url: str, needed: int) -> None:
+    """Make sure a PostgreSQL server accepts ``needed`` connections. Debian's default is 100; a local
+    cluster we may administer (root, Debian's pg_ctlcluster) is raised and restarted, anything else is
+    only checked."""
+    conn = connect(url)
+    cur = conn.cursor()
+    cur.execute("SHOW max_connections")
+    have = int(cur.fetchone()[0])
+    if have >= needed:
+        conn.close()
+        return
+    parts = urlsplit(url)
+    local = parts.hostname in ("127.0.0.1", "localhost", "::1")
+    if not (local and os.geteuid() == 0 and shutil.which("pg_ctlcluster") and shutil.which("pg_lsclusters")):
+        conn.close()
+        raise SystemExit(f"PostgreSQL at {url} accepts {have} connections; this run needs {needed}")
+    print(f"raising PostgreSQL's max_connections from {have} to {needed} (restarts the server)", file=sys.stderr)
+    conn.autocommit = True
+    cur.execute(f"ALTER SYSTEM SET max_connections = {int(needed)}")
+    conn.close()
+    port = str(parts.port or 5432)
+    clusters = subprocess.run(["pg_lsclusters", "-h"], capture_output=True, text=True, check=True).stdout
+    version, name = next(line.split()[:2] for line in clusters.splitlines() if line.split()[2] == port)
+    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart"], check=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            connect(url).close()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def server_version(url: str) -> str:
@@ -596,7 +684,7 @@ def _run(
 ) -> RunResult:
     scenario = Scenario(scenario, clients) if isinstance(scenario, str) else replace(scenario, clients=clients)
     sys_obj = resolve_system(system)
-    result = RunResult(_system_label(system), backend_of(backend_url), scenario.name, clients, seconds)
+    result = RunResult(_system_label(system), backend_of(backend_url), scenario.label, clients, seconds)
 
     with contextlib.suppress(OSError):  # no load average off Unix
         result.load_before = os.getloadavg()[0]
@@ -610,6 +698,7 @@ def _run(
             raise TypeError(f"system {result.system!r} has no load_history(); cannot use history")
         t0 = time.perf_counter()
         loader(backend_url, scenario, history)
+        settle_statistics(backend_url)
         result.history_rows = history
         result.history_load_s = time.perf_counter() - t0
 
@@ -770,7 +859,7 @@ def _summarise(result: RunResult, reports: Mapping[int, ClientReport], failures:
 # --------------------------------------------------------------------------
 
 _COLUMNS = (
-    ("system", "{:<8}"),
+    ("system", "{:<16}"),
     ("backend", "{:<10}"),
     ("scenario", "{:<8}"),
     ("clients", "{:>7}"),
@@ -824,6 +913,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", default="sqlite", help=f"comma list of {BACKENDS}")
     parser.add_argument("--scenario", default="hot", help=f"comma list of {SCENARIO_NAMES}")
     parser.add_argument("--clients", default="1,4,16", help="comma list of client counts")
+    parser.add_argument("--per-acquire", type=int, default=1, help="semaphores taken together by one acquire")
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
     parser.add_argument("--history", type=int, default=0, help="pre-load this many old released rows before each run")
     parser.add_argument("--repeat", type=int, default=1, help="run the whole grid this many times (rounds interleave)")
@@ -849,7 +939,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # spread over all configurations instead of skewing one.
     for _ in range(args.repeat):
         for system, backend, scenario, clients in grid:
-            result = run(system, urls[backend], scenario, clients, args.seconds, history=args.history)
+            template = Scenario(scenario, clients, per_acquire=args.per_acquire)
+            result = run(system, urls[backend], template, clients, args.seconds, history=args.history)
             print(format_row(result), flush=True)
             for message in result.errors:
                 print("    " + message.rstrip().replace("\n", "\n    "), flush=True)

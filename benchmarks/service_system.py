@@ -9,7 +9,6 @@ checked out and the requests queued in its pre-lock.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
-from harness import Scenario
+from harness import Scenario, stop_process
 from systems import PERMITS, PermitsClient
 
 _URL_FILE = Path(tempfile.gettempdir()) / "permits-bench-service.url"
@@ -68,20 +67,24 @@ class ServiceSystem:
             name, _, value = line.partition(" ")
             if name in _SAMPLED:
                 values[name] = float(value)
+        if self._process is not None:
+            values["rss_mb"] = _resident_mb(self._process.pid)
         return values
 
     def verify(self, backend_url: str, scenario: Scenario) -> list[str]:
         return PERMITS.verify(backend_url, scenario)
 
     def teardown(self, backend_url: str, scenario: Scenario) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.send_signal(signal.SIGTERM)
-            try:
-                self._process.wait(30)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        stop_process(self._process)
         self._process = None
+
+
+def _resident_mb(pid: int) -> float:
+    """The process's resident memory (VmRSS), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 PRELOCK_ON = ServiceSystem(prelock=True)

@@ -1,8 +1,11 @@
 """permits itself as a benchmark system (see the interface at the top of harness.py).
 
-A cycle is ``try_acquire`` of one permit followed by ``release``, through the public sync client, with
+A cycle is ``acquire`` of one permit followed by ``release``, through the public sync client, with
 every guarantee on: a keyed lease row, a permit row with its fencing token, the count on the semaphore row,
-and the database's clock.
+and the database's clock. ``acquire`` waits for room the way a user's ``with client.lease(...)`` does (a
+wake-up on PostgreSQL and in the service, jittered polling elsewhere) rather than asking again at once:
+on a hot semaphore that is the difference between queueing and a retry storm. A wait longer than
+``WAIT_S`` counts as a refusal.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import uuid
 from harness import Scenario, backend_of, connect, ensure_database
 
 import permits
+
+#: how long a cycle waits for room before it counts as refused
+WAIT_S = 5.0
 
 _TABLES = (
     "permits_waiter",
@@ -34,13 +40,17 @@ def _reset(url: str) -> None:
 
 
 class PermitsSystem:
-    """The permits library, talking to the database directly."""
+    """The permits library, talking to the database directly (with ``fair``: on fair semaphores, which
+    grant in arrival order instead of to whoever asks first after a release)."""
+
+    def __init__(self, fair: bool = False) -> None:
+        self.fair = fair
 
     def setup(self, backend_url: str, scenario: Scenario) -> None:
         _reset(backend_url)
         with permits.connect(backend_url, auto_upgrade=True) as client:
             for name in scenario.all_semaphores():
-                client.create_semaphore(name, scenario.capacity)
+                client.create_semaphore(name, scenario.capacity, fair=self.fair)
 
     def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> PermitsClient:
         return PermitsClient(backend_url, scenario.semaphores_for(client_index))
@@ -107,8 +117,9 @@ class PermitsClient:
         self._wants = {name: 1 for name in names}
 
     def cycle(self) -> bool:
-        lease = self._client.try_acquire(self._wants, ttl=60)
-        if lease is None:
+        try:
+            lease = self._client.acquire(self._wants, ttl=60, timeout=WAIT_S)
+        except permits.AcquireTimeout:
             return False
         self._client.release(lease)
         return True
@@ -118,3 +129,4 @@ class PermitsClient:
 
 
 PERMITS = PermitsSystem()
+PERMITS_FAIR = PermitsSystem(fair=True)
