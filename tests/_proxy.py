@@ -5,6 +5,12 @@
         ...                                                #   then the connection carrying them is cut
         proxy.cut_after_client_packets(3, every=True)      # every connection, after its client's 3rd packet
         proxy.heal()                                       # stop cutting
+        proxy.stall()                                      # hold every byte, both ways, on every connection
+        proxy.resume()                                     #   (new ones too) until resumed: a stalled link
+
+
+A stall is a link that stops carrying anything without failing: no byte is lost, none is delivered, and
+neither end sees an error until the stall ends (or ``cut_all()`` cuts the stalled connections).
 
 A cut shuts both sockets down (the client sees the connection drop, the server sees the client go away),
 like a network failure or a proxy restart between the two. Loopback only; two threads per connection.
@@ -66,6 +72,11 @@ class _Link:
                     break
                 if not data:
                     break
+                while not self.proxy._flowing.wait(0.05):  # stalled: hold the data until resumed or cut
+                    if self.cut:
+                        break
+                if self.cut:
+                    break
                 forward, cut = self.proxy._decide(self, data, upstream)
                 if forward:
                     try:
@@ -93,6 +104,8 @@ class CuttingProxy:
         self._rule: _Rule | None = None
         self._links: set[_Link] = set()
         self._closed = False
+        self._flowing = threading.Event()
+        self._flowing.set()
         #: bytes sent by the server and forwarded to clients, over all connections
         self.server_bytes = 0
         #: packets (recv results) sent by clients and forwarded to the server, over all connections
@@ -128,6 +141,14 @@ class CuttingProxy:
         with self._lock:
             self._rule = None
 
+    def stall(self) -> None:
+        """Stop carrying data, both ways, on every connection (new ones too), without cutting any."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        """Carry data again; what was held during the stall is delivered now."""
+        self._flowing.set()
+
     def cut_all(self) -> None:
         """Cut every open connection now."""
         with self._lock:
@@ -137,6 +158,7 @@ class CuttingProxy:
 
     def close(self) -> None:
         self._closed = True
+        self._flowing.set()
         self._acceptor.join()
         self._listener.close()
         self.cut_all()

@@ -1,0 +1,133 @@
+"""The soak: a long run with a random mix of every fault, checked by the same checker, and watched for
+leaks: the memory (RSS) of a service instance that runs throughout, and the database's connections.
+
+Skipped unless ``PERMITS_SOAK`` is set to the run's length in seconds (``tests/faults/conftest.py``)::
+
+    PERMITS_SOAK=1800 .venv/bin/python -m pytest tests/faults -m soak -s
+
+It runs on a private server (``PERMITS_SOAK_DB``: ``postgresql``, the default, or ``mariadb``), so that
+it can restart and kill it, and count its connections without anyone else's.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from tests._private_db import PrivateServer
+from tests._proxy import CuttingProxy
+from tests.faults.harness import FaultRun, describe
+from tests.faults.worker import sync_url
+
+SOAK_SECONDS = float(os.environ.get("PERMITS_SOAK") or 0)
+FAULTS = ["kill_worker", "pause_worker", "kill_service", "cut_link", "stall_link", "restart_db", "kill_db"]
+#: seconds between faults
+PERIOD = 8.0
+#: a dead instance may hold a maintenance lease (30 s TTL, see server/maintenance.py) that the sweep must
+#: wait out; the slack on a killed holder's return covers it
+SLACK = 45.0
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _connections(server: PrivateServer) -> int:
+    engine = create_engine(sync_url(server.url))
+    try:
+        with engine.connect() as conn:
+            if server.kind == "postgresql":
+                query = "SELECT count(*) FROM pg_stat_activity WHERE datname = 'permits'"
+            else:
+                query = "SELECT count(*) FROM information_schema.PROCESSLIST WHERE db = 'permits'"
+            return int(conn.execute(text(query)).scalar_one()) - 1  # not this one
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+@pytest.mark.timeout(SOAK_SECONDS + 1200)
+def test_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    server: PrivateServer = request.getfixturevalue(f"private_{os.environ.get('PERMITS_SOAK_DB', 'postgresql')}")
+    rng = random.Random(os.environ.get("PERMITS_SOAK_SEED", "soak"))
+    url = make_url(server.url)
+    run = FaultRun(tmp_path, server.url, f"t{uuid.uuid4().hex[:10]}-", capacity=3, ttl=3.0, hold=0.2, slack=SLACK)
+    samples: list[tuple[float, int, int]] = []  # (time, steady instance's RSS in KiB, database connections)
+    faults: list[str] = []
+    try:
+        with CuttingProxy(("127.0.0.1", url.port or 0)) as proxy:
+            via = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+            steady, flaky = run.services({}, {"db_url": via})
+            for target in (server.url, server.url, steady.url, steady.url, flaky.url, flaky.url):
+                run.worker(target)
+            run.wait_for(lambda: run.acquired() >= 5, what="the first grants")
+            started = time.monotonic()
+            while time.monotonic() - started < SOAK_SECONDS:
+                run.sleep(PERIOD)
+                samples.append((time.monotonic() - started, _rss_kib(steady.process.pid), _connections(server)))
+                fault = rng.choice(FAULTS)
+                faults.append(fault)
+                run.rec.event(fault)
+                live = [p for p, popen in run.procs.items() if popen.poll() is None]
+                if fault == "kill_worker":
+                    victim = rng.choice(live)
+                    run.kill_worker(victim)
+                    run.worker(run.urls[victim])  # a replacement, where the victim went
+                elif fault == "pause_worker":
+                    pid = run.procs[rng.choice(live)].pid
+                    os.kill(pid, signal.SIGSTOP)
+                    run.sleep(run.ttl + 2)
+                    os.kill(pid, signal.SIGCONT)
+                elif fault == "kill_service":
+                    run.kill_service(flaky)
+                    run.sleep(1)
+                    flaky = run.restart_service(flaky)
+                elif fault == "cut_link":
+                    proxy.cut_all()
+                elif fault == "stall_link":
+                    proxy.stall()
+                    run.sleep(2)
+                    proxy.resume()
+                elif fault == "restart_db":
+                    server.restart()
+                else:
+                    server.kill()
+                    server.start()
+            report = run.finish()
+    finally:
+        run.close()
+    print(report)
+    print("faults:", {f: faults.count(f) for f in FAULTS})
+    print("samples (s, RSS KiB, connections):", samples)
+    assert not report.violations, describe(report, run)
+    _assert_flat(samples)
+
+
+def _assert_flat(samples: list[tuple[float, int, int]]) -> None:
+    """After a warm-up (the first fifth of the run), the last quarter's RSS and connections stay within a
+    margin of the warm-up's: RSS by at most a quarter more and 30 MiB (allocator noise, caches that fill
+    once), connections by at most 10 (pools refill after a restart at their own pace)."""
+    assert len(samples) >= 8, f"too short a soak to judge: {len(samples)} samples"
+    n = len(samples)
+    warm = samples[n // 5 : n // 5 + max(2, n // 5)]
+    last = samples[-max(2, n // 4) :]
+    rss_warm = statistics.median(s[1] for s in warm)
+    rss_last = statistics.median(s[1] for s in last)
+    assert rss_last <= rss_warm * 1.25 + 30 * 1024, f"RSS grew from {rss_warm} KiB to {rss_last} KiB"
+    conn_warm = max(s[2] for s in warm)
+    conn_last = statistics.median(s[2] for s in last)
+    assert conn_last <= conn_warm + 10, f"connections grew from {conn_warm} to {conn_last}"
