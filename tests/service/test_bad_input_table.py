@@ -1,0 +1,337 @@
+"""docs/bad-input.md, row by row: each row of its table runs against the library on every backend and
+against a real ``permits serve`` (with tokens) in front of the same database. The answer must be the one
+the row gives, and nothing may change. A row this file does not know, or a case here with no row, fails."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import permits
+from permits import PermitsError, error_class
+from tests._service import Service, running
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "bad-input.md"
+ADMIN, CLIENT = "bad-input-admin-0123456789", "bad-input-client-0123456789"
+# Identities of their own: the servers' databases are shared by the whole test session.
+RUN = uuid.uuid4().hex[:6]
+TOKENS = [{"name": f"ops-{RUN}", "token": ADMIN, "admin": True}, {"name": f"app-{RUN}", "token": CLIENT}]
+#: Was a token once; the service was never given it (see the row auth-revoked).
+REVOKED = "bad-input-revoked-0123456789"
+
+
+@dataclass(frozen=True)
+class Row:
+    case: str
+    library: tuple[str, str | None] | None  # (code, field), or None: the library has no such input
+    http: tuple[int, str, str | None]  # status, code, field
+    changes: str
+
+
+def _rows() -> list[Row]:
+    rows = []
+    for line in DOC.read_text().splitlines():
+        if not line.startswith("| ") or line.startswith(("| case ", "| ---")):
+            continue
+        case, _input, library, http, changes = (c.strip() for c in line.strip("|").split(" | "))
+        lib: tuple[str, str | None] | None = None
+        if library != "—":
+            code = re.search(r"\(`([a-z_]+)`\)", library)
+            assert code, f"{case}: no (`code`) in {library!r}"
+            cls = re.match(r"`(\w+)`", library)
+            assert cls and error_class(code.group(1)).__name__ == cls.group(1), f"{case}: class and code disagree"
+            named = re.search(r"field `(\w+)`", library)
+            lib = (code.group(1), named.group(1) if named else None)
+        status = re.fullmatch(r"(\d{3}) `([a-z_]+)`(?:, field `(\w+)`)?", http)
+        assert status, f"{case}: cannot read the HTTP answer {http!r}"
+        rows.append(Row(case, lib, (int(status.group(1)), status.group(2), status.group(3)), changes))
+    return rows
+
+
+ROWS = _rows()
+
+
+# ------------------------------------------------------------------------------------------------ cases
+
+
+@dataclass
+class Ctx:
+    """One row's run: ``s`` exists with capacity 2; ``job`` was granted ``{s: 1}`` on both paths; ``probe``
+    is the key every refused acquire uses, and must find no lease afterwards."""
+
+    client: Any  # the library, on the database
+    service: Service
+    ns: str
+    s: str
+    job: str
+    probe: str
+    owner: str
+
+    def remote(self, token: str | None) -> permits.Client:
+        return permits.connect(self.service.url, token=token)
+
+    def fill(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return value.replace("{s}", self.s).replace("{job}", self.job).replace("{ns}", self.ns)
+        if isinstance(value, dict):
+            return {self.fill(k): self.fill(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(self.fill(v) for v in value)
+        return value
+
+
+@dataclass
+class Case:
+    library: Callable[[Ctx], Any] | None
+    #: method, path and either a JSON value (sent with NaN and Infinity as Python writes them) or raw bytes
+    http: Callable[[Ctx], tuple[str, str, Any]]
+    token: str | None = ADMIN
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _acquire(wants: Any, body_wants: Any = None, **options: Any) -> Case:
+    """An acquire of ``wants`` (the library's form; ``body_wants`` if the JSON differs) with ``options``."""
+
+    def library(ctx: Ctx) -> Any:
+        kwargs = {"key": ctx.probe, "owner": ctx.owner, **ctx.fill(options)}
+        if "timeout" in kwargs:
+            return ctx.client.acquire(ctx.fill(wants), **kwargs)
+        return ctx.client.try_acquire(ctx.fill(wants), **kwargs)
+
+    def http(ctx: Ctx) -> tuple[str, str, Any]:
+        body = {"wants": ctx.fill(wants if body_wants is None else body_wants), "key": ctx.probe}
+        for name, value in ctx.fill(options).items():
+            body["wait" if name == "timeout" else name] = value
+        return "POST", "/v1/leases", body
+
+    return Case(library, http)
+
+
+def _body(raw: bytes | str) -> Case:
+    def http(ctx: Ctx) -> tuple[str, str, Any]:
+        return "POST", "/v1/leases", ctx.fill(raw).encode() if isinstance(raw, str) else raw
+
+    return Case(None, http)
+
+
+def _as(token: str | None, library: Callable[[permits.Client, Ctx], Any], http: Callable[[Ctx], Any]) -> Case:
+    def call(ctx: Ctx) -> Any:
+        with ctx.remote(token) as remote:
+            return library(remote, ctx)
+
+    return Case(call, http, token=token)
+
+
+def _acquire_http(ctx: Ctx) -> tuple[str, str, Any]:
+    return "POST", "/v1/leases", {"wants": {ctx.s: 1}, "key": ctx.probe}
+
+
+def _remote_acquire(remote: permits.Client, ctx: Ctx) -> Any:
+    return remote.try_acquire(ctx.s, key=ctx.probe)
+
+
+CASES: dict[str, Case] = {
+    "name-empty": _acquire({"": 1}),
+    "name-too-long": _acquire({"n" * 256: 1}),
+    "name-nul": _acquire({"a\x00b": 1}),
+    "name-lone-surrogate": _acquire({"\ud800": 1}),
+    "name-not-a-string": Case(
+        lambda ctx: ctx.client.create_semaphore(5, 1),
+        lambda ctx: ("POST", "/v1/semaphores", {"name": 5, "capacity": 1}),
+    ),
+    "name-space": _acquire({" ": 1}),
+    "name-trailing-space": _acquire({"{s} ": 1}),
+    "name-newline": _acquire({"{s}\n": 1}),
+    "name-unicode-lookalike": _acquire({"{ns}seм": 1}),
+    "name-sql-quote": _acquire({"'; DROP TABLE permits_lease; --": 1}),
+    "name-percent": _acquire({"%": 1}),
+    "name-underscore": _acquire({"{ns}se_": 1}),
+    "name-backslash": _acquire({"{s}\\": 1}),
+    "count-zero": _acquire({"{s}": 0}),
+    "count-negative": _acquire({"{s}": -1}),
+    "count-over-capacity": _acquire({"{s}": 3}),
+    "count-huge": _acquire({"{s}": 2**53}),
+    "count-past-64-bits": _acquire({"{s}": 2**64}),
+    "count-fraction": _acquire({"{s}": 1.5}),
+    "count-string": _acquire({"{s}": "1"}),
+    "count-bool": _acquire({"{s}": True}),
+    "wants-empty": _acquire({}),
+    "wants-twice": _acquire([("{s}", 1), ("{s}", 1)], [{"name": "{s}", "count": 1}, {"name": "{s}", "count": 1}]),
+    "wants-too-many": _acquire({f"{{ns}}w{i}": 1 for i in range(65)}),
+    "wants-number": _acquire(42),
+    "ttl-zero": _acquire({"{s}": 1}, ttl=0),
+    "ttl-negative": _acquire({"{s}": 1}, ttl=-5),
+    "ttl-nan": _acquire({"{s}": 1}, ttl=math.nan),
+    "ttl-inf": _acquire({"{s}": 1}, ttl=math.inf),
+    "ttl-huge": _acquire({"{s}": 1}, ttl=31 * 24 * 3600),
+    "ttl-string": _acquire({"{s}": 1}, ttl="10"),
+    "extend-ttl-nan": Case(
+        lambda ctx: ctx.client.extend(ctx.job, math.nan, owner=ctx.owner),
+        lambda ctx: ("POST", "/v1/leases/extend", {"key": ctx.job, "ttl": math.nan}),
+    ),
+    "wait-negative": _acquire({"{s}": 1}, timeout=-1),
+    "key-empty": _acquire({"{s}": 1}, key=""),
+    "key-too-long": _acquire({"{s}": 1}, key="k" * 256),
+    "key-nul": _acquire({"{s}": 1}, key="k\x00"),
+    "key-reused": _acquire({"{s}": 2}, key="{job}"),
+    "owner-too-long": _acquire({"{s}": 1}, owner="o" * 256),
+    "capacity-zero": Case(
+        lambda ctx: ctx.client.create_semaphore(f"{ctx.ns}new", 0),
+        lambda ctx: ("POST", "/v1/semaphores", {"name": f"{ctx.ns}new", "capacity": 0}),
+    ),
+    "capacity-fraction": Case(
+        lambda ctx: ctx.client.set_capacity(ctx.s, 2.5, reason="more"),
+        lambda ctx: ("PATCH", f"/v1/semaphores/{ctx.s}", {"capacity": 2.5, "reason": "more"}),
+    ),
+    "reason-too-long": Case(
+        lambda ctx: ctx.client.set_capacity(ctx.s, 3, reason="r" * 1001),
+        lambda ctx: ("PATCH", f"/v1/semaphores/{ctx.s}", {"capacity": 3, "reason": "r" * 1001}),
+    ),
+    "body-too-large": Case(
+        None, lambda ctx: ("POST", "/v1/leases", {"wants": {ctx.s: 1}, "key": ctx.probe, "pad": "x" * 70_000})
+    ),
+    "body-not-json": _body("wants={s}"),
+    "body-truncated-json": _body('{"wants": {"{s}": 1}'),
+    "body-empty": _body(b""),
+    "body-array": _body("[]"),
+    "body-missing-field": _body('{"key": "k"}'),
+    "body-extra-field": _body('{"wants": {"{s}": 1}, "colour": "red"}'),
+    "body-wrong-type": _body('{"wants": {"{s}": 1}, "key": 7}'),
+    "auth-missing": _as(None, _remote_acquire, _acquire_http),
+    "auth-wrong": _as("not-a-token-of-this-service-0", _remote_acquire, _acquire_http),
+    "auth-not-bearer": Case(None, _acquire_http, token=None, headers={"Authorization": f"Basic {CLIENT}"}),
+    "auth-revoked": _as(REVOKED, _remote_acquire, _acquire_http),
+    "auth-client-creates": _as(
+        CLIENT,
+        lambda remote, ctx: remote.create_semaphore(f"{ctx.ns}new", 1),
+        lambda ctx: ("POST", "/v1/semaphores", {"name": f"{ctx.ns}new", "capacity": 1}),
+    ),
+    "auth-client-sets-capacity": _as(
+        CLIENT,
+        lambda remote, ctx: remote.set_capacity(ctx.s, 5, reason="mine"),
+        lambda ctx: ("PATCH", f"/v1/semaphores/{ctx.s}", {"capacity": 5, "reason": "mine"}),
+    ),
+    "auth-client-deletes": _as(
+        CLIENT,
+        lambda remote, ctx: remote.delete_semaphore(ctx.s, force=True),
+        lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}?force=true", None),
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+@pytest.fixture(scope="module", params=["sqlite", "mysql", "postgresql"])
+def deployment(
+    request: pytest.FixtureRequest, servers: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Service]]:
+    backend = str(request.param)
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path_factory.mktemp('bad-input') / 'permits.db'}"
+    else:
+        url = servers.url_for(backend).render_as_string(hide_password=False)
+    with running(url, tokens=TOKENS, env={"PERMITS_MAINTENANCE__ENABLED": "false"}) as service:
+        yield url, service
+
+
+def _state(ctx: Ctx) -> tuple[Any, ...]:
+    """Everything a refused request might have written."""
+    sems = [(x.name, x.capacity, x.used, x.last_token, x.fair) for x in ctx.client.list_semaphores(ctx.ns)]
+    holders = [(h.owner, h.key, h.count, h.token, h.expires_at) for h in ctx.client.holders(ctx.s)]
+    history = [(c.old_capacity, c.new_capacity, c.reason) for c in ctx.client.capacity_history(ctx.s)]
+    return sems, holders, history
+
+
+def _no_probe_lease(ctx: Ctx, http: httpx.Client) -> None:
+    with pytest.raises(permits.LeaseNotFound):
+        ctx.client.get_lease(ctx.probe, owner=ctx.owner)
+    for identity in TOKENS:
+        with pytest.raises(permits.LeaseNotFound):
+            ctx.client.get_lease(ctx.probe, owner=str(identity["name"]))
+    assert http.get(f"/v1/leases/{ctx.probe}").status_code == 404
+
+
+def test_every_row_has_a_case_and_every_case_a_row() -> None:
+    assert len(ROWS) >= 50
+    rows = [row.case for row in ROWS]
+    assert len(set(rows)) == len(rows), "a case appears twice in docs/bad-input.md"
+    assert sorted(set(rows) - set(CASES)) == [], "rows of docs/bad-input.md with no test here"
+    assert sorted(set(CASES) - set(rows)) == [], "cases here with no row in docs/bad-input.md"
+    for row in ROWS:
+        assert row.changes == "nothing"
+        assert (row.library is None) == (CASES[row.case].library is None), f"{row.case}: library column"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.case for row in ROWS])
+def test_row(row: Row, deployment: tuple[str, Service], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PERMITS_TOKEN", raising=False)
+    case = CASES.get(row.case)
+    assert case is not None, f"docs/bad-input.md has a row {row.case!r} that no test runs"
+    db_url, service = deployment
+    ns = f"b{uuid.uuid4().hex[:8]}-"
+    with (
+        permits.connect(db_url, owner=f"{ns}owner") as client,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as admin,
+    ):
+        ctx = Ctx(client, service, ns, f"{ns}sem", f"{ns}job-1", f"{ns}probe", f"{ns}owner")
+        client.create_semaphore(ctx.s, 2)
+        client.acquire(ctx.s, key=ctx.job, owner=ctx.owner)
+        assert admin.post("/v1/leases", json={"wants": {ctx.s: 1}, "key": ctx.job}).status_code == 201
+        before = _state(ctx)
+
+        if row.library is not None:
+            assert case.library is not None
+            code, named = row.library
+            with pytest.raises(PermitsError) as raised:
+                case.library(ctx)
+            assert raised.value.code == code, raised.value
+            assert isinstance(raised.value, error_class(code))
+            if named is not None:
+                assert raised.value.details.get("field") == named, raised.value.details
+            assert _state(ctx) == before
+            _no_probe_lease(ctx, admin)
+
+        method, path, body = case.http(ctx)
+        headers = dict(case.headers)
+        if case.token is not None:
+            headers["Authorization"] = f"Bearer {case.token}"
+        if isinstance(body, bytes):
+            headers["Content-Type"] = "application/json"
+            content = body
+        else:
+            content = b"" if body is None else json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        with httpx.Client(base_url=service.url, timeout=30) as http:
+            response = http.request(method, path, content=content, headers=headers)
+        answer = response.json()
+        status, code, named = row.http
+        assert (response.status_code, answer["error"]["code"]) == (status, code), answer
+        if named is not None:
+            assert answer["error"]["details"].get("field") == named, answer
+        assert set(answer["error"]) == {"code", "message", "details"}
+        assert _state(ctx) == before
+        _no_probe_lease(ctx, admin)
+
+
+@pytest.mark.parametrize("name", ["'; DROP TABLE permits_lease; --", "%", "_", "a\\b", "100%_done", " ", "lóck"])
+def test_names_that_look_like_sql_are_names(client: Any, ns: str, name: str) -> None:
+    """What the notes under the table say: such a name is stored and found as written, and no prefix is a
+    pattern."""
+    full = ns + name
+    client.create_semaphore(full, 1)
+    assert client.get_semaphore(full).name == full
+    assert [s.name for s in client.list_semaphores(ns)] == [full]
+    assert client.list_semaphores(ns + "%") == [] or name.startswith("%")
+    assert client.list_semaphores(ns + "_") == [] or name.startswith("_")
+    lease = client.try_acquire(full)
+    assert [h.key for h in client.holders(full)] == [lease.key]
