@@ -42,7 +42,10 @@ TOKENS = [
     (r"\bpsycopg\.AsyncConnection\b", "psycopg.Connection"),
     (r"\bAsyncConnection\b", "Connection"),
     (r"\bcreate_async_engine\b", "create_engine"),
-    (r"\basync_(sleep|shield|run_sync|store_for|event|wait|spawn|join|current|interrupt|mutex)\b", r"sync_\1"),
+    (
+        r"\basync_(sleep|shield|run_sync|store_for|event|wait|spawn|join|current|interrupt|mutex|driver_connection)\b",
+        r"sync_\1",
+    ),
     (r"\bpermits\._async\b", "permits._sync"),
     (r"The asyncio twin", "The sync twin"),
 ]
