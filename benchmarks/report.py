@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import RunResult, Scenario, default_url, describe_machine, ensure_max_connections, run
+from harness import RunResult, Scenario, default_url, describe_machine, ensure_database, ensure_max_connections, run
 from peers import PEERS, store_versions
 
 SYSTEMS = {
@@ -160,6 +160,7 @@ def main() -> int:
 
     if "postgresql" in plan.backends:
         # A client that waits holds two connections (its pool's and its LISTEN one), the service some more.
+        ensure_database(default_url("postgresql"))  # a fresh server has no benchmark database yet
         ensure_max_connections(default_url("postgresql"), 2 * max(plan.service_clients + plan.grids[0].clients) + 60)
     started = time.monotonic()
     results: dict[Key, RunResult] = {}
