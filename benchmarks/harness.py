@@ -513,6 +513,7 @@ def _child_main(
     start: Event,
     abort: Event,
     start_timeout: float,
+    warmup: float = 0.0,
 ) -> None:
     """Entry point of a client process: connect, report ready, wait, loop."""
     try:
@@ -526,7 +527,7 @@ def _child_main(
         # has connected, so connection set-up is never timed.
         if not start.wait(start_timeout) or abort.is_set():
             return
-        results.put(("result", index, _loop(client, index, seconds)))
+        results.put(("result", index, _loop(client, index, seconds, warmup)))
     except BaseException:
         results.put(("error", index, f"client {index} crashed:\n{traceback.format_exc()}"))
     finally:
@@ -535,12 +536,18 @@ def _child_main(
             client.close()
 
 
-def _loop(client: Client, index: int, seconds: float) -> ClientReport:
+def _loop(client: Client, index: int, seconds: float, warmup: float = 0.0) -> ClientReport:
     latencies = array("d")
     granted = refused = errors = consecutive_errors = 0
     samples: list[str] = []
     perf = time.perf_counter
     cycle = client.cycle
+    # Warm-up cycles are not counted: a system reaches its steady state first (pools filled, waiters
+    # paced to the contention they met), as it would long since have in production.
+    warm_until = perf() + warmup
+    while perf() < warm_until:
+        with contextlib.suppress(Exception):
+            cycle()
     began = now = perf()
     deadline = began + seconds
     while now < deadline:
@@ -659,17 +666,19 @@ def run(
     history: int = 0,
     start_timeout: float = 120.0,
     grace: float = 30.0,
+    warmup: float = 0.0,
 ) -> RunResult:
     """Set ``system`` up on ``backend_url`` and drive it with ``clients`` processes.
 
     Each child loops ``cycle()`` for ``seconds`` once all children have
-    connected. A child that fails to start, crashes, dies or is still busy
-    ``grace`` seconds after its time is up is reported in ``errors`` (and
+    connected, after ``warmup`` seconds of cycles that are not counted. A
+    child that fails to start, crashes, dies or is still busy ``grace``
+    seconds after its time is up is reported in ``errors`` (and
     terminated); the parent never waits on it forever. Runs are serialised
     machine-wide (see ``exclusive_machine``).
     """
     with exclusive_machine():
-        return _run(system, backend_url, scenario, clients, seconds, history, start_timeout, grace)
+        return _run(system, backend_url, scenario, clients, seconds, history, start_timeout, grace, warmup)
 
 
 def _run(
@@ -681,6 +690,7 @@ def _run(
     history: int,
     start_timeout: float,
     grace: float,
+    warmup: float = 0.0,
 ) -> RunResult:
     scenario = Scenario(scenario, clients) if isinstance(scenario, str) else replace(scenario, clients=clients)
     sys_obj = resolve_system(system)
@@ -709,7 +719,7 @@ def _run(
     procs = [
         ctx.Process(
             target=_child_main,
-            args=(ref, backend_url, scenario, i, seconds, results, start, abort, start_timeout),
+            args=(ref, backend_url, scenario, i, seconds, results, start, abort, start_timeout, warmup),
             name=f"bench-client-{i}",
             daemon=True,  # never outlive the parent, even if it is killed
         )
@@ -727,7 +737,7 @@ def _run(
         start.set()
         if not abort.is_set():
             with _sampling(sys_obj, result):
-                _collect(procs, results, "result", reports, failures, time.perf_counter() + seconds + grace)
+                _collect(procs, results, "result", reports, failures, time.perf_counter() + warmup + seconds + grace)
     finally:
         abort.set()
         start.set()
@@ -915,6 +925,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clients", default="1,4,16", help="comma list of client counts")
     parser.add_argument("--per-acquire", type=int, default=1, help="semaphores taken together by one acquire")
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
+    parser.add_argument("--warmup", type=float, default=0.0, help="uncounted seconds of cycles before each run")
     parser.add_argument("--history", type=int, default=0, help="pre-load this many old released rows before each run")
     parser.add_argument("--repeat", type=int, default=1, help="run the whole grid this many times (rounds interleave)")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per run to PATH")
@@ -940,7 +951,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(args.repeat):
         for system, backend, scenario, clients in grid:
             template = Scenario(scenario, clients, per_acquire=args.per_acquire)
-            result = run(system, urls[backend], template, clients, args.seconds, history=args.history)
+            result = run(
+                system, urls[backend], template, clients, args.seconds, history=args.history, warmup=args.warmup
+            )
             print(format_row(result), flush=True)
             for message in result.errors:
                 print("    " + message.rstrip().replace("\n", "\n    "), flush=True)

@@ -86,6 +86,8 @@ class Plan:
     service_clients: tuple[int, ...]
     peer_grids: tuple[Grid, ...]
     charts: bool
+    #: uncounted seconds before each measured run (see harness._loop)
+    warmup: float = 0.0
 
 
 FULL = Plan(
@@ -97,6 +99,7 @@ FULL = Plan(
     service_clients=(1, 16, 64),
     peer_grids=(Grid("hot", (1, 4, 16, 64)), Grid("spread", (1, 4, 16))),
     charts=True,
+    warmup=1.0,
 )
 QUICK = Plan(
     backends=SQL_BACKENDS,
@@ -118,7 +121,9 @@ SCENARIO_TITLES = {
 
 def _run(system: str, backend_url: str, scenario: Scenario, plan: Plan, history: int = 0) -> RunResult:
     try:
-        result = run(SYSTEMS[system], backend_url, scenario, scenario.clients, plan.seconds, history=history)
+        result = run(
+            SYSTEMS[system], backend_url, scenario, scenario.clients, plan.seconds, history=history, warmup=plan.warmup
+        )
     except Exception as exc:  # a system whose setup fails is reported (and fails the report), not fatal
         result = RunResult(system, "-", scenario.label, scenario.clients, plan.seconds)
         result.errors, result.error_count = [f"setup failed: {type(exc).__name__}: {exc}"], 1
@@ -246,7 +251,8 @@ def _markdown(
         f"- Command: `{command}` (took {took / 60:.0f} min)",
         f"- Machine: {describe_machine([default_url(b) for b in plan.backends if b != 'sqlite'])}",
         *([f"- Peers' own stores: {_store_versions()}"] if peers_present else []),
-        f"- Each run: {plan.seconds:g} s after every client connected; `hot` = one semaphore of capacity 10",
+        f"- Each run: {plan.seconds:g} s, counted after every client connected and then cycled for"
+        f" {plan.warmup:g} s uncounted (every system alike); `hot` = one semaphore of capacity 10",
         "  shared by all clients, `spread` = one semaphore of capacity 10 per client, `hotx3` = three shared",
         "  semaphores of capacity 10, one permit of each taken together (all or nothing) by every acquire.",
         "- `floor`: one conditional `UPDATE ... SET used = used + 1 WHERE name = ? AND used + 1 <= capacity`",

@@ -95,8 +95,9 @@ class AsyncHTTPStore:
     # ------------------------------------------------------------------------------------------ operations
 
     async def try_acquire(
-        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0
+        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0, recheck: bool = True
     ) -> Lease | None:
+        # ``recheck`` does not cross HTTP: the service runs its own waiting loop (a long poll).
         await self.open()
         wait = min(wait, self._max_wait)
         body = {
@@ -112,8 +113,12 @@ class AsyncHTTPStore:
             return None
         return _wire.lease_in(data)
 
-    async def wait_for_room(self, names: Sequence[str], seconds: float) -> None:
+    async def wait_for_room(self, names: Sequence[str], seconds: float) -> bool:
         """Nothing to wait for here: the service waited for room itself (a long poll) before it answered."""
+        return False
+
+    def queue_short(self, owner: str, key: str) -> int | None:
+        return None  # the service paces its own waiting
 
     async def release(self, owner: str, key: str) -> ReleaseOutcome:
         data = await self._call("POST", "/v1/leases/release", json={"key": key, "owner": owner})

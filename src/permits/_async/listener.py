@@ -30,6 +30,9 @@ logger = logging.getLogger("permits.listener")
 CHANNEL = "permits_room"
 #: After a failed connection, wait this long before trying to listen again (meanwhile: polling only).
 RETRY_AFTER = 5.0
+#: Stay subscribed this long after the last waiter that listened: a hot semaphore's waiters come and go
+#: many times a second, and each LISTEN or UNLISTEN is a round trip.
+LINGER = 2.0
 
 
 class AsyncRoomListener:
@@ -41,18 +44,21 @@ class AsyncRoomListener:
         self._runner: Any = None
         self._connection: Any = None
         self._failed_at = -RETRY_AFTER
+        self._subscribed = False
+        self._wanted_at = monotonic()
 
-    async def wait(self, names: Sequence[str], seconds: float) -> None:
-        """Return when one of ``names`` got permits back, or after ``seconds``."""
+    async def wait(self, names: Sequence[str], seconds: float) -> bool:
+        """Return when one of ``names`` got permits back (True), or after ``seconds`` (False)."""
         event = async_event()
         with self._mutex:
+            self._wanted_at = monotonic()
             for name in names:
                 self._waiting.setdefault(name, set()).add(event)
         try:
             if await self._listening():
-                await async_wait(event, seconds)
-            else:
-                await async_sleep(seconds)
+                return bool(await async_wait(event, seconds))
+            await async_sleep(seconds)
+            return False
         finally:
             with self._mutex:
                 for name in names:
@@ -80,15 +86,28 @@ class AsyncRoomListener:
             logger.warning("cannot LISTEN for released permits (waiters poll meanwhile): %s", exc)
             return False
         self._connection = connection
+        self._subscribed = True
         self._failed_at = -RETRY_AFTER
         self._runner = async_spawn(self._run, "permits-listener")
         return True
 
+    async def _subscribe_while_wanted(self) -> None:
+        """LISTEN only while some waiter listens. Waiters of a heavily contended semaphore stop listening
+        (see ``permits._pacing``): every release would wake every one of them, and on a busy server
+        receiving the notifications alone costs each waiting process more than polling does."""
+        with self._mutex:
+            wanted = bool(self._waiting) or monotonic() - self._wanted_at < LINGER
+        if wanted != self._subscribed:
+            await self._connection.execute(f"LISTEN {CHANNEL}" if wanted else f"UNLISTEN {CHANNEL}")
+            self._subscribed = wanted
+
     async def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                # A timeout, so that a stop is noticed within a second even when nothing is released.
-                async for note in self._connection.notifies(timeout=1.0):
+                await self._subscribe_while_wanted()
+                # A timeout, so that a stop (or a new waiter, when unsubscribed) is noticed soon even
+                # when nothing is released.
+                async for note in self._connection.notifies(timeout=1.0 if self._subscribed else 0.1):
                     with self._mutex:
                         events = list(self._waiting.get(note.payload, ()))
                     for event in events:

@@ -84,8 +84,15 @@ class Restart(Exception):
 
 
 def try_acquire(
-    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0
-) -> Flow[Lease | None]:
+    d: Dialect,
+    owner: str,
+    key: str,
+    wants: Sequence[Want],
+    ttl_ms: int,
+    queue_ms: int = 0,
+    recheck: bool = True,
+    queued: bool = False,
+) -> Flow[Lease | Queued | None]:
     """Grant every want or none; ``None`` means no room (after reclaiming expired leases).
 
     The fast path is one conditional UPDATE per semaphore, in name order: it counts the permits and bumps
@@ -95,25 +102,48 @@ def try_acquire(
 
     ``queue_ms`` > 0 means the caller will wait: on a fair semaphore a refused request then takes a place
     in the queue, kept for ``queue_ms`` unless the caller asks again, and a grant gives its place up.
+
+    ``recheck=False`` is for a waiter asking again soon after a full refusal: no room is then the answer at
+    once, without the transaction that finds out why (the key's earlier grant, expired leases to reclaim,
+    the queue place to keep). A waiting caller rechecks at least once a second and after any failure, so
+    a refusal costs one statement while the reasons it skips cannot change the outcome for long. A request
+    that is ``queued`` (it holds fair-queue places) learns its place instead, to pace its next attempt.
     """
     if len(wants) == 1 and d.has("ACQUIRE_ONE"):
-        return (yield from _acquire_one(d, owner, key, wants[0], ttl_ms, queue_ms))
+        return (yield from _acquire_one(d, owner, key, wants[0], ttl_ms, queue_ms, recheck, queued))
     tokens: dict[str, int] = {}
     for want in wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
         if taken.rowcount == 0:
-            raise _refused(d, owner, key, wants, ttl_ms, queue_ms)
+            raise _refused(d, owner, key, wants, ttl_ms, queue_ms, recheck, queued)
         tokens[want.name] = d.taken_token(taken)
     if queue_ms:
         yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
     return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
 
 
-def _refused(d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0) -> Restart:
+def _refused(
+    d: Dialect,
+    owner: str,
+    key: str,
+    wants: Sequence[Want],
+    ttl_ms: int,
+    queue_ms: int = 0,
+    recheck: bool = True,
+    queued: bool = False,
+) -> Restart:
     """A semaphore had no room (or does not exist). Roll back at once, which lets go of the semaphore
     rows, and find out why without locking anything: on a hot semaphore the refused are the many, and
     they must not hold the row that the next grant needs."""
+    if not recheck:
+        return Restart(lambda: queue_place(owner, key), readonly=True) if queued else Restart(_no_room)
     return Restart(lambda: _why_refused(d, owner, key, wants, ttl_ms, queue_ms), readonly=True)
+
+
+def _no_room() -> Flow[None]:
+    """The answer of a refusal that is not rechecked: no statement, no room."""
+    yield from ()  # a flow that sends nothing
+    return None
 
 
 def _why_refused(
@@ -141,10 +171,16 @@ def _why_refused(
 
 class Queued:
     """What an attempt answers when it was refused and holds a place in a fair queue: no grant, like
-    ``None``, but the store then knows a timeout has a place to give up."""
+    ``None``, but the store then knows a timeout has a place to give up, and the waiter can pace itself.
 
+    ``short`` is how many permits the request is short of fitting, in the fullest of its fair queues: the
+    permits in use, plus those wanted by the live waiters ahead of it and by itself, minus the capacity.
+    It falls as permits come back; at 0 or less the request would fit now. ``None``: not measured."""
 
-QUEUED = Queued()
+    __slots__ = ("short",)
+
+    def __init__(self, short: int | None = None) -> None:
+        self.short = short
 
 
 def _enqueue(
@@ -153,18 +189,25 @@ def _enqueue(
     """Keep this request's places in the fair queues, or take them: a ticket per fair semaphore, taken in
     name order under each semaphore's row lock, so every semaphore orders any two requests alike."""
     kept = yield Stmt("WAITERS_REFRESH", {"owner": owner, "key": key, "place_ms": queue_ms})
-    if kept.rowcount > 0:
-        return QUEUED
-    for want in wants:
-        if want.name not in fair:
-            continue
-        ticket = yield Stmt("SEM_TICKET", {"id": fair[want.name]})
-        params = {"sem_id": fair[want.name], "ticket": d.taken_token(ticket), "owner": owner, "key": key}
-        try:
-            yield Stmt("WAITER_INSERT", {**params, "count": want.count, "place_ms": queue_ms})
-        except DuplicateKey:
-            raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms)) from None
-    return QUEUED
+    if kept.rowcount == 0:
+        for want in wants:
+            if want.name not in fair:
+                continue
+            ticket = yield Stmt("SEM_TICKET", {"id": fair[want.name]})
+            params = {"sem_id": fair[want.name], "ticket": d.taken_token(ticket), "owner": owner, "key": key}
+            try:
+                yield Stmt("WAITER_INSERT", {**params, "count": want.count, "place_ms": queue_ms})
+            except DuplicateKey:
+                raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms)) from None
+    return (yield from queue_place(owner, key)) or Queued()
+
+
+def queue_place(owner: str, key: str) -> Flow[Queued | None]:
+    """How far a queued request is from fitting (see ``Queued``); ``None`` when it holds no live place."""
+    found = yield Stmt("WAITER_SHORT", {"owner": owner, "key": key})
+    if not found.rows:
+        return None
+    return Queued(max(int(row[0]) for row in found.rows))
 
 
 def dequeue(owner: str, key: str) -> Flow[int]:
@@ -186,7 +229,16 @@ def purge_waiters(age_ms: int) -> Flow[int]:
     return done.rowcount
 
 
-def _acquire_one(d: Dialect, owner: str, key: str, want: Want, ttl_ms: int, queue_ms: int = 0) -> Flow[Lease | None]:
+def _acquire_one(
+    d: Dialect,
+    owner: str,
+    key: str,
+    want: Want,
+    ttl_ms: int,
+    queue_ms: int = 0,
+    recheck: bool = True,
+    queued: bool = False,
+) -> Flow[Lease | Queued | None]:
     """One semaphore, one statement: take the room, insert the lease and its permit row, and give up the
     request's place in a fair queue if it had one, all or nothing.
 
@@ -199,7 +251,7 @@ def _acquire_one(d: Dialect, owner: str, key: str, want: Want, ttl_ms: int, queu
     except DuplicateKey:
         raise Restart(lambda: _replay(owner, key, [want])) from None
     if not done.rows:
-        raise _refused(d, owner, key, [want], ttl_ms, queue_ms)
+        raise _refused(d, owner, key, [want], ttl_ms, queue_ms, recheck, queued)
     _, acquired_ms, expires_ms, token = done.rows[0]
     return Lease(
         key=key,

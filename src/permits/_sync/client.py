@@ -14,10 +14,9 @@ from sqlalchemy.engine import URL
 
 from permits import _validate
 from permits._sync.watchdog import Watchdog
-from permits._backoff import WAIT_BACKOFF
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
 from permits._exceptions import AcquireTimeout, PermitsError, StorageConflict, UsageError
-from permits._io import sync_shield, monotonic
+from permits._io import sync_shield, sync_sleep, monotonic
 from permits._models import (
     RWLOCK_READERS,
     CapacityChange,
@@ -30,12 +29,15 @@ from permits._models import (
     Waiter,
     Want,
 )
+from permits._pacing import WaitPacer
 from permits._validate import Seconds, WantsLike
 from permits.stores import sync_store_for
 from permits.stores.base import Store
 
 #: With no timeout, how long one attempt may wait for room in a store that can wait (the service).
 LONG_POLL_SECONDS = 30.0
+#: How many sets of semaphore names a client remembers the contention of.
+REMEMBERED_CONTENTION = 1024
 
 
 class Client:
@@ -80,6 +82,8 @@ class Client:
         )
         self._store = sync_store_for(self._settings) if store is None else store
         self._closed = False
+        #: semaphore names -> (races lost by its last waiter, no listening until) (see ``permits._pacing``)
+        self._contention: dict[tuple[str, ...], tuple[int, float]] = {}
 
     @property
     def owner(self) -> str:
@@ -135,39 +139,66 @@ class Client:
     ) -> Lease:
         """Take every wanted permit at once, waiting up to ``timeout`` seconds (``None``: for ever).
 
-        Attempts back off exponentially with jitter, so waiters do not hammer the database. Every attempt
-        uses the same key, so an attempt whose reply was lost can never grant twice. Raises
-        ``AcquireTimeout`` when the time is up.
+        Attempts back off exponentially with jitter, so waiters do not hammer the database; a waiter in a
+        fair queue paces itself by its place, and waiters told of the same release spread their retries
+        (see ``permits._pacing``). Every attempt uses the same key, so an attempt whose reply was lost can
+        never grant twice. Raises ``AcquireTimeout`` when the time is up.
         """
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
         limit = _validate.timeout(timeout)
         deadline = None if limit is None else monotonic() + limit
-        attempt = 0
+        names = [w.name for w in wants_]
+        contended = tuple(names)
+        lost_races, quiet_until = self._contention.get(contended, (0, 0.0))
+        pacer = WaitPacer(lost_races=lost_races, quiet_until=quiet_until)
         while True:
             wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
             conflict: StorageConflict | None = None
             try:
-                lease = self._store.try_acquire(owner_, key_, wants_, ttl_ms, wait)
+                lease = self._store.try_acquire(
+                    owner_, key_, wants_, ttl_ms, wait, recheck=pacer.recheck_due(monotonic())
+                )
             except StorageConflict as exc:
                 # Lock contention that outlasted the store's retries (a holder frozen inside its
                 # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
                 lease, conflict = None, exc
+                pacer.force_recheck()
             if lease is not None:
+                pacer.granted()
+                self._remember_contention(contended, pacer)
                 return lease
-            delay = WAIT_BACKOFF.delay(attempt)
-            if deadline is not None:
-                remaining = deadline - monotonic()
+            pacer.refused(monotonic(), self._store.queue_short(owner_, key_))
+            self._remember_contention(contended, pacer)
+            delay, listen = pacer.next_sleep(monotonic())
+            remaining = None if deadline is None else deadline - monotonic()
+            if remaining is not None:
                 if remaining <= 0:
                     # Stop waiting for good: give up the places in fair queues now rather than at expiry.
                     with contextlib.suppress(PermitsError):
                         self._store.dequeue(owner_, key_)
-                    names = ", ".join(f"{w.name}:{w.count}" for w in wants_)
+                    described = ", ".join(f"{w.name}:{w.count}" for w in wants_)
                     raise AcquireTimeout(
-                        f"no room for {names} within {limit} s", key=key_, owner=owner_, timeout=limit
+                        f"no room for {described} within {limit} s", key=key_, owner=owner_, timeout=limit
                     ) from conflict
                 delay = min(delay, remaining)
-            self._store.wait_for_room([w.name for w in wants_], delay)
-            attempt += 1
+            if not listen:
+                sync_sleep(delay)
+            elif self._store.wait_for_room(names, delay):
+                spread = pacer.woken()
+                if deadline is not None:
+                    spread = min(spread, max(0.0, deadline - monotonic()))
+                if spread > 0:
+                    sync_sleep(spread)
+
+    def _remember_contention(self, contended: tuple[str, ...], pacer: WaitPacer) -> None:
+        """Keep how contended a set of semaphores is across acquires, so each new waiter does not learn it
+        again by losing races (see ``permits._pacing``)."""
+        if pacer.lost_races or pacer.quiet_until > monotonic():
+            if len(self._contention) >= REMEMBERED_CONTENTION:
+                self._contention.clear()
+            self._contention[contended] = (pacer.lost_races, pacer.quiet_until)
+        else:
+            self._contention.pop(contended, None)
 
     def lease(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -78,7 +79,7 @@ class SQLStore:
         #: statements that run alone, compiled for the driver, by name
         self._driver_statements: dict[str, tuple[str, tuple[str, ...] | None]] = {}
         #: requests this store put in a fair queue and that were not granted yet (insertion-ordered)
-        self._queued: dict[tuple[str, str], None] = {}
+        self._queued: OrderedDict[tuple[str, str], int | None] = OrderedDict()
         # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling.
         self._listener: RoomListener | None = None
         if self._dialect.name == "postgresql":
@@ -154,25 +155,42 @@ class SQLStore:
     # ------------------------------------------------------------------------------------------ operations
 
     def try_acquire(
-        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0
+        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0, recheck: bool = True
     ) -> Lease | None:
         # This store never waits for room (the client's loop does); ``wait`` bounds how long it keeps
         # retrying lock conflicts, so a caller's timeout holds behind a frozen lock holder.
         deadline = monotonic() + wait if wait > 0 else None
         # A caller that waits keeps a place in the queue of each fair semaphore it asks for.
         queue_ms = PLACE_MS if wait > 0 else 0
-        result: Any = self._run(
-            lambda: flows.try_acquire(self._dialect, owner, key, wants, ttl_ms, queue_ms), deadline=deadline
-        )
+        tries = 0
+        queued = (owner, key) in self._queued
+
+        def attempt() -> Flow[Lease | flows.Queued | None]:
+            nonlocal tries
+            tries += 1
+            # After a lost connection the last attempt may have been granted with its reply lost: only
+            # the full recheck finds that lease under the key.
+            full = recheck or tries > 1
+            return flows.try_acquire(self._dialect, owner, key, wants, ttl_ms, queue_ms, full, queued)
+
+        result: Any = self._run(attempt, deadline=deadline)
         if isinstance(result, flows.Queued):
-            self._queued[(owner, key)] = None
+            self._queued[(owner, key)] = result.short
+            self._queued.move_to_end((owner, key))
             if len(self._queued) > MAX_REMEMBERED_PLACES:
-                self._queued.pop(next(iter(self._queued)))
+                self._queued.popitem(last=False)
             return None
         if result is not None:
             self._queued.pop((owner, key), None)
+        elif queued and not recheck:
+            self._queued.pop((owner, key), None)  # its place lapsed: the next full recheck takes another
         lease: Lease | None = result
         return lease
+
+    def queue_short(self, owner: str, key: str) -> int | None:
+        """How many permits a waiting request was short of fitting at its last attempt, in its fair queues
+        (see ``flows.Queued``); ``None`` when it holds no place this store knows of."""
+        return self._queued.get((owner, key))
 
     def dequeue(self, owner: str, key: str) -> None:
         # Only a request this store put in a queue has a place to give up: a timeout on any other costs
@@ -183,11 +201,11 @@ class SQLStore:
     def waiters(self, name: str) -> list[Waiter]:
         return self._run(lambda: flows.waiters(name), readonly=True)
 
-    def wait_for_room(self, names: Sequence[str], seconds: float) -> None:
+    def wait_for_room(self, names: Sequence[str], seconds: float) -> bool:
         if self._listener is not None:
-            self._listener.wait(names, seconds)
-        else:
-            sync_sleep(seconds)
+            return self._listener.wait(names, seconds)
+        sync_sleep(seconds)
+        return False
 
     def release(self, owner: str, key: str) -> ReleaseOutcome:
         return self._run(lambda: flows.release(self._dialect, owner, key))

@@ -94,7 +94,8 @@ class Waker:
         self.waiters = 0
         self.draining = asyncio.Event()
 
-    async def wait(self, names: Sequence[str], seconds: float) -> None:
+    async def wait(self, names: Sequence[str], seconds: float) -> bool:
+        """Wait for a local release of one of ``names`` (True) or ``seconds`` (False)."""
         if self.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
         if self.waiters >= self.max_waiters:
@@ -122,6 +123,7 @@ class Waker:
                         del self._waiting[name]
         if self.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
+        return event.is_set()
 
     def notify_all(self) -> None:
         """Wake every waiter (permits came back somewhere, and which semaphores is not known here)."""
@@ -163,20 +165,20 @@ class InstanceStore:
         return getattr(self._inner, name)
 
     async def try_acquire(
-        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0
+        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0, recheck: bool = True
     ) -> Lease | None:
         if self.waker.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
         async with self.prelock.hold([w.name for w in wants]):
-            lease = await self._inner.try_acquire(owner, key, wants, ttl_ms, wait)
+            lease = await self._inner.try_acquire(owner, key, wants, ttl_ms, wait, recheck)
         if lease is not None and (owner, key) not in self._granted:
             self._granted[(owner, key)] = ([w.name for w in wants], monotonic())
             if len(self._granted) > self.REMEMBERED_LEASES:
                 self._granted.popitem(last=False)
         return lease
 
-    async def wait_for_room(self, names: Sequence[str], seconds: float) -> None:
-        await self.waker.wait(names, seconds)
+    async def wait_for_room(self, names: Sequence[str], seconds: float) -> bool:
+        return await self.waker.wait(names, seconds)
 
     async def dequeue(self, owner: str, key: str) -> None:
         """Kept, on purpose: the service's wait ended, not the client's. A remote client asks again at

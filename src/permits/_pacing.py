@@ -1,0 +1,110 @@
+"""How a waiting acquire paces its attempts: a pure policy, shared by the sync and async loops.
+
+A waiter that asks too often burns the database's time (and, on a hot semaphore, the time of every
+grant behind it); one that asks too rarely leaves returned permits idle. Three signals decide:
+
+- **Rechecks.** An attempt that finds no room is one statement. The transaction that finds out why (an
+  earlier grant under the same key, expired leases to reclaim, the fair-queue place to keep) runs on the
+  first attempt and then at most once a ``RECHECK_SECONDS``.
+- **Place in a fair queue.** A queued request learns how many permits it is short of fitting. That falls
+  only as permits come back, so the pacer measures how fast it falls and sleeps about half the predicted
+  time; only the request one permit short listens for a release. The rest of the queue stays asleep
+  instead of stampeding at every release.
+- **Lost races.** On PostgreSQL (and in the service) every waiter of a semaphore hears of every release.
+  A waiter that was told of room and still found none lost a race to another waiter: it then spreads its
+  next retries over a window that doubles with each lost race, as Ethernet spreads its retransmissions, so
+  the waiters that wake together do not all ask together. After ``QUIET_AFTER_LOST_RACES`` lost races
+  it stops listening for ``QUIET_SECONDS`` and polls: at that contention, hearing every release costs more
+  than it saves (the listener then unsubscribes). A grant without a wait narrows the window again.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from permits._backoff import WAIT_BACKOFF
+
+#: The why-refused transaction runs at most this often per waiting request.
+RECHECK_SECONDS = 1.0
+#: Bounds on the sleep of a queued request that paces itself by its place.
+QUEUE_MIN_SLEEP = 0.002
+QUEUE_MAX_SLEEP = 1.0
+#: The first lost race spreads retries over this many seconds; each further one doubles it, up to the cap.
+RACE_SPREAD_BASE = 0.002
+RACE_SPREAD_CAP = 0.5
+#: This many lost races in a row, and the waiters of a semaphore poll instead of listening for a while.
+QUIET_AFTER_LOST_RACES = 2
+QUIET_SECONDS = 30.0
+
+
+@dataclass
+class WaitPacer:
+    """The state of one waiting acquire. Times are ``monotonic()`` seconds, passed in by the caller."""
+
+    lost_races: int = 0
+    #: Until this ``monotonic()`` time, do not listen for releases (too contended to be worth it).
+    quiet_until: float = 0.0
+    rng: random.Random | None = None
+    refusals: int = 0
+    rechecked_at: float | None = None
+    short: int | None = None
+    #: How fast this request's shortfall falls, in permits per second (smoothed); None: not measured yet.
+    rate: float | None = None
+    _short_at: float = 0.0
+    _woken: bool = field(default=False, repr=False)
+
+    def recheck_due(self, now: float) -> bool:
+        """Whether the next attempt should run the full why-refused check; if so, it counts as done now."""
+        if self.rechecked_at is None or now - self.rechecked_at >= RECHECK_SECONDS:
+            self.rechecked_at = now
+            return True
+        return False
+
+    def force_recheck(self) -> None:
+        """The outcome of the last attempt is uncertain (a conflict or a failure): check fully next time."""
+        self.rechecked_at = None
+
+    def refused(self, now: float, short: int | None) -> None:
+        """An attempt found no room. ``short``: the request's shortfall in its fair queues, if queued."""
+        self.refusals += 1
+        if self._woken:
+            self.lost_races += 1
+            self._woken = False
+            if self.lost_races >= QUIET_AFTER_LOST_RACES:
+                self.quiet_until, self.lost_races = now + QUIET_SECONDS, 0
+        if short is not None and self.short is not None and now > self._short_at:
+            sample = max(0, self.short - short) / (now - self._short_at)
+            self.rate = sample if self.rate is None else 0.5 * self.rate + 0.5 * sample
+        if short is None:
+            self.rate = None
+        self.short, self._short_at = short, now
+
+    def granted(self) -> None:
+        if self.refusals == 0:
+            self.lost_races = max(0, self.lost_races - 1)
+
+    def next_sleep(self, now: float) -> tuple[float, bool]:
+        """How long to sleep before the next attempt, and whether a release may end the sleep early."""
+        listen = now >= self.quiet_until
+        backoff = WAIT_BACKOFF.delay(self.refusals - 1, self.rng)
+        if self.short is None:
+            return backoff, listen
+        if self.short <= 0:
+            return 0.0, False  # it fits now: room came back between the attempt and the place read
+        # Only the request one permit short listens: the next permit back is its own.
+        listen = listen and self.short == 1
+        if not self.rate:
+            return min(backoff, QUEUE_MAX_SLEEP), listen
+        predicted = self.short / self.rate
+        return min(QUEUE_MAX_SLEEP, max(QUEUE_MIN_SLEEP, predicted / 2)), listen
+
+    def woken(self) -> float:
+        """A release ended the sleep early. Returns how long to wait before asking: 0 until a race was
+        lost, then a random time within the spread window."""
+        self._woken = True
+        if self.lost_races == 0:
+            return 0.0
+        window = min(RACE_SPREAD_CAP, RACE_SPREAD_BASE * 2.0 ** min(self.lost_races - 1, 32))
+        draw = self.rng.random() if self.rng is not None else random.random()
+        return window * draw

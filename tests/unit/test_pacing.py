@@ -1,0 +1,92 @@
+"""The waiting policy (permits._pacing): pure, so every rule is checked here with a seeded random."""
+
+from __future__ import annotations
+
+import random
+
+from permits._pacing import (
+    QUEUE_MAX_SLEEP,
+    QUEUE_MIN_SLEEP,
+    QUIET_AFTER_LOST_RACES,
+    QUIET_SECONDS,
+    RACE_SPREAD_BASE,
+    RECHECK_SECONDS,
+    WaitPacer,
+)
+
+
+def pacer(**kwargs: object) -> WaitPacer:
+    return WaitPacer(rng=random.Random(7), **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_first_attempt_and_one_a_second_after_are_full_rechecks() -> None:
+    p = pacer()
+    assert p.recheck_due(100.0)
+    assert not p.recheck_due(100.5)
+    assert p.recheck_due(100.0 + RECHECK_SECONDS)
+    p.force_recheck()
+    assert p.recheck_due(101.1)
+
+
+def test_an_unqueued_waiter_backs_off_and_listens() -> None:
+    p = pacer()
+    p.refused(0.0, None)
+    first, listen = p.next_sleep(0.0)
+    assert listen and 0 < first <= 0.02
+    for _ in range(10):
+        p.refused(0.0, None)
+    later, _ = p.next_sleep(0.0)
+    assert 0.5 <= later <= 1.0
+
+
+def test_woken_waiters_spread_their_retries_only_after_losing_races() -> None:
+    p = pacer()
+    assert p.woken() == 0.0  # no race lost yet: ask at once
+    p.refused(1.0, None)  # told of room, found none: a lost race
+    assert p.lost_races == 1
+    assert 0 <= p.woken() <= RACE_SPREAD_BASE
+    now = 1.0
+    for _ in range(QUIET_AFTER_LOST_RACES - 1):
+        now += 0.1
+        p.refused(now, None)
+        p.woken()
+    # Enough lost races: stop listening for a while (the count starts again).
+    assert p.quiet_until == now + QUIET_SECONDS
+    assert p.next_sleep(now + 1)[1] is False
+    assert p.next_sleep(now + QUIET_SECONDS)[1] is True
+
+
+def test_a_grant_after_no_wait_narrows_the_spread_and_one_after_a_wait_keeps_it() -> None:
+    waited = pacer(lost_races=1)
+    waited.refused(0.0, None)
+    waited.granted()
+    assert waited.lost_races == 1
+    at_once = pacer(lost_races=1)
+    at_once.granted()
+    assert at_once.lost_races == 0
+
+
+def test_a_queued_waiter_sleeps_by_its_place_and_only_the_next_in_line_listens() -> None:
+    p = pacer()
+    p.refused(0.0, 20)
+    sleep, listen = p.next_sleep(0.0)  # no rate measured yet: plain backoff, no listening
+    assert not listen and sleep <= QUEUE_MAX_SLEEP
+    p.refused(0.1, 10)  # 10 permits came back in 0.1 s: 100 per second
+    assert p.rate == 100.0
+    sleep, listen = p.next_sleep(0.1)
+    assert not listen and abs(sleep - 10 / 100 / 2) < 1e-9  # half the predicted time
+    p.refused(0.15, 1)
+    sleep, listen = p.next_sleep(0.15)
+    assert listen and sleep >= QUEUE_MIN_SLEEP
+    p.refused(0.2, 0)  # it fits now: ask again at once
+    assert p.next_sleep(0.2) == (0.0, False)
+
+
+def test_a_queue_that_stops_moving_slows_its_waiters_to_the_cap() -> None:
+    p = pacer()
+    p.refused(0.0, 5)
+    for step in range(1, 12):
+        p.refused(step * 1.0, 5)  # nothing comes back
+    assert p.rate == 0
+    sleep, _ = p.next_sleep(12.0)  # back to the plain backoff, which by now is near its cap
+    assert QUEUE_MAX_SLEEP / 2 <= sleep <= QUEUE_MAX_SLEEP
