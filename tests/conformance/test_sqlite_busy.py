@@ -1,0 +1,43 @@
+"""SQLite: a write lock held elsewhere (another process's BEGIN IMMEDIATE) is a typed, retried conflict.
+
+Every writing transaction starts with BEGIN IMMEDIATE, sent on the DB-API cursor from SQLAlchemy's begin
+event. A busy database there must reach the caller as permits' own error after the retries, never as the
+driver's exception, and a waiting acquire rides it out within its timeout.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+
+import pytest
+
+import permits
+
+
+def _hold_write_lock(path: str, seconds: float, taken: threading.Event) -> None:
+    other = sqlite3.connect(path, isolation_level=None, timeout=5)
+    other.execute("BEGIN IMMEDIATE")
+    taken.set()
+    time.sleep(seconds)
+    other.execute("ROLLBACK")
+    other.close()
+
+
+def test_a_held_write_lock_is_a_storage_conflict_then_a_grant(tmp_path: pytest.TempPathFactory, ns: str) -> None:
+    path = f"{tmp_path}/busy.db"
+    url = f"sqlite:///{path}"
+    with permits.connect(url, owner=f"{ns}w", lock_wait_timeout=0.2, retries=1) as client:
+        client.create_semaphore(f"{ns}s", 1)
+        taken = threading.Event()
+        holder = threading.Thread(target=_hold_write_lock, args=(path, 2.0, taken))
+        holder.start()
+        taken.wait(5)
+        with pytest.raises(permits.StorageConflict):
+            client.try_acquire(f"{ns}s")
+        # A waiting acquire keeps trying through the conflicts and is granted once the lock is let go.
+        lease = client.acquire(f"{ns}s", timeout=10)
+        holder.join(10)
+        assert lease.counts == {f"{ns}s": 1}
+        client.release(lease)
