@@ -55,3 +55,40 @@ def test_an_asyncio_waiter_hears_a_capacity_raise(pg_url: str, ns: str) -> None:
             return time.monotonic() - raised
 
     assert asyncio.run(scenario()) < 0.2
+
+
+def test_each_semaphore_notifies_its_own_channel_whatever_its_name(pg_url: str, ns: str) -> None:
+    """The channel is the md5 of the name, computed alike by the SQL and by the listener, so a name in
+    any script reaches its waiters, and a process listens only to its waiters' semaphores."""
+    import psycopg
+
+    from permits._async.listener import channel_for
+
+    wanted, other = f"{ns}écluse-水門-🔒", f"{ns}elsewhere"
+    observer = psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True)
+    observer.execute(f"LISTEN {channel_for(wanted)}; LISTEN {channel_for(other)}")
+    with permits.connect(pg_url, owner=f"{ns}h") as holder, permits.connect(pg_url, owner=f"{ns}w") as waiter:
+        holder.create_semaphore(wanted, 1)
+        holder.create_semaphore(other, 5)
+        held = holder.acquire(wanted, ttl=30)
+        granted: list[float] = []
+
+        def wait() -> None:
+            lease = waiter.acquire(wanted, ttl=30, timeout=20)
+            granted.append(time.monotonic())
+            waiter.release(lease)
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(2.5)
+        holder.release(holder.acquire(other, ttl=30))
+        listener = waiter._store._listener  # type: ignore[attr-defined]
+        assert listener._subscribed == {wanted}  # not the other semaphore's channel
+        released = time.monotonic()
+        holder.release(held)
+        thread.join(30)
+        assert granted and granted[0] - released < 0.2, granted[0] - released
+    notes = [(n.channel, n.payload) for n in observer.notifies(timeout=1.0)]
+    observer.close()
+    assert (channel_for(other), other) in notes
+    assert (channel_for(wanted), wanted) in notes

@@ -2,15 +2,18 @@
 """Wake-ups on PostgreSQL: LISTEN for the permits that come back, instead of only polling.
 
 Every statement that gives permits back on PostgreSQL (a release, the return of an ended lease's
-permits, a capacity change) ends with ``pg_notify('permits_room', <semaphore name>)``; notifications are
-sent at commit. One listener connection per store receives them and wakes the waiters of that semaphore
-at once. Waiters still poll with backoff as well, so a lost notification or a broken listener costs
-latency, never a grant: the database decides every grant either way.
+permits, a capacity change) ends with ``pg_notify(<the semaphore's channel>, <its name>)``; notifications
+are sent at commit. Each semaphore has a channel of its own (``channel_for``), so a process hears only of
+the semaphores its waiters wait for, not of every release on the server. One listener connection per
+store subscribes to those channels and wakes the waiters of a semaphore at once. Waiters still poll with
+backoff as well, so a lost notification or a broken listener costs latency, never a grant: the database
+decides every grant either way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -28,12 +31,20 @@ from permits._io import (
 )
 
 logger = logging.getLogger("permits.listener")
-CHANNEL = "permits_room"
+CHANNEL_PREFIX = "permits_room_"
 #: After a failed connection, wait this long before trying to listen again (meanwhile: polling only).
 RETRY_AFTER = 5.0
 #: Stay subscribed this long after the last waiter that listened: a hot semaphore's waiters come and go
 #: many times a second, and each LISTEN or UNLISTEN is a round trip.
 LINGER = 2.0
+#: How often the listener looks at which channels its waiters want, when no notification arrives.
+SUBSCRIBE_EVERY = 0.1
+
+
+def channel_for(name: str) -> str:
+    """A semaphore's channel: the md5 of its name in hex, as the SQL computes it with ``md5(name)``. An
+    identifier of 45 characters, within PostgreSQL's 63, whatever the name."""
+    return CHANNEL_PREFIX + hashlib.md5(name.encode("utf-8"), usedforsecurity=False).hexdigest()
 
 
 class RoomListener:
@@ -45,16 +56,17 @@ class RoomListener:
         self._runner: Any = None
         self._connection: Any = None
         self._failed_at = -RETRY_AFTER
-        self._subscribed = False
-        self._wanted_at = monotonic()
+        #: names whose channel this connection LISTENs to, and when a waiter last wanted each name
+        self._subscribed: set[str] = set()
+        self._wanted_at: dict[str, float] = {}
 
     def wait(self, names: Sequence[str], seconds: float) -> bool:
         """Return when one of ``names`` got permits back (True), or after ``seconds`` (False)."""
         event = sync_event()
         with self._mutex:
-            self._wanted_at = monotonic()
             for name in names:
                 self._waiting.setdefault(name, set()).add(event)
+                self._wanted_at[name] = monotonic()
         try:
             if self._listening():
                 return bool(sync_wait(event, seconds))
@@ -82,33 +94,40 @@ class RoomListener:
         self._failed_at = monotonic()  # also keeps a second waiter from connecting meanwhile
         try:
             connection = psycopg.Connection.connect(self._conninfo, autocommit=True, connect_timeout=5)
-            connection.execute(f"LISTEN {CHANNEL}")
         except psycopg.Error as exc:
             logger.warning("cannot LISTEN for released permits (waiters poll meanwhile): %s", exc)
             return False
         self._connection = connection
-        self._subscribed = True
+        self._subscribed = set()
         self._failed_at = -RETRY_AFTER
         self._runner = sync_spawn(self._run, "permits-listener")
         return True
 
     def _subscribe_while_wanted(self) -> None:
-        """LISTEN only while some waiter listens. Waiters of a heavily contended semaphore stop listening
-        (see ``permits._pacing``): every release would wake every one of them, and on a busy server
-        receiving the notifications alone costs each waiting process more than polling does."""
+        """LISTEN to a semaphore's channel only while some waiter of it listens, and a little longer.
+        Waiters of a heavily contended semaphore stop listening (see ``permits._pacing``): every release
+        would wake every one of them, and receiving the notifications alone would cost each waiting
+        process more than polling does."""
+        now = monotonic()
         with self._mutex:
-            wanted = bool(self._waiting) or monotonic() - self._wanted_at < LINGER
-        if wanted != self._subscribed:
-            self._connection.execute(f"LISTEN {CHANNEL}" if wanted else f"UNLISTEN {CHANNEL}")
+            for name in self._waiting:
+                self._wanted_at[name] = now
+            for name in [n for n, at in self._wanted_at.items() if now - at >= LINGER]:
+                del self._wanted_at[name]
+            wanted = set(self._wanted_at)
+        changes = [f"LISTEN {channel_for(n)}" for n in sorted(wanted - self._subscribed)]
+        changes += [f"UNLISTEN {channel_for(n)}" for n in sorted(self._subscribed - wanted)]
+        if changes:
+            self._connection.execute("; ".join(changes))
             self._subscribed = wanted
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._subscribe_while_wanted()
-                # A timeout, so that a stop (or a new waiter, when unsubscribed) is noticed soon even
-                # when nothing is released.
-                for note in self._connection.notifies(timeout=1.0 if self._subscribed else 0.1):
+                # A timeout, so that a stop or a waiter of a new semaphore is noticed soon even when
+                # nothing is released.
+                for note in self._connection.notifies(timeout=SUBSCRIBE_EVERY):
                     with self._mutex:
                         events = list(self._waiting.get(note.payload, ()))
                     for event in events:

@@ -37,8 +37,8 @@ class PostgreSQL(Dialect):
     overrides: ClassVar[dict[str, str | None]] = {
         # Release in one statement: the CTE ends the lease and the outer UPDATE gives back the permits of
         # each of its semaphores (one permit row per semaphore, so each semaphore row is matched once).
-        # Waiters LISTEN on permits_room (see _async/listener.py): each statement that gives permits back
-        # notifies, with the semaphore's name; PostgreSQL sends the notifications at commit.
+        # Waiters LISTEN on their semaphores' channels (see _async/listener.py): each statement that gives
+        # permits back notifies the semaphore's channel; PostgreSQL sends the notifications at commit.
         # -> one row per semaphore given back (none: nothing was held under this key)
         "RELEASE": """
             WITH ended AS (
@@ -50,17 +50,17 @@ class PostgreSQL(Dialect):
                 FROM permits_permit p, ended e
                 WHERE p.lease_id = e.id AND s.id = p.semaphore_id
                 RETURNING s.name)
-            SELECT pg_notify('permits_room', name) FROM given""",
+            SELECT pg_notify('permits_room_' || md5(name), name) FROM given""",
         "SEM_GIVE_BACK": """
             WITH given AS (
                 UPDATE permits_semaphore SET used = used - :count, updated_at_ms = {now} WHERE id = :id
                 RETURNING name)
-            SELECT pg_notify('permits_room', name) FROM given""",
+            SELECT pg_notify('permits_room_' || md5(name), name) FROM given""",
         "SEM_SET_CAPACITY": """
             WITH changed AS (
                 UPDATE permits_semaphore SET capacity = :capacity, updated_at_ms = {now} WHERE id = :id
                 RETURNING name)
-            SELECT pg_notify('permits_room', name) FROM changed""",
+            SELECT pg_notify('permits_room_' || md5(name), name) FROM changed""",
         # Acquire one semaphore in one statement: each CTE feeds the next, so when the UPDATE finds no room
         # nothing is inserted and no row comes back. A grant also gives up the request's places in fair
         # queues (a waiting caller may hold some). params: owner, key, name, count, ttl_ms
@@ -88,7 +88,7 @@ class PostgreSQL(Dialect):
         "WAITERS_DELETE": """
             WITH gone AS (
                 DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key RETURNING semaphore_id)
-            SELECT pg_notify('permits_room', s.name) FROM permits_semaphore s
+            SELECT pg_notify('permits_room_' || md5(s.name), s.name) FROM permits_semaphore s
             WHERE s.id IN (SELECT semaphore_id FROM gone)""",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
