@@ -8,6 +8,19 @@
     transaction (rolled back if any finds no room), and the decrements in
     another.
 
+``lease-floor``
+    The least that a lease service with permits' guarantees must write: the
+    floor's conditional UPDATE, which also raises the semaphore's fencing
+    token, and in the same transaction one keyed lease row (owner, key, token,
+    expiry on the database's clock), so that a retry can find its grant and an
+    expired lease can be reclaimed. Release deletes the row and gives the
+    permit back. One request each way, on the raw driver: PostgreSQL as one
+    statement (a CTE), MariaDB as one multi-statement batch, SQLite as one
+    transaction. One semaphore per acquire only. It keeps no history, no
+    end reason and no fair queue, and validates nothing: it is there to show
+    how much of the distance between permits and the floor any design with
+    these guarantees must pay.
+
 ``seed``
     The design of the seed notes (shared/seeds/001_e70c01959f0b2ec5.txt,
     Parts 3-5): semaphore / permit_request / permit tables, acquire as
@@ -176,6 +189,192 @@ class FloorClient:
 
     def close(self) -> None:
         self._db.close()
+
+
+# --------------------------------------------------------------------------
+# lease floor
+# --------------------------------------------------------------------------
+
+LEASE_FLOOR_SEMAPHORE = "bench_lease_floor_semaphore"
+LEASE_FLOOR_LEASE = "bench_lease_floor_lease"
+LEASE_TTL_MS = 30_000
+RELEASE_ATTEMPTS = 10
+
+# The database's clock in milliseconds since the epoch: leases are timed by it, as permits' are.
+_NOW_MS = {
+    "postgresql": "CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)",
+    "mariadb": "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000 AS SIGNED)",
+    "sqlite": "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)",
+}
+
+
+def _lease_floor_statements(backend: str) -> tuple[str, str]:
+    """(acquire, release) for one request each. Acquire params: name, owner, key (plus the key's name
+    again where a statement needs it twice); it answers the token, or nothing when there is no room."""
+    now, sem, lease = _NOW_MS[backend], LEASE_FLOOR_SEMAPHORE, LEASE_FLOOR_LEASE
+    if backend == "postgresql":
+        acquire = (
+            f"WITH taken AS (UPDATE {sem} SET used = used + 1, last_token = last_token + 1"
+            " WHERE name = %s AND used + 1 <= capacity RETURNING name, last_token)"
+            f" INSERT INTO {lease} (owner, lease_key, name, token, expires_at_ms)"
+            f" SELECT %s, %s, name, last_token, {now} + {LEASE_TTL_MS} FROM taken RETURNING token"
+        )
+        release = (
+            f"WITH ended AS (DELETE FROM {lease} WHERE owner = %s AND lease_key = %s RETURNING name)"
+            f" UPDATE {sem} s SET used = s.used - 1 FROM ended WHERE s.name = ended.name"
+        )
+        return acquire, release
+    if backend == "mariadb":
+        # The token goes through a session variable (NULL: no room, and the INSERT inserts nothing).
+        acquire = (
+            "START TRANSACTION; SET @lease_floor_token = NULL;"
+            f" UPDATE {sem} SET used = used + 1, last_token = (@lease_floor_token := last_token + 1)"
+            " WHERE name = %s AND used + 1 <= capacity;"
+            f" INSERT INTO {lease} (owner, lease_key, name, token, expires_at_ms)"
+            f" SELECT %s, %s, %s, @lease_floor_token, {now} + {LEASE_TTL_MS} FROM DUAL"
+            " WHERE @lease_floor_token IS NOT NULL RETURNING token; COMMIT"
+        )
+        release = (
+            f"START TRANSACTION; UPDATE {sem} s JOIN {lease} l ON l.name = s.name SET s.used = s.used - 1"
+            " WHERE l.owner = %s AND l.lease_key = %s;"
+            f" DELETE FROM {lease} WHERE owner = %s AND lease_key = %s; COMMIT"
+        )
+        return acquire, release
+    # SQLite: one transaction of plain statements (there is no round trip to save).
+    acquire = (
+        f"UPDATE {sem} SET used = used + 1, last_token = last_token + 1"
+        " WHERE name = ? AND used + 1 <= capacity RETURNING last_token"
+    )
+    release = f"DELETE FROM {lease} WHERE owner = ? AND lease_key = ? RETURNING name"
+    return acquire, release
+
+
+class LeaseFloorSystem:
+    name = "lease-floor"
+
+    def setup(self, backend_url: str, scenario: Scenario) -> None:
+        if scenario.per_acquire != 1:
+            raise ValueError("the lease floor takes one semaphore per acquire")
+        db = _Db(backend_url)
+        try:
+            engine = " ENGINE=InnoDB" if db.backend == "mariadb" else ""
+            db.run(f"DROP TABLE IF EXISTS {LEASE_FLOOR_LEASE}")
+            db.run(f"DROP TABLE IF EXISTS {LEASE_FLOOR_SEMAPHORE}")
+            db.run(
+                f"CREATE TABLE {LEASE_FLOOR_SEMAPHORE} ("
+                " name VARCHAR(255) NOT NULL PRIMARY KEY, capacity INTEGER NOT NULL,"
+                f" used INTEGER NOT NULL DEFAULT 0, last_token BIGINT NOT NULL DEFAULT 0){engine}"
+            )
+            # The key is the primary key: the index a retry (and a release) finds its lease by.
+            db.run(
+                f"CREATE TABLE {LEASE_FLOOR_LEASE} ("
+                " owner VARCHAR(255) NOT NULL, lease_key VARCHAR(255) NOT NULL, name VARCHAR(255) NOT NULL,"
+                f" token BIGINT NOT NULL, expires_at_ms BIGINT NOT NULL, PRIMARY KEY (owner, lease_key)){engine}"
+            )
+            insert = db.sql(f"INSERT INTO {LEASE_FLOOR_SEMAPHORE} (name, capacity) VALUES (%s, %s)")
+            for name in scenario.all_semaphores():
+                db.run(insert, (name, scenario.capacity))
+        finally:
+            db.close()
+
+    def load_history(self, backend_url: str, scenario: Scenario, rows: int) -> None:
+        """Nothing to load: the lease floor deletes a lease when it is released."""
+
+    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> LeaseFloorClient:
+        (name,) = scenario.semaphores_for(client_index)
+        return LeaseFloorClient(backend_url, name, client_index)
+
+    def verify(self, backend_url: str, scenario: Scenario) -> list[str]:
+        db = _Db(backend_url)
+        try:
+            used = db.all(f"SELECT name, used FROM {LEASE_FLOOR_SEMAPHORE} WHERE used <> 0")
+            held = db.one(f"SELECT COUNT(*) FROM {LEASE_FLOOR_LEASE}")[0]
+        finally:
+            db.close()
+        problems = [f"semaphore {name!r} still has used={n}" for name, n in used]
+        if held:
+            problems.append(f"{held} leases left after every client released")
+        return problems
+
+
+class LeaseFloorClient:
+    def __init__(self, backend_url: str, name: str, client_index: int) -> None:
+        self._backend = backend_of(backend_url)
+        if self._backend == "mariadb":
+            # One request per transaction needs several statements per request.
+            import pymysql.constants.CLIENT
+
+            self._conn: Any = connect(backend_url, client_flag=pymysql.constants.CLIENT.MULTI_STATEMENTS)
+        else:
+            self._conn = connect(backend_url)
+        self._cur: Any = self._conn.cursor()
+        self._name, self._owner = name, f"lease-floor-{client_index}"
+        self._acquire, self._release = _lease_floor_statements(self._backend)
+        self._insert = (
+            f"INSERT INTO {LEASE_FLOOR_LEASE} (owner, lease_key, name, token, expires_at_ms)"
+            f" VALUES (?, ?, ?, ?, {_NOW_MS['sqlite']} + {LEASE_TTL_MS})"
+        )
+        self._give_back = f"UPDATE {LEASE_FLOOR_SEMAPHORE} SET used = used - 1 WHERE name = ?"
+        self._serial = 0
+
+    def cycle(self) -> bool:
+        self._serial += 1
+        key = f"k{self._serial}"
+        if self._backend == "sqlite":
+            return self._cycle_sqlite(key)
+        if self._backend == "postgresql":
+            self._cur.execute(self._acquire, (self._name, self._owner, key), prepare=True)
+            if self._cur.fetchone() is None:
+                return False
+            self._cur.execute(self._release, (self._owner, key), prepare=True)
+            return True
+        self._cur.execute(self._acquire, (self._name, self._owner, key, self._name))
+        granted = False
+        while True:  # read every result, so the connection is ready for the next request
+            if self._cur.description is not None and self._cur.fetchone() is not None:
+                granted = True
+            if not self._cur.nextset():
+                break
+        if granted:
+            self._cur.execute(self._release, (self._owner, key, self._owner, key))
+            while self._cur.nextset():
+                pass
+        return granted
+
+    def _cycle_sqlite(self, key: str) -> bool:
+        self._cur.execute("BEGIN IMMEDIATE")
+        try:
+            row = self._cur.execute(self._acquire, (self._name,)).fetchone()
+            if row is not None:
+                self._cur.execute(self._insert, (self._owner, key, self._name, row[0]))
+            self._cur.execute("COMMIT" if row is not None else "ROLLBACK")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._conn.rollback()
+            raise
+        if row is None:
+            return False
+        # SQLite's write lock is not fair between processes, so a release can outwait the busy timeout
+        # under load: retry it, as a client that holds a lease would, rather than leave the permit held.
+        for attempt in range(RELEASE_ATTEMPTS):
+            try:
+                self._cur.execute("BEGIN IMMEDIATE")
+                (name,) = self._cur.execute(self._release, (self._owner, key)).fetchone()
+                self._cur.execute(self._give_back, (name,))
+                self._cur.execute("COMMIT")
+                return True
+            except sqlite3.OperationalError:
+                with contextlib.suppress(Exception):
+                    self._conn.rollback()
+                if attempt + 1 == RELEASE_ATTEMPTS:
+                    raise
+        return True  # pragma: no cover - the loop returns or raises
+
+    def close(self) -> None:
+        try:
+            self._cur.close()
+        finally:
+            self._conn.close()
 
 
 # --------------------------------------------------------------------------
@@ -557,4 +756,5 @@ class SeedClient:
 
 
 FLOOR = FloorSystem()
+LEASE_FLOOR = LeaseFloorSystem()
 SEED = SeedSystem()

@@ -167,6 +167,7 @@ class System(Protocol):
 BUILTIN_SYSTEMS: dict[str, str] = {
     "floor": "baselines:FLOOR",
     "seed": "baselines:SEED",
+    "lease-floor": "baselines:LEASE_FLOOR",
 }
 
 
@@ -274,13 +275,14 @@ def _libpq_url(url: str) -> str:
     return "postgresql://" + url.split("://", 1)[1]
 
 
-def connect(url: str, *, database: bool = True) -> Any:
+def connect(url: str, *, database: bool = True, client_flag: int = 0) -> Any:
     """A raw DB-API connection in autocommit mode.
 
     Autocommit everywhere so that each statement outside an explicit BEGIN is
     its own transaction, which is what both baselines need; transactions are
     opened explicitly with BEGIN / BEGIN IMMEDIATE. ``database=False`` connects
     to the server without selecting the bench database (to create it).
+    ``client_flag``: PyMySQL's capability flags (MULTI_STATEMENTS, say); ignored elsewhere.
     """
     backend = backend_of(url)
     if backend == "sqlite":
@@ -301,7 +303,9 @@ def connect(url: str, *, database: bool = True) -> Any:
         params = _mysql_params(url)
         if not database:
             params["database"] = None
-        return pymysql.connect(**params, autocommit=True, charset="utf8mb4", connect_timeout=10)
+        return pymysql.connect(
+            **params, autocommit=True, charset="utf8mb4", connect_timeout=10, client_flag=client_flag
+        )
     import psycopg
 
     conninfo = _libpq_url(url)
