@@ -20,6 +20,9 @@ import permits
 WAIT_S = 5.0
 
 _TABLES = (
+    "permits_admin_log",
+    "permits_instance_stat",
+    "permits_stat",
     "permits_waiter",
     "permits_permit",
     "permits_lease",

@@ -307,6 +307,11 @@ class AsyncSQLStore:
             if deleted < batch_size:
                 return total
 
+    async def run_flow(self, make_flow: Callable[[], Flow[T]], readonly: bool = False) -> T:
+        """Run a flow (``permits._core``) in a transaction of its own, with the usual retries: how the
+        service runs what only it needs, such as the dashboard's reads and an admin action with its log."""
+        return await self._run(make_flow, readonly)
+
     async def reconcile(self, repair: bool) -> list[Drift]:
         drift = await self._run(flows.find_drift, readonly=True)
         if not repair:

@@ -28,6 +28,7 @@ from sqlalchemy.exc import DBAPIError
 
 from permits._core.flows import Result
 from permits._exceptions import ConfigurationError
+from permits.dialects.observe_sql import OBSERVE_SQL
 
 #: Appended to the WHERE of every statement that takes room (``{fair_gate}``). A fair semaphore keeps room
 #: for the requests waiting ahead: a request is granted only if, after it, there is still room for every
@@ -309,7 +310,7 @@ class Dialect:
     extra: ClassVar[str] = ""
 
     def __init__(self) -> None:
-        sql = {**PORTABLE_SQL, **self.overrides}
+        sql = {**PORTABLE_SQL, **OBSERVE_SQL, **self.overrides}
         self._sql = {name: s for name, s in sql.items() if s is not None}
         self._clauses: dict[str, TextClause] = {}
         self._expanding = {name for name, template in self._sql.items() if any(f":{p}" in template for p in _EXPANDING)}

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import html
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import permits
 from permits._exceptions import PermitsError, RequestTooLarge
-from permits.server import errors, routes
+from permits.server import dashboard, errors, routes, stats
 from permits.server.config import ServerConfig
 from permits.server.maintenance import LivenessProbe, Maintainer
 from permits.server.metrics import Metrics
@@ -44,6 +43,8 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.client.__aenter__()  # checks (or, on SQLite, creates) the schema before serving
         background = [asyncio.create_task(_refresh_gauges(state), name="permits-gauges")]
+        if config.dashboard.enabled:
+            background.append(asyncio.create_task(stats.write_instance_stats(state), name="permits-stats"))
         maintainer = Maintainer(state) if config.maintenance.enabled else None
         if maintainer is not None:
             background += maintainer.start()
@@ -53,6 +54,7 @@ def create_app(
             yield
         finally:
             state.waker.draining.set()  # answer anyone still waiting for room
+            await state.broadcaster.close()  # end the live streams, which would hold up the shutdown
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
@@ -68,13 +70,17 @@ def create_app(
     app.state.permits = state
     errors.install(app)
     app.include_router(routes.router)
+    if config.dashboard.enabled:
+        app.include_router(dashboard.router)
+    else:
+
+        @app.get("/", include_in_schema=False)
+        async def index() -> Response:
+            return HTMLResponse(_NO_DASHBOARD)
+
     app.add_middleware(_BodyLimit, max_bytes=config.limits.max_body_bytes)
 
     app.add_middleware(_AccessLog, metrics=state.metrics)
-
-    @app.get("/", include_in_schema=False)
-    async def index() -> Response:
-        return HTMLResponse(await _index_page(state))
 
     @app.get("/healthz", tags=["service"])
     async def healthz() -> dict[str, str]:
@@ -98,8 +104,10 @@ def create_app(
         response_class=PlainTextResponse,
         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
     )
-    async def metrics_endpoint() -> Response:
-        """Prometheus metrics."""
+    async def metrics_endpoint(request: Request) -> Response:
+        """Prometheus metrics. They name semaphores, so they need a token like the API (a scraper sends
+        one with ``authorization``), except in open mode."""
+        state.auth.identify(request.headers.get("authorization"))
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
@@ -117,50 +125,10 @@ async def _refresh_gauges(state: ServiceState) -> None:
         await asyncio.sleep(GAUGE_REFRESH_SECONDS)
 
 
-_BACKENDS = {"sqlite": "SQLite", "mysql": "MariaDB/MySQL", "postgresql": "PostgreSQL"}
-
-
-async def _index_page(state: ServiceState) -> str:
-    """A small self-contained page for whoever opens the printed URL: what this is, where the API is, and
-    (in open mode only, where anyone may read everything anyway) the semaphores as they are now."""
-    rows = ""
-    if state.config.open_mode:
-        try:
-            semaphores = await state.client.list_semaphores()
-        except PermitsError as exc:
-            rows = f"<p>The database does not answer: {html.escape(exc.code)}.</p>"
-        else:
-            cells = "".join(
-                f"<tr><td>{html.escape(s.name)}</td><td>{s.used}</td><td>{s.capacity}</td><td>{s.last_token}</td></tr>"
-                for s in semaphores
-            )
-            rows = (
-                "<table><caption>Semaphores</caption><thead><tr><th scope=col>name</th><th scope=col>in use</th>"
-                f"<th scope=col>capacity</th><th scope=col>last token</th></tr></thead><tbody>{cells}</tbody></table>"
-                if semaphores
-                else "<p>No semaphores yet: create one with <code>POST /v1/semaphores</code>.</p>"
-            )
-    backend = state.sql_store.dialect_name
-    mode = (
-        "Open mode: no tokens are configured, so this service listens on loopback only."
-        if state.config.open_mode
-        else "Requests need a bearer token: <code>Authorization: Bearer &lt;token&gt;</code>."
-    )
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>permits</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:48rem;margin:2rem auto;padding:0 1rem;line-height:1.5}}
-table{{border-collapse:collapse}}td,th{{border:1px solid #999;padding:.2rem .6rem;text-align:left}}</style>
-</head><body><main>
-<h1>permits {html.escape(permits.__version__)}</h1>
-<p>Distributed counting semaphores, mutexes and leases, kept in {html.escape(_BACKENDS.get(backend, backend))}.</p>
-<p>{mode}</p>
-<ul>
-<li><a href="/docs">Interactive API reference</a> (<a href="/openapi.json">OpenAPI document</a>)</li>
-<li><a href="/metrics">Prometheus metrics</a>, <a href="/healthz">/healthz</a>, <a href="/readyz">/readyz</a></li>
-</ul>
-{rows}
-</main></body></html>
+_NO_DASHBOARD = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>permits</title></head><body><main>
+<h1>permits</h1><p>The dashboard is switched off on this instance (<code>dashboard.enabled</code>).
+The API is at <a href="/docs">/docs</a>.</p></main></body></html>
 """
 
 

@@ -99,6 +99,18 @@ class Maintenance(BaseModel):
     cleanup_batch: int = Field(default=800, ge=1, le=100_000)
 
 
+class Dashboard(BaseModel):
+    """The live page at ``/`` and the history behind its charts (see docs/dashboard.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    step: float = Field(default=10.0, ge=1, le=300, description="seconds between samples of every semaphore")
+    keep_stats: float = Field(default=7200.0, ge=3600, description="seconds samples are kept (the charts show 1 h)")
+    poll_interval: float = Field(default=1.0, gt=0, le=60, description="seconds between reads of the event feed")
+    max_streams: int = Field(default=200, ge=1, description="live event streams per instance (429 beyond)")
+
+
 class ServerConfig(BaseSettings):
     """Everything ``permits serve`` can be told."""
 
@@ -120,6 +132,7 @@ class ServerConfig(BaseSettings):
     metrics_max_semaphores: int = Field(default=1000, ge=0)
     limits: Limits = Limits()
     maintenance: Maintenance = Maintenance()
+    dashboard: Dashboard = Dashboard()
 
     @classmethod
     def settings_customise_sources(

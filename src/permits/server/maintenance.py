@@ -8,6 +8,7 @@ Tasks and their semaphores (capacity 1, created on first use):
     liveness    permits:maintenance:liveness    ask each owner's liveness check; release dead owners' leases
     staleness   permits:maintenance:staleness   release leases held longer than max_lease_age
     cleanup     permits:maintenance:cleanup     delete ended leases and old capacity history, in batches
+    stats       permits:maintenance:stats       sample every semaphore for the dashboard's charts
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from urllib.parse import quote
 
 import httpx
 
+from permits._core import observe
 from permits._exceptions import PermitsError
 from permits._io import monotonic
 from permits._models import EndReason
@@ -63,6 +65,8 @@ class Maintainer:
             tasks.append(Task("liveness", c.liveness_interval, self.liveness))
         if c.max_lease_age is not None:
             tasks.append(Task("staleness", c.staleness_interval, self.staleness))
+        if self.state.config.dashboard.enabled:
+            tasks.append(Task("stats", self.state.config.dashboard.step, self.sample))
         return tasks
 
     def start(self) -> list[asyncio.Task[None]]:
@@ -162,6 +166,17 @@ class Maintainer:
         # Places in fair queues that expired a minute ago or more: their waiters gave up or died.
         places = await store.purge_waiters(60_000)
         return {"leases_deleted": leases, "history_deleted": history, "places_deleted": places}
+
+    async def sample(self) -> dict[str, Any]:
+        dashboard = self.state.config.dashboard
+        step_ms, keep_ms = round(dashboard.step * 1000), round(dashboard.keep_stats * 1000)
+        rows = await self.state.sql_store.run_flow(lambda: observe.take_sample(step_ms, keep_ms))
+        # Admin log entries are kept as long as the capacity history.
+        await self.state.sql_store.run_flow(
+            lambda: observe.prune_admin_log(round(self.config.keep_capacity_history * 1000))
+        )
+        # A string, not a count: a routine sample every step is logged at DEBUG, not INFO (see run_once).
+        return {"samples": str(rows)}
 
     def _probe_for(self, owner: str) -> LivenessProbe | None:
         # The longest matching prefix wins, so a specific check can override a general one.

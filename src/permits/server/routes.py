@@ -23,7 +23,7 @@ from permits._exceptions import (
 )
 from permits._io import monotonic
 from permits._models import Lease
-from permits.server import schemas
+from permits.server import admin, schemas
 from permits.server.auth import Identity
 from permits.server.state import ServiceState
 
@@ -100,15 +100,17 @@ async def acquire(body: schemas.AcquireIn, identity: Caller, state: State) -> JS
 
     started = monotonic()
     outcome = "error"
+    names = [n for n, _ in pairs]
     try:
         if wait > 0:
-            lease = await state.client.acquire(pairs, key=key, owner=owner, ttl=body.ttl, timeout=wait)
+            with state.instance_stats.waiting(names):
+                lease = await state.client.acquire(pairs, key=key, owner=owner, ttl=body.ttl, timeout=wait)
         else:
             found = await state.client.try_acquire(pairs, key=key, owner=owner, ttl=body.ttl)
             if found is None:
                 outcome = "refused"
-                names = ", ".join(f"{n}:{c}" for n, c in sorted(pairs))
-                raise AcquireTimeout(f"no room for {names}", key=key, timeout=0.0)
+                described = ", ".join(f"{n}:{c}" for n, c in sorted(pairs))
+                raise AcquireTimeout(f"no room for {described}", key=key, timeout=0.0)
             lease = found
         outcome = "granted"
     except AcquireTimeout:
@@ -119,6 +121,7 @@ async def acquire(body: schemas.AcquireIn, identity: Caller, state: State) -> JS
         raise
     finally:
         elapsed = monotonic() - started
+        state.instance_stats.outcome(names, outcome, elapsed)
         state.metrics.acquires.labels(outcome).inc()
         state.metrics.acquire_seconds.labels(outcome).observe(elapsed)
         if outcome == "granted":
@@ -150,13 +153,7 @@ async def revoke(body: schemas.RevokeIn, identity: Caller, state: State) -> dict
     """End anyone's lease now, recording why (admin). ``owner`` is the owner as stored, as the holders list
     shows it. The holder finds out at its next extend (410, reason ``revoked``)."""
     identity.require_admin("revoking a lease")
-    reason = _validate.reason(body.reason)
-    if not reason.strip():
-        raise InvalidArgument("a revoke needs a reason", field="reason")
-    # The note says who revoked it, where there are identities to tell apart.
-    note = f"{identity.name}: {reason}" if identity.scoped else reason
-    lease = await state.client.revoke(body.key, owner=body.owner, reason=note)
-    state.metrics.reclaims.labels("revoked").inc()
+    lease = await admin.revoke(state, identity, body.owner, body.key, reason=body.reason)
     return _wire.lease_out(lease)
 
 
@@ -181,9 +178,15 @@ async def list_semaphores(identity: Caller, state: State, prefix: str = "") -> d
 )
 async def create_semaphore(body: schemas.CreateSemaphoreIn, identity: Caller, state: State) -> JSONResponse:
     """Create a semaphore (admin). With ``exist_ok``, one of the same capacity is returned instead of 409."""
-    identity.require_admin("creating a semaphore")
-    sem = await state.client.create_semaphore(
-        body.name, body.capacity, exist_ok=body.exist_ok, who=_who(identity, body.who), fair=body.fair
+    sem = await admin.create_semaphore(
+        state,
+        identity,
+        body.name,
+        body.capacity,
+        exist_ok=body.exist_ok,
+        fair=body.fair,
+        who=_who(identity, body.who),
+        reason=body.reason,
     )
     return JSONResponse(_wire.semaphore_out(sem), status_code=201)
 
@@ -199,21 +202,24 @@ async def get_semaphore(name: str, identity: Caller, state: State) -> dict[str, 
 )
 async def set_capacity(name: str, body: schemas.SetCapacityIn, identity: Caller, state: State) -> dict[str, Any]:
     """Change a capacity, with a reason kept in its history (admin). Lowering it revokes nothing."""
-    identity.require_admin("changing a capacity")
-    change = await state.client.set_capacity(name, body.capacity, reason=body.reason, who=_who(identity, body.who))
+    change = await admin.set_capacity(
+        state, identity, name, body.capacity, reason=body.reason, who=_who(identity, body.who)
+    )
     return _wire.change_out(change)
 
 
 @router.delete("/semaphores/{name:path}", response_model=schemas.DeletedOut, responses=_ERRORS, tags=["semaphores"])
 async def delete_semaphore(
-    name: str, identity: Caller, state: State, force: Annotated[bool, Query()] = False
+    name: str,
+    identity: Caller,
+    state: State,
+    force: Annotated[bool, Query()] = False,
+    reason: Annotated[str | None, Query(max_length=_validate.MAX_REASON_LENGTH)] = None,
 ) -> dict[str, Any]:
     """Delete a semaphore (admin); 409 ``semaphore_in_use`` while permits are held, unless ``force``, which
-    revokes those leases. Its fencing tokens are kept for a semaphore created again under the name."""
-    identity.require_admin("deleting a semaphore")
-    revoked = await state.client.delete_semaphore(name, force=force)
-    if revoked:
-        state.metrics.reclaims.labels("revoked").inc(revoked)
+    revokes those leases. Its fencing tokens are kept for a semaphore created again under the name. The
+    ``reason`` goes to the admin log."""
+    revoked = await admin.delete_semaphore(state, identity, name, force=force, reason=reason)
     return {"deleted": name, "revoked": revoked}
 
 

@@ -69,6 +69,7 @@ class CreateSemaphoreIn(_Strict):
     exist_ok: StrictBool = False
     fair: StrictBool = Field(default=False, description="serve waiting acquires in arrival order")
     who: Owner | None = Field(default=None, description="recorded in the capacity history (default: your identity)")
+    reason: Reason | None = Field(default=None, description="why, for the admin log")
 
 
 class SetCapacityIn(_Strict):

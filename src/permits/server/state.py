@@ -15,9 +15,11 @@ from permits._exceptions import ConfigurationError, LimitExceeded
 from permits._io import monotonic
 from permits.server.auth import Authenticator, Identity
 from permits.server.config import ServerConfig
+from permits.server.events import Broadcaster
 from permits.server.maintenance import LivenessProbe
 from permits.server.metrics import Metrics
 from permits.server.prelock import InstanceStore, PreLock, Waker
+from permits.server.stats import InstanceStats
 from permits.stores import async_sql_store
 from permits.stores.base import AsyncStore
 
@@ -46,6 +48,15 @@ class ServiceState:
     #: liveness checks given as Python callables, by owner prefix (create_app(liveness=...))
     liveness_probes: dict[str, LivenessProbe] = field(default_factory=dict)
     _quotas: dict[str, _Quota] = field(default_factory=dict)
+    #: what this instance saw, for the dashboard (see server/stats.py)
+    instance_stats: InstanceStats = field(init=False)
+    #: the dashboard's live event feed (see server/events.py)
+    broadcaster: Broadcaster = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.instance_stats = InstanceStats(max(1, self.config.metrics_max_semaphores))
+        dashboard = self.config.dashboard
+        self.broadcaster = Broadcaster(self.sql_store, dashboard.poll_interval, dashboard.max_streams)
 
     @classmethod
     def build(

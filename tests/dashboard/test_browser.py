@@ -1,0 +1,241 @@
+"""The dashboard in a real browser: Debian's Chromium, driven by Playwright, against a real ``permits
+serve`` with tokens, under load made through the API. Each page's screenshot is written to
+docs/dashboard/ by these tests, so the pictures in the docs are the page as it is."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests._service import ROOT, Service, running, wait_until
+
+sync_api = pytest.importorskip("playwright.sync_api")
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = ROOT / "docs" / "dashboard"
+ADMIN, ALICE = "browser-admin-token-0123456789", "browser-alice-token-0123456789"
+TOKENS = [{"name": "ops", "token": ADMIN, "admin": True}, {"name": "alice", "token": ALICE}]
+FAST = {"PERMITS_DASHBOARD__STEP": "1", "PERMITS_DASHBOARD__POLL_INTERVAL": "0.2"}
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM) and os.environ.get("CI") != "true",
+    reason="no /usr/bin/chromium: scripts/test installs it (apt-get install chromium)",
+)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    url = f"sqlite:///{tmp_path_factory.mktemp('browser') / 'permits.db'}"
+    with running(url, tokens=TOKENS, env=FAST) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def api(service: Service) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as client:
+        yield client
+
+
+def _open(browser: Any, service: Service, token: str, path: str = "/", **context: Any) -> Any:
+    page = browser.new_context(**{"viewport": {"width": 1280, "height": 900}, **context}).new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.errors = errors
+    page.goto(service.url + path)
+    page.fill("#token", token)
+    page.get_by_role("button", name="Sign in").click()
+    sync_api.expect(page.locator("#whoami")).not_to_be_empty()
+    return page
+
+
+def _no_errors(page: Any) -> None:
+    # A 401 before signing in is expected; anything else in the console is a bug in the page.
+    assert [e for e in page.errors if "401" not in e] == []
+
+
+def _semaphores(api: httpx.Client, name: str, capacity: int, held: int) -> list[dict[str, Any]]:
+    api.post("/v1/semaphores", json={"name": name, "capacity": capacity, "reason": "browser test"})
+    return [api.post("/v1/leases", json={"wants": {name: 1}, "ttl": 120}).json() for _ in range(held)]
+
+
+def test_the_overview_shows_the_right_counts(browser: Any, service: Service, api: httpx.Client) -> None:
+    run = uuid.uuid4().hex[:4]
+    backups, cron = f"backups-{run}", f"cron-{run}"
+    _semaphores(api, backups, 10, 7)
+    _semaphores(api, cron, 1, 1)
+    assert api.post("/v1/leases", json={"wants": {cron: 1}}).status_code == 409  # a refusal to count
+    page = _open(browser, service, ADMIN)
+    row = page.locator(f'#semaphores tr[data-name="{backups}"]')
+    sync_api.expect(row.locator('[data-col="used"]')).to_have_text("7")
+    sync_api.expect(row.locator('[data-col="capacity"]')).to_have_text("10")
+    sync_api.expect(row.locator('[data-col="state"]')).to_have_text("ok")
+    full = page.locator(f'#semaphores tr[data-name="{cron}"]')
+    sync_api.expect(full.locator('[data-col="state"]')).to_have_text("FULL")
+    # More than colour: the row says FULL in text, and the bar carries the numbers.
+    sync_api.expect(full).to_contain_text("1 / 1")
+    # New use shows without a reload.
+    api.post("/v1/leases", json={"wants": {backups: 1}, "ttl": 120})
+    sync_api.expect(row.locator('[data-col="used"]')).to_have_text("8", timeout=15_000)
+    # The filter narrows the table by name.
+    page.fill("#filter", cron)
+    sync_api.expect(page.locator("#semaphores tbody tr")).to_have_count(1)
+    page.fill("#filter", "")
+    wait_until(lambda: page.locator(f'tr[data-name="{backups}"] svg title').count() == 1, timeout=10)
+    _shot(page, "overview.png")
+    _no_errors(page)
+
+
+def test_the_countdown_moves_and_a_release_disappears_without_a_reload(
+    browser: Any, service: Service, api: httpx.Client
+) -> None:
+    name = f"deploys-{uuid.uuid4().hex[:4]}"
+    leases = _semaphores(api, name, 3, 2)
+    page = _open(browser, service, ADMIN, f"/#/s/{name}")
+    sync_api.expect(page.locator("#semaphore-name")).to_have_text(name)
+    token = leases[0]["tokens"][name]
+    row = page.locator(f'#holders tr[data-token="{token}"]')
+    sync_api.expect(row).to_have_count(1)
+    page.evaluate("window.__not_reloaded = true")
+    first = _seconds(row.locator('[data-col="expires_in"]').inner_text())
+    time.sleep(2.5)
+    later = _seconds(row.locator('[data-col="expires_in"]').inner_text())
+    assert later < first, (first, later)
+    _shot(page, "semaphore.png")
+    api.post("/v1/leases/release", json={"key": leases[0]["key"]})
+    sync_api.expect(row).to_have_count(0, timeout=10_000)
+    assert page.evaluate("window.__not_reloaded") is True
+    sync_api.expect(page.locator(f'#holders tr[data-token="{leases[1]["tokens"][name]}"]')).to_have_count(1)
+    sync_api.expect(page.locator("#endings")).to_contain_text("released")
+    _no_errors(page)
+
+
+def _seconds(text: str) -> int:
+    found = re.match(r"(\d+) s", text)
+    assert found, text
+    return int(found.group(1))
+
+
+def test_an_admin_capacity_change_appears_in_the_history(browser: Any, service: Service, api: httpx.Client) -> None:
+    name = f"reports-{uuid.uuid4().hex[:4]}"
+    _semaphores(api, name, 2, 1)
+    page = _open(browser, service, ADMIN, f"/#/s/{name}")
+    page.locator("#change-capacity").click()
+    dialog = page.locator("#capacity-dialog")
+    sync_api.expect(dialog).to_be_visible()
+    dialog.locator('input[name="capacity"]').fill("5")
+    dialog.locator('textarea[name="reason"]').fill("quarter-end reports")
+    _shot(page, "admin.png")
+    dialog.get_by_role("button", name="Change capacity").click()
+    history = page.locator("#capacity-history")
+    sync_api.expect(history).to_contain_text("quarter-end reports", timeout=10_000)
+    sync_api.expect(history).to_contain_text("2 → 5")
+    sync_api.expect(page.locator("#admin-log")).to_contain_text("set_capacity")
+    assert api.get(f"/v1/semaphores/{name}").json()["capacity"] == 5
+    _no_errors(page)
+
+
+def test_an_admin_can_act_with_the_keyboard_alone(browser: Any, service: Service, api: httpx.Client) -> None:
+    name = f"keys-{uuid.uuid4().hex[:4]}"
+    _semaphores(api, name, 2, 0)
+    page = _open(browser, service, ADMIN, f"/#/s/{name}")
+    sync_api.expect(page.locator("#change-capacity")).to_be_visible()
+    page.locator("#change-capacity").focus()
+    page.keyboard.press("Enter")
+    sync_api.expect(page.locator("#capacity-dialog")).to_be_visible()
+    page.keyboard.press("Escape")  # Esc closes, and focus goes back to the button that opened it
+    sync_api.expect(page.locator("#capacity-dialog")).to_be_hidden()
+    assert page.evaluate("document.activeElement.id") == "change-capacity"
+    page.keyboard.press("Enter")
+    page.locator('#capacity-dialog input[name="capacity"]').fill("4")
+    page.keyboard.press("Tab")
+    page.keyboard.type("typed, not clicked")
+    page.keyboard.press("Tab")
+    page.keyboard.press("Enter")
+    sync_api.expect(page.locator("#capacity-history")).to_contain_text("typed, not clicked", timeout=10_000)
+
+
+def test_a_client_token_sees_no_admin_actions(browser: Any, service: Service, api: httpx.Client) -> None:
+    name = f"shared-{uuid.uuid4().hex[:4]}"
+    _semaphores(api, name, 2, 1)  # held by the admin identity: alice must not see its key
+    page = _open(browser, service, ALICE, f"/#/s/{name}")
+    sync_api.expect(page.locator("#whoami")).to_contain_text("read-only")
+    sync_api.expect(page.locator("#holders tbody tr")).to_have_count(1)
+    sync_api.expect(page.locator("#holders")).to_contain_text("hidden")
+    for control in ("#change-capacity", "#delete-semaphore", ".force-release"):
+        assert page.locator(control).count() == 0, control
+    page.goto(service.url + "/#/")
+    sync_api.expect(page.locator("#semaphores")).to_be_visible()
+    assert page.locator("#create-semaphore").count() == 0
+    # And the API refuses what the page does not offer.
+    forbidden = httpx.patch(
+        f"{service.url}/v1/semaphores/{name}",
+        json={"capacity": 9, "reason": "sneaky"},
+        headers={"Authorization": f"Bearer {ALICE}"},
+    )
+    assert forbidden.status_code == 403
+    _no_errors(page)
+
+
+def test_the_events_page_is_live(browser: Any, service: Service, api: httpx.Client) -> None:
+    name = f"events-{uuid.uuid4().hex[:4]}"
+    _semaphores(api, name, 2, 0)
+    page = _open(browser, service, ADMIN, "/#/events")
+    sync_api.expect(page.locator("#live-status")).to_have_text("Live", timeout=10_000)
+    lease = api.post("/v1/leases", json={"wants": {name: 1}, "ttl": 60}).json()
+    api.post("/v1/leases/release", json={"key": lease["key"]})
+    api.patch(f"/v1/semaphores/{name}", json={"capacity": 3, "reason": "events test"})
+    events = page.locator("#events")
+    sync_api.expect(events.locator('li[data-type="grant"]', has_text=name)).to_have_count(1, timeout=10_000)
+    sync_api.expect(events.locator('li[data-type="end"]', has_text=name)).to_have_count(1, timeout=10_000)
+    sync_api.expect(events.locator('li[data-type="capacity"]', has_text=name)).to_have_count(1, timeout=10_000)
+    _shot(page, "events.png")
+    _no_errors(page)
+
+
+def test_a_phone_sized_screen_needs_no_sideways_scrolling(browser: Any, service: Service, api: httpx.Client) -> None:
+    name = f"phone-{uuid.uuid4().hex[:4]}"
+    _semaphores(api, name, 4, 4)
+    page = _open(browser, service, ALICE, "/", viewport={"width": 390, "height": 844}, is_mobile=True)
+    sync_api.expect(page.locator(f'tr[data-name="{name}"]')).to_be_visible()
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    _shot(page, "phone.png")
+
+
+def test_the_page_follows_any_instance(browser: Any, servers: Any, ns: str) -> None:
+    """Two instances on one PostgreSQL: the page, served by one, sees what is done through the other."""
+    url = servers.url_for("postgresql").render_as_string(hide_password=False)
+    with running(url, tokens=TOKENS, env=FAST) as first, running(url, tokens=TOKENS, env=FAST) as second:
+        name = f"{ns}fleet"
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        with httpx.Client(base_url=second.url, headers=headers, timeout=30) as other:
+            lease = _semaphores(other, name, 2, 1)[0]
+            page = _open(browser, first, ADMIN, f"/#/s/{name}")
+            token = lease["tokens"][name]
+            sync_api.expect(page.locator(f'#holders tr[data-token="{token}"]')).to_have_count(1)
+            other.post("/v1/leases/release", json={"key": lease["key"]})
+            sync_api.expect(page.locator(f'#holders tr[data-token="{token}"]')).to_have_count(0, timeout=10_000)
+            other.patch(f"/v1/semaphores/{name}", json={"capacity": 6, "reason": "from the other instance"})
+            sync_api.expect(page.locator("#capacity-history")).to_contain_text(
+                "from the other instance", timeout=10_000
+            )
+
+
+def _shot(page: Any, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.wait_for_timeout(300)  # let the last fetch paint
+    page.screenshot(path=str(SHOTS / name), full_page=True)
