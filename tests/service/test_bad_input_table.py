@@ -225,6 +225,19 @@ CASES: dict[str, Case] = {
         lambda remote, ctx: remote.delete_semaphore(ctx.s, force=True),
         lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}?force=true", None),
     ),
+    "auth-client-revokes": Case(
+        None,
+        lambda ctx: ("POST", "/v1/leases/revoke", {"key": ctx.job, "owner": ctx.owner, "reason": "mine"}),
+        token=CLIENT,
+    ),
+    "revoke-reason-blank": Case(
+        None, lambda ctx: ("POST", "/v1/leases/revoke", {"key": ctx.job, "owner": ctx.owner, "reason": " "})
+    ),
+    "delete-reason-too-long": Case(
+        None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}?force=true&reason={'r' * 1001}", None)
+    ),
+    "dashboard-no-token": Case(None, lambda ctx: ("GET", "/v1/overview", None), token=None),
+    "events-cursor-garbage": Case(None, lambda ctx: ("GET", "/v1/events?since='; --", None)),
 }
 
 
@@ -249,7 +262,10 @@ def _state(ctx: Ctx) -> tuple[Any, ...]:
     sems = [(x.name, x.capacity, x.used, x.last_token, x.fair) for x in ctx.client.list_semaphores(ctx.ns)]
     holders = [(h.owner, h.key, h.count, h.token, h.expires_at) for h in ctx.client.holders(ctx.s)]
     history = [(c.old_capacity, c.new_capacity, c.reason) for c in ctx.client.capacity_history(ctx.s)]
-    return sems, holders, history
+    logged = httpx.get(
+        f"{ctx.service.url}/v1/admin-log", params={"name": ctx.s}, headers={"Authorization": f"Bearer {ADMIN}"}
+    ).json()["entries"]
+    return sems, holders, history, logged
 
 
 def _no_probe_lease(ctx: Ctx, http: httpx.Client) -> None:

@@ -27,6 +27,9 @@ def test_no_generated_request_makes_the_service_fail(tmp_path: Path) -> None:
                 os.environ.get("PERMITS_SCHEMATHESIS_EXAMPLES", "20"),
                 "--seed",
                 "20261122",
+                # A live event stream never ends by design; tests/service/test_dashboard_api.py reads it.
+                "--exclude-path",
+                "/v1/events/stream",
             ],
             capture_output=True,
             text=True,

@@ -165,6 +165,10 @@ def assemble(
         events.append((int(at_ms), event))
         admin_id = max(admin_id, int(aid))
     events.sort(key=lambda pair: pair[0])
+    if skipped:
+        # More happened than one read lists: say so, so that a page reloads what it shows.
+        at = events[-1][0] if events else cursor.ended_ms
+        events.append((at, {"type": "resync", "at_ms": at, "names": [], "note": "too many events to list"}))
     return Batch(Cursor(lease_id, ended_ms, change_id, admin_id), [e for _, e in events], skipped)
 
 
