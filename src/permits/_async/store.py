@@ -516,8 +516,11 @@ async def _send_autocommit(driver: Any, sql: str, params: Any) -> Result:
     await driver.set_autocommit(True)
     try:
         cursor = await driver.execute(sql, params, prepare=True)
-        rows = [tuple(r) for r in await cursor.fetchall()] if cursor.description is not None else []
-        return Result(rows, len(rows)) if cursor.description is not None else Result([], int(cursor.rowcount))
+        # psycopg builds the description anew on every read of it: read it once.
+        if cursor.description is None:
+            return Result([], int(cursor.rowcount))
+        rows = [tuple(r) for r in await cursor.fetchall()]
+        return Result(rows, len(rows))
     finally:
         with contextlib.suppress(Exception):  # a lost connection is dropped by the caller
             await driver.set_autocommit(False)
