@@ -10,12 +10,18 @@ from permits.dialects.base import IDLE_IN_TRANSACTION_SECONDS, Dialect, Fault, r
 # Error numbers, from the server (1xxx) and the client library (2xxx).
 _CONFLICT = {
     1205,  # ER_LOCK_WAIT_TIMEOUT
-    1213,  # ER_LOCK_DEADLOCK; also a Galera certification failure
+    1213,  # ER_LOCK_DEADLOCK; also a Galera certification failure (and Vitess's deadlock)
     1614,  # ER_XA_RBDEADLOCK
+    3101,  # ER_TRANSACTION_ROLLBACK_DURING_COMMIT: MySQL Group Replication's certification failure
+    8002,  # TiDB: SELECT ... FOR UPDATE met a write conflict (optimistic mode)
+    8022,  # TiDB: the transaction's commit failed and is safe to retry
+    8028,  # TiDB: the schema changed under the transaction
+    9007,  # TiDB: write conflict (optimistic mode)
 }
 _UNAVAILABLE = {
     1040,  # ER_CON_COUNT_ERROR: too many connections
     1047,  # ER_UNKNOWN_COM_ERROR: Galera node not ready ("WSREP has not yet prepared node")
+    3100,  # ER_RUN_HOOK_ERROR: a Group Replication member that is not ONLINE (no quorum) refused a commit
     1053,  # ER_SERVER_SHUTDOWN
     1152,  # ER_ABORTING_CONNECTION
     1927,  # ER_CONNECTION_KILLED
@@ -25,6 +31,9 @@ _UNAVAILABLE = {
     2013,  # CR_SERVER_LOST
     2055,  # CR_SERVER_LOST_EXTENDED
     4031,  # ER_CLIENT_INTERACTION_TIMEOUT
+    9001,  # TiDB: PD server timeout
+    9002,  # TiDB: TiKV server timeout
+    9005,  # TiDB: region unavailable
 }
 _READ_ONLY = {
     1290,  # ER_OPTION_PREVENTS_STATEMENT: --read-only / --super-read-only

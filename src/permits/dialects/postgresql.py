@@ -17,6 +17,9 @@ _UNAVAILABLE = {
     "57P02",  # crash_shutdown
     "57P03",  # cannot_connect_now: starting up, or a standby being promoted
     "53300",  # too_many_connections
+    # statement_completion_unknown (CockroachDB): the commit may or may not have happened. Retrying is
+    # safe because every write is idempotent: the retry finds the grant under its key, or makes it.
+    "40003",
 }
 _READ_ONLY = {"25006"}  # read_only_sql_transaction: a hot standby
 _DUPLICATE = {"23505"}  # unique_violation

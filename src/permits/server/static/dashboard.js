@@ -276,7 +276,12 @@ function onStreamEvent(type, raw) {
     sent.add(id);
     if (sent.size > 4 * CAP) sent.delete(sent.values().next().value);
   }
-  feed.unshift(d);
+  // Newest first by the database's time: a grant is listed a moment after it happened (see the feed's
+  // docs), so it may arrive after an ending or a change that came later.
+  const at = d.at_ms ?? 0;
+  let i = 0;
+  while (i < feed.length && (feed[i].at_ms ?? 0) > at) i++;
+  feed.splice(i, 0, d);
   if (feed.length > CAP) feed.length = CAP;
   if (ui.paused) ui.missed++;
   view.onEvent?.(d);
@@ -608,9 +613,11 @@ function eventsPage(v) {
   v.onEvent = (d) => {
     if (ui.paused) { note.textContent = `Paused: ${ui.missed} new event${ui.missed === 1 ? '' : 's'} not shown.`; return; }
     if (!shown(d)) return;
-    list.prepend(eventItem(d));
-    while (list.childElementCount > CAP) list.lastElementChild.remove();
-    empty.hidden = true;
+    // One redraw per frame, however many events a batch brings.
+    if (!v.drawPending) {
+      v.drawPending = true;
+      requestAnimationFrame(() => { v.drawPending = false; if (!v.dead) draw(); });
+    }
     announce();
   };
   v.stops.push(() => { clearTimeout(ann.timer); ann.timer = 0; ann.pending = 0; $('announce').textContent = ''; });

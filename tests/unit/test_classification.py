@@ -1,0 +1,73 @@
+"""How each database error is handled: retried as a conflict, retried on a fresh connection, refused as a
+read-only replica, or raised. Covers the engines of docs/engines.md that cannot run here (their errors
+are built as their drivers report them); the ones that can run are also met for real by the tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from permits.dialects.base import Fault
+from permits.dialects.mysql import MariaDB, MySQL
+from permits.dialects.postgresql import PostgreSQL
+
+
+class _MySQLError(Exception):
+    """What PyMySQL raises: args are (error number, message)."""
+
+
+class _PostgresError(Exception):
+    """What psycopg raises: the SQLSTATE is an attribute."""
+
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(sqlstate)
+        self.sqlstate = sqlstate
+
+
+@pytest.mark.parametrize(
+    ("code", "fault", "engine"),
+    [
+        (1213, Fault.CONFLICT, "MariaDB/MySQL deadlock; Galera certification failure; Vitess deadlock"),
+        (1205, Fault.CONFLICT, "lock wait timeout"),
+        (3101, Fault.CONFLICT, "MySQL Group Replication: rolled back at commit by certification"),
+        (9007, Fault.CONFLICT, "TiDB optimistic mode: write conflict"),
+        (8002, Fault.CONFLICT, "TiDB optimistic mode: SELECT FOR UPDATE write conflict"),
+        (8022, Fault.CONFLICT, "TiDB: commit failed, safe to retry"),
+        (8028, Fault.CONFLICT, "TiDB: schema changed"),
+        (1047, Fault.UNAVAILABLE, "Galera node not synced"),
+        (3100, Fault.UNAVAILABLE, "Group Replication member without quorum"),
+        (9001, Fault.UNAVAILABLE, "TiDB: PD timeout"),
+        (9002, Fault.UNAVAILABLE, "TiDB: TiKV timeout"),
+        (9005, Fault.UNAVAILABLE, "TiDB: region unavailable"),
+        (2013, Fault.UNAVAILABLE, "connection lost (an Aurora failover, a node killed)"),
+        (1290, Fault.READ_ONLY, "read_only / super_read_only: a replica, an Aurora reader, a GR secondary"),
+        (1836, Fault.READ_ONLY, "read-only mode"),
+        (1062, Fault.DUPLICATE, "duplicate key"),
+        (1105, Fault.OTHER, "unknown error: raised, not retried"),
+    ],
+)
+def test_mysql_family_errors(code: int, fault: Fault, engine: str) -> None:
+    for dialect in (MariaDB(), MySQL()):
+        assert dialect._classify(_MySQLError(code, engine)) is fault, engine
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "fault", "engine"),
+    [
+        ("40001", Fault.CONFLICT, "serialization failure: PostgreSQL, CockroachDB, YugabyteDB retries"),
+        ("40P01", Fault.CONFLICT, "deadlock"),
+        ("55P03", Fault.CONFLICT, "lock_timeout"),
+        ("40003", Fault.UNAVAILABLE, "CockroachDB: statement completion unknown (ambiguous commit)"),
+        ("57P01", Fault.UNAVAILABLE, "admin shutdown (a restart, a failover)"),
+        ("57P03", Fault.UNAVAILABLE, "cannot connect now: starting up, or being promoted"),
+        ("08006", Fault.UNAVAILABLE, "connection failure"),
+        ("25006", Fault.READ_ONLY, "read-only transaction: a hot standby, an Aurora reader"),
+        ("23505", Fault.DUPLICATE, "unique violation"),
+        ("42601", Fault.OTHER, "syntax error: raised, not retried"),
+    ],
+)
+def test_postgresql_family_errors(sqlstate: str, fault: Fault, engine: str) -> None:
+    assert PostgreSQL()._classify(_PostgresError(sqlstate)) is fault, engine
+
+
+def test_only_conflicts_and_outages_are_retried() -> None:
+    assert {f for f in Fault if f.retryable} == {Fault.CONFLICT, Fault.UNAVAILABLE}
