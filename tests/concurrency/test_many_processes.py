@@ -90,6 +90,12 @@ def test_the_checks_catch_what_they_look_for() -> None:
 
 @pytest.mark.slow
 def test_sixteen_processes_two_semaphores(db_url: str, ns: str, tmp_path: Path) -> None:
+    run_and_check(db_url, ns, tmp_path, PROCESSES, CYCLES)
+
+
+def run_and_check(db_url: str, ns: str, tmp_path: Path, processes: int, cycles: int) -> None:
+    """``processes`` children each run ``cycles`` acquire-hold-release cycles on ``a`` and ``b``; then every
+    check above runs on what they recorded, and the database is checked to hold nothing."""
     names = {short: f"{ns}{short}" for short in CAPACITIES}
     with permits.connect(db_url) as client:
         for short, capacity in CAPACITIES.items():
@@ -98,7 +104,7 @@ def test_sixteen_processes_two_semaphores(db_url: str, ns: str, tmp_path: Path) 
         procs: list[subprocess.Popen[str]] = []
         errs: list[Path] = []
         try:
-            for i in range(PROCESSES):
+            for i in range(processes):
                 errs.append(tmp_path / f"child{i}.err")
                 with errs[-1].open("w") as err:
                     procs.append(
@@ -108,7 +114,7 @@ def test_sixteen_processes_two_semaphores(db_url: str, ns: str, tmp_path: Path) 
                                 "url": db_url,
                                 "owner": f"{ns}child{i}",
                                 "names": [names["a"], names["b"]],
-                                "cycles": CYCLES,
+                                "cycles": cycles,
                                 "seed": i,
                                 "ttl": 60,
                                 "timeout": ACQUIRE_TIMEOUT,
@@ -143,9 +149,9 @@ def test_sixteen_processes_two_semaphores(db_url: str, ns: str, tmp_path: Path) 
                         stream.close()
 
         records: list[dict[str, Any]] = []
-        for i in range(PROCESSES):
+        for i in range(processes):
             mine = json.loads((tmp_path / f"child{i}.json").read_text())
-            assert len(mine) == CYCLES, f"child {i} completed {len(mine)} of {CYCLES} cycles"
+            assert len(mine) == cycles, f"child {i} completed {len(mine)} of {cycles} cycles"
             assert all(r["outcome"] == "released" for r in mine)
             records.extend(mine)
 

@@ -191,6 +191,26 @@ def test_a_client_token_sees_no_admin_actions(browser: Any, service: Service, ap
     _no_errors(page)
 
 
+def test_the_token_is_entered_once(browser: Any, service: Service) -> None:
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(service.url + "/")
+    page.fill("#token", ALICE)
+    page.check("#remember")
+    page.get_by_role("button", name="Sign in").click()
+    sync_api.expect(page.locator("#whoami")).to_contain_text("alice")
+    # Another tab of the same browser does not ask again; signing out there forgets it everywhere.
+    other = context.new_page()
+    other.goto(service.url + "/#/events")
+    sync_api.expect(other.locator("#whoami")).to_contain_text("alice")
+    assert other.locator("#token-form").is_hidden()
+    other.get_by_role("button", name="Sign out").click()
+    third = context.new_page()
+    third.goto(service.url + "/")
+    sync_api.expect(third.locator("#token-form")).to_be_visible()
+    context.close()
+
+
 def test_the_events_page_is_live(browser: Any, service: Service, api: httpx.Client) -> None:
     name = f"events-{uuid.uuid4().hex[:4]}"
     _semaphores(api, name, 2, 0)

@@ -53,6 +53,8 @@ IS_ASYNC = False
 #: A flow may restart itself (for example, to answer a retry from the lease that exists); more than this
 #: many restarts in one call means something is wrong.
 MAX_RESTARTS = 10
+#: How long a release or an extend keeps retrying conflicts (see ``_run``'s ``persist``).
+PERSIST_SECONDS = 30.0
 #: How long a waiter's place in a fair queue lasts unless it asks again. A waiting client asks at least
 #: every second (the wait backoff's cap), so a live waiter never loses its place; a dead one frees it
 #: within this many milliseconds.
@@ -208,10 +210,10 @@ class SQLStore:
         return False
 
     def release(self, owner: str, key: str) -> ReleaseOutcome:
-        return self._run(lambda: flows.release(self._dialect, owner, key))
+        return self._run(lambda: flows.release(self._dialect, owner, key), persist=True)
 
     def extend(self, owner: str, key: str, ttl_ms: int) -> Lease:
-        return self._run(lambda: flows.extend(owner, key, ttl_ms))
+        return self._run(lambda: flows.extend(owner, key, ttl_ms), persist=True)
 
     def revoke(self, owner: str, key: str, note: str) -> Lease:
         return self._run(lambda: flows.revoke(owner, key, note))
@@ -326,16 +328,27 @@ class SQLStore:
 
     # --------------------------------------------------------------------------------------------- driver
 
-    def _run(self, make_flow: Callable[[], Flow[T]], readonly: bool = False, deadline: float | None = None) -> T:
+    def _run(
+        self,
+        make_flow: Callable[[], Flow[T]],
+        readonly: bool = False,
+        deadline: float | None = None,
+        persist: bool = False,
+    ) -> T:
         """Run a flow in a transaction of its own.
 
         Conflicts and lost connections are retried with backoff and jitter, each time with a fresh flow.
         That is safe because every write is idempotent: an acquire is keyed, a release and an extend check
         the lease's state, so a commit whose reply was lost is answered by the retry from what is stored.
-        With a ``deadline`` (``monotonic()`` time), conflicts are not retried past it.
+        With a ``deadline`` (``monotonic()`` time), conflicts are not retried past it. With ``persist``,
+        conflicts are retried past ``retries``, for up to PERSIST_SECONDS: giving permits back must not
+        fail because others are busy with the same semaphore (at REPEATABLE READ or SERIALIZABLE, every
+        concurrent write to its row is a serialization failure).
         """
         self.open()
         restarts = failures = 0
+        if persist and deadline is None:
+            deadline = monotonic() + PERSIST_SECONDS
         while True:
             try:
                 return self._attempt(make_flow(), readonly)
@@ -347,7 +360,7 @@ class SQLStore:
             except DuplicateKey:
                 raise StorageError("unexpected duplicate key", url=self.url) from None
             except DBAPIError as exc:
-                failures = self._backoff_or_raise(exc, failures, deadline)
+                failures = self._backoff_or_raise(exc, failures, deadline, persist)
 
     def _with_retries(self, attempt: Callable[[], Any]) -> Any:
         failures = 0
@@ -357,11 +370,14 @@ class SQLStore:
             except DBAPIError as exc:
                 failures = self._backoff_or_raise(exc, failures)
 
-    def _backoff_or_raise(self, exc: DBAPIError, failures: int, deadline: float | None = None) -> int:
+    def _backoff_or_raise(
+        self, exc: DBAPIError, failures: int, deadline: float | None = None, persist: bool = False
+    ) -> int:
         fault = self._dialect.classify(exc)
         delay = RETRY_BACKOFF.delay(failures)
         past_deadline = deadline is not None and fault is Fault.CONFLICT and monotonic() + delay >= deadline
-        if not fault.retryable or failures >= self._settings.retries or past_deadline:
+        out_of_retries = failures >= self._settings.retries and not (persist and fault is Fault.CONFLICT)
+        if not fault.retryable or out_of_retries or past_deadline:
             raise translate(exc, fault, self._dialect, self._settings) from exc
         logger.debug("retrying after %s (%s)", fault.value, type(exc.orig).__name__)
         if self.on_retry is not None:

@@ -93,8 +93,15 @@ function table(attrs, caption, cols, rows, empty) {
 
 // --- API
 
+// The token lives in this tab (sessionStorage), or on this device (localStorage) when the user asks.
+const token = {
+  get: () => sessionStorage.getItem(KEY) || localStorage.getItem(KEY),
+  set: (t, remember) => { sessionStorage.setItem(KEY, t); if (remember) localStorage.setItem(KEY, t); },
+  forget: () => { sessionStorage.removeItem(KEY); localStorage.removeItem(KEY); },
+};
+
 function authHeaders(extra) {
-  const t = sessionStorage.getItem(KEY);
+  const t = token.get();
   return t ? { ...extra, Authorization: `Bearer ${t}` } : extra;
 }
 
@@ -159,15 +166,15 @@ async function boot() {
   $('signin').hidden = true;
   setAlert('');
   $('whoami').textContent = `${who.identity} (${who.admin ? 'admin' : 'read-only'})`;
-  $('sign-out').hidden = !sessionStorage.getItem(KEY);
+  $('sign-out').hidden = !token.get();
   $('live-status').hidden = false;
   startStream();
   route(false);
 }
 
 function needToken() {
-  const had = sessionStorage.getItem(KEY);
-  sessionStorage.removeItem(KEY);
+  const had = token.get();
+  token.forget();
   me = null;
   stopStream();
   teardown();
@@ -718,12 +725,12 @@ $('token-form').addEventListener('submit', (e) => {
   e.preventDefault();
   const t = $('token').value.trim();
   if (!t) return;
-  sessionStorage.setItem(KEY, t);
+  token.set(t, $('remember').checked);
   $('token').value = '';
   boot();
 });
 $('sign-out').addEventListener('click', () => {
-  sessionStorage.removeItem(KEY);
+  token.forget();
   me = null;
   feed = [];
   lastId = null;
