@@ -93,9 +93,13 @@ def test_sixteen_processes_two_semaphores(db_url: str, ns: str, tmp_path: Path) 
     run_and_check(db_url, ns, tmp_path, PROCESSES, CYCLES)
 
 
-def run_and_check(db_url: str, ns: str, tmp_path: Path, processes: int, cycles: int) -> None:
+def run_and_check(
+    db_url: str, ns: str, tmp_path: Path, processes: int, cycles: int, child_urls: list[str] | None = None
+) -> None:
     """``processes`` children each run ``cycles`` acquire-hold-release cycles on ``a`` and ``b``; then every
-    check above runs on what they recorded, and the database is checked to hold nothing."""
+    check above runs on what they recorded, and the database is checked to hold nothing. ``child_urls``:
+    child i talks to ``child_urls[i % len(child_urls)]`` (the nodes of a cluster); default ``db_url``."""
+    urls = child_urls or [db_url]
     names = {short: f"{ns}{short}" for short in CAPACITIES}
     with permits.connect(db_url) as client:
         for short, capacity in CAPACITIES.items():
@@ -111,7 +115,7 @@ def run_and_check(db_url: str, ns: str, tmp_path: Path, processes: int, cycles: 
                         spawn(
                             "cycles",
                             {
-                                "url": db_url,
+                                "url": urls[i % len(urls)],
                                 "owner": f"{ns}child{i}",
                                 "names": [names["a"], names["b"]],
                                 "cycles": cycles,

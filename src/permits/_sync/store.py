@@ -17,7 +17,7 @@ from permits._backoff import RETRY_BACKOFF
 from permits._config import Settings, redact
 from permits._core import flows
 from permits._core.flows import DuplicateKey, Flow, Restart, Result, Stmt
-from permits._exceptions import SchemaMismatch, StorageError, UsageError
+from permits._exceptions import SchemaMismatch, StorageConflict, StorageError, UsageError
 from permits._io import sync_sleep, monotonic
 from permits._models import (
     CapacityChange,
@@ -358,7 +358,20 @@ class SQLStore:
                     raise StorageError("an operation kept restarting; giving up", url=self.url) from None
                 make_flow, readonly = restart.flow, restart.readonly
             except DuplicateKey:
-                raise StorageError("unexpected duplicate key", url=self.url) from None
+                # A flow met a duplicate it does not expect: it read a state that a concurrent commit had
+                # already moved on from. On a multi-primary cluster (Galera) a node may not yet have applied
+                # a grant the cluster has ordered, and hand out its fencing token again; certification would
+                # abort the transaction at COMMIT, but the permit row's unique token hits the duplicate
+                # first. Either way it is a conflict: roll back and retry, with backoff, a bounded number of
+                # times.
+                failures += 1
+                if failures > self._settings.retries:
+                    raise StorageConflict(
+                        "an operation kept meeting a concurrent change (a duplicate key); giving up", url=self.url
+                    ) from None
+                if self.on_retry is not None:
+                    self.on_retry(Fault.CONFLICT.value)
+                sync_sleep(RETRY_BACKOFF.delay(failures))
             except DBAPIError as exc:
                 failures = self._backoff_or_raise(exc, failures, deadline, persist)
 
@@ -435,7 +448,12 @@ class SQLStore:
                 conn.invalidate()
             elif self._dialect.self_committing:
                 # The batch stopped at a statement's error, maybe with the ones before it done: undo them.
-                driver.rollback()
+                # Galera answers the ROLLBACK of a transaction it aborted (lost certification) with that
+                # error again: then the connection's state is unknown, and it is dropped.
+                try:
+                    driver.rollback()
+                except Exception:
+                    conn.invalidate()
             if error is None:
                 raise
             raise error from exc
