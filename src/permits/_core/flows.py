@@ -8,7 +8,7 @@ name (``dialects``) and never assemble SQL.
 Two signals go the other way:
 - the driver throws ``DuplicateKey`` into the flow when a statement hits a unique constraint, and
 - a flow raises ``Restart(next_flow)`` when the transaction must be rolled back and another flow run in a
-  fresh one (not counted as a retry).
+  fresh one (not counted as a retry), and ``Retry`` when the whole operation must run again (counted).
 """
 
 from __future__ import annotations
@@ -68,6 +68,12 @@ Flow: TypeAlias = Generator[Stmt, Result, T]
 
 class DuplicateKey(Exception):
     """Thrown into a flow: its last statement hit a unique constraint. The transaction is unusable."""
+
+
+class Retry(Exception):
+    """Raised by a flow: the transaction read a state that a concurrent commit had already moved on from
+    (a node of a multi-primary cluster that had not yet applied a grant, say). Roll back and run the
+    operation again from its start, with backoff, as for a conflict."""
 
 
 class Restart(Exception):
@@ -335,8 +341,10 @@ def _insert_lease(
 
 def _replay(owner: str, key: str, wants: Sequence[Want]) -> Flow[Lease]:
     existing = yield from _find_lease(owner, key)
-    if existing is None:  # the conflicting insert was rolled back after all: let the caller try again
-        raise StorageError("a concurrent acquire with the same key did not commit; try again", key=key)
+    if existing is None:
+        # No lease under the key: the duplicate was not the key's. Either a concurrent acquire with the key
+        # rolled back, or (on Galera) a node behind the cluster computed a fencing token already taken.
+        raise Retry()
     return decide.replay(existing[1], wants)
 
 

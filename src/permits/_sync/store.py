@@ -16,7 +16,7 @@ from permits import _schema
 from permits._backoff import RETRY_BACKOFF
 from permits._config import Settings, redact
 from permits._core import flows
-from permits._core.flows import DuplicateKey, Flow, Restart, Result, Stmt
+from permits._core.flows import DuplicateKey, Flow, Restart, Result, Retry, Stmt
 from permits._exceptions import SchemaMismatch, StorageConflict, StorageError, UsageError
 from permits._io import sync_sleep, monotonic
 from permits._models import (
@@ -349,6 +349,7 @@ class SQLStore:
         restarts = failures = 0
         if persist and deadline is None:
             deadline = monotonic() + PERSIST_SECONDS
+        first_flow, first_readonly = make_flow, readonly
         while True:
             try:
                 return self._attempt(make_flow(), readonly)
@@ -357,13 +358,14 @@ class SQLStore:
                 if restarts > MAX_RESTARTS:
                     raise StorageError("an operation kept restarting; giving up", url=self.url) from None
                 make_flow, readonly = restart.flow, restart.readonly
-            except DuplicateKey:
-                # A flow met a duplicate it does not expect: it read a state that a concurrent commit had
-                # already moved on from. On a multi-primary cluster (Galera) a node may not yet have applied
-                # a grant the cluster has ordered, and hand out its fencing token again; certification would
-                # abort the transaction at COMMIT, but the permit row's unique token hits the duplicate
-                # first. Either way it is a conflict: roll back and retry, with backoff, a bounded number of
-                # times.
+            except (DuplicateKey, Retry):
+                # A flow met a duplicate it does not expect, or found it had read a state that a concurrent
+                # commit had already moved on from. On a multi-primary cluster (Galera) a node may not yet
+                # have applied a grant the cluster has ordered, and hand out its fencing token again;
+                # certification would abort the transaction at COMMIT, but the permit row's unique token
+                # hits the duplicate first. Either way it is a conflict: roll back and run the operation
+                # again from its start, with backoff, a bounded number of times.
+                make_flow, readonly = first_flow, first_readonly
                 failures += 1
                 if failures > self._settings.retries:
                     raise StorageConflict(
