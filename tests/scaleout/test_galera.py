@@ -7,13 +7,18 @@ key, and the retry sees the winner's grant. These tests check that end to end:
 - many processes over the three nodes: capacity never exceeded, tokens unique and in grant order;
 - races on a mutex from three nodes at once: never two holders, and the losers are retried unseen;
 - a node killed under load and brought back: no over-grant, nothing acknowledged lost while a majority
-  is up, and the rejoined node sees every grant.
+  is up, and the rejoined node sees every grant;
+- after each run, every node agrees that each semaphore's last_token is its highest permit token, and no
+  permit row lacks its lease (what the one-request batches broke on Galera; see dialects/mysql.py).
 
 About a minute on two cores, most of it the cluster coming up (15 s) and the load.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -24,18 +29,11 @@ from typing import Any
 import pytest
 
 import permits
+from permits.dialects.mysql import MariaDBCluster
 from tests._galera import GaleraCluster
 from tests.concurrency.test_many_processes import _max_overlap, run_and_check
 
 pytestmark = pytest.mark.slow
-
-#: An open problem, found by these tests and not solved yet: on one node, a semaphore's last_token can lag
-#: behind tokens the cluster has already granted (a read of 242 after a grant of 243 was seen; a grant
-#: retried for 25 s against the duplicate token). Safety holds (the permit's unique token refuses the
-#: reuse), availability does not. Run, reported, and not allowed to fail CI until it is understood.
-GALERA_TOKEN_LAG = pytest.mark.xfail(
-    strict=False, reason="open: a node's last_token can lag behind granted tokens (docs/deployment.md)"
-)
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +48,56 @@ def _urls(galera: GaleraCluster) -> list[str]:
     return [galera.url(i) for i in range(3)]
 
 
-@GALERA_TOKEN_LAG
+def assert_tokens_consistent(galera: GaleraCluster, names: list[str]) -> None:
+    """On every node: each semaphore's last_token is its highest permit token, and every permit row has
+    its lease. A grant half-written by a Galera abort inside a batch broke both (dialects/mysql.py)."""
+    quoted = ", ".join("'" + name.replace("'", "''") + "'" for name in names)
+    for i in range(galera.size):
+        rows = galera.nodes[i].query(
+            "SELECT s.name, s.last_token, (SELECT MAX(p.token) FROM test.permits_permit p"
+            f" WHERE p.semaphore_id = s.id) FROM test.permits_semaphore s WHERE s.name IN ({quoted})"
+        )
+        assert len(rows) == len(names), (i, rows)
+        for name, last_token, highest in rows:
+            assert highest is None or int(last_token) == int(highest), f"node {i}: {name} {last_token} < {highest}"
+        orphans = galera.nodes[i].query(
+            "SELECT p.lease_id, p.token FROM test.permits_permit p"
+            " LEFT JOIN test.permits_lease l ON l.id = p.lease_id WHERE l.id IS NULL"
+        )
+        assert orphans == (), f"node {i}: permit rows without a lease: {orphans[:5]}"
+
+
+def test_a_cluster_node_gets_one_statement_per_request(galera: GaleraCluster) -> None:
+    with permits.connect(galera.url(1)) as client:
+        client.list_semaphores()
+        assert isinstance(client._store._dialect, MariaDBCluster)
+        assert not client._store._dialect.self_committing
+
+
 def test_many_processes_over_three_nodes(galera: GaleraCluster, tmp_path: Path) -> None:
     ns = f"g{uuid.uuid4().hex[:6]}-"
     run_and_check(galera.url(0), ns, tmp_path, processes=6, cycles=30, child_urls=_urls(galera))
+    assert_tokens_consistent(galera, [f"{ns}a", f"{ns}b"])
+
+
+def test_the_behaviour_suite_passes_with_each_node_serving_a_part(galera: GaleraCluster) -> None:
+    """tests/conformance on the cluster, against the database directly (its service half adds nothing
+    the cluster could break): its files dealt out to the three nodes, each run by a pytest of its own."""
+    here = Path(__file__).resolve().parents[1]
+    files = sorted(str(f.relative_to(here.parent)) for f in (here / "conformance").glob("test_*.py"))
+    for i in range(galera.size):
+        part = files[i :: galera.size]
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "mysql and db", *part],
+            cwd=here.parent,
+            env={**os.environ, "PERMITS_TEST_MYSQL_URL": galera.url(i)},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        summary = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+        assert done.returncode in (0, 5), f"node {i} ({part}):\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+        print(f"node {i}: {' '.join(summary)}")
 
 
 def test_races_on_three_nodes_never_grant_a_mutex_twice(galera: GaleraCluster) -> None:
@@ -97,12 +141,12 @@ def test_races_on_three_nodes_never_grant_a_mutex_twice(galera: GaleraCluster) -
         assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
         # Losing certification is handled inside permits: a retry, never an error to the caller.
         assert "conflict" in retries, "no certification conflict was seen in 30 three-node races"
+        assert_tokens_consistent(galera, [name])
     finally:
         for client in clients:
             client.close()
 
 
-@GALERA_TOKEN_LAG
 def test_a_node_killed_under_load_loses_nothing_acknowledged(galera: GaleraCluster) -> None:
     name, capacity = f"load-{uuid.uuid4().hex[:6]}", 2
     with permits.connect(galera.url(0)) as admin:
@@ -146,9 +190,9 @@ def test_a_node_killed_under_load_loses_nothing_acknowledged(galera: GaleraClust
         galera.kill(2)
         galera.wait_synced(0, timeout=60, size=2)
         during = len(acknowledged)
-        # The survivors carry on. Not at once: a commit in flight when the view changed can wait for it, and
-        # runs have seen grants pause for over 30 s after the eviction (not understood yet: see the notes).
-        deadline = time.monotonic() + 90
+        # The survivors carry on, after the eviction (evs.suspect_timeout, 5 s) and the commits that waited
+        # for it.
+        deadline = time.monotonic() + 60
         while len(acknowledged) < during + 10 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(acknowledged) >= during + 10, f"the two surviving nodes stopped granting: {failures[-10:]}"
@@ -169,13 +213,8 @@ def test_a_node_killed_under_load_loses_nothing_acknowledged(galera: GaleraClust
         for a in acknowledged:
             lease = rejoined.get_lease(a["key"], owner=a["owner"])
             assert lease.tokens[name] == a["token"]
-        seen = [rejoined.get_semaphore(name).last_token]
-        while seen[-1] < max(tokens) and len(seen) < 50:
-            time.sleep(0.1)
-            seen.append(rejoined.get_semaphore(name).last_token)
-        with permits.connect(galera.url(0)) as other:
-            on_node0 = other.get_semaphore(name).last_token
-        assert seen[-1] >= max(tokens), (seen[:3], seen[-1], max(tokens), on_node0)
+        assert rejoined.get_semaphore(name).last_token >= max(tokens)
         time.sleep(5)  # leases whose reply was lost when node 2 died expire within their 5 s TTL
         rejoined.sweep()
         assert rejoined.reconcile() == []
+    assert_tokens_consistent(galera, [name])

@@ -32,7 +32,7 @@ from permits._models import (
     Want,
 )
 from permits.dialects.base import Fault, dialect_for_url
-from permits.dialects.mysql import MySQL
+from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
 from permits.stores._engine import (
     READONLY,
     sync_driver_connection,
@@ -110,8 +110,11 @@ class SQLStore:
         if self._opened:
             return
         revision = self._with_retries(self._schema_revision)
-        if self._dialect.name == "mysql" and not getattr(self._engine.dialect, "is_mariadb", True):
-            self._dialect = MySQL()
+        if self._dialect.name == "mysql":
+            # Which server the URL reached decides the statements: MySQL lacks INSERT ... RETURNING, and
+            # a node of a multi-primary cluster must get one statement per request (dialects/mysql.py).
+            multi_primary = is_multi_primary(self._with_retries(self._probe_replication))
+            self._dialect = mysql_family_dialect(getattr(self._engine.dialect, "is_mariadb", True), multi_primary)
         head = _schema.head()
         if revision != head:
             if self._settings.auto_upgrade:
@@ -148,6 +151,14 @@ class SQLStore:
             with conn.begin():
                 revision: str | None = sync_run_sync(conn, _schema.current)
                 return revision
+
+    def _probe_replication(self) -> list[tuple[str, str]]:
+        with self._engine.connect() as conn:
+            result = conn.exec_driver_sql(MULTI_PRIMARY_PROBE)
+            found: list[Any] = list(result.fetchall())  # (Variable_name, Value)
+            rows = [(str(name), str(value)) for name, value in found]
+            conn.rollback()
+            return rows
 
     def _upgrade(self) -> str:
         with self._engine.connect() as conn, conn.begin():

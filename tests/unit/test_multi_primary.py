@@ -1,0 +1,56 @@
+"""Which statements a MariaDB or MySQL server gets: one request per statement on a multi-primary cluster.
+
+On a Galera node the one-request grant batch was found half-committed after an abort (dialects/mysql.py);
+tests/scaleout/test_galera.py shows the cluster statements on a real cluster, and
+tests/conformance runs them on a plain server too (test_cluster_statements_on_a_plain_server below).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from permits.dialects.mysql import (
+    MariaDB,
+    MariaDBCluster,
+    MySQL,
+    MySQLCluster,
+    is_multi_primary,
+    mysql_family_dialect,
+)
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ([], False),  # plain MariaDB or MySQL: neither variable exists
+        ([("wsrep_on", "OFF")], False),  # a MariaDB build with Galera, not in a cluster
+        ([("wsrep_on", "ON")], True),  # a Galera node
+        ([("WSREP_ON", "on")], True),
+        ([("group_replication_group_name", "")], True),  # the Group Replication plugin is loaded
+        ([("wsrep_on", "OFF"), ("group_replication_group_name", "aaaa")], True),
+    ],
+)
+def test_multi_primary_is_told_from_the_server_variables(variables: list[tuple[str, str]], expected: bool) -> None:
+    assert is_multi_primary(variables) is expected
+
+
+def test_each_server_gets_its_dialect() -> None:
+    assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False)) is MariaDB
+    assert type(mysql_family_dialect(is_mariadb=False, multi_primary=False)) is MySQL
+    assert type(mysql_family_dialect(is_mariadb=True, multi_primary=True)) is MariaDBCluster
+    assert type(mysql_family_dialect(is_mariadb=False, multi_primary=True)) is MySQLCluster
+
+
+@pytest.mark.parametrize("dialect", [MariaDBCluster(), MySQLCluster()], ids=type)
+def test_cluster_dialects_send_no_batches(dialect: MariaDB) -> None:
+    assert not dialect.self_committing
+    assert not dialect.has("ACQUIRE_ONE")
+    for name in ("RELEASE", "SEM_TAKE", "LEASE_INSERT", "PERMIT_INSERT"):
+        sql = dialect.sql(name)
+        assert ";" not in sql and "COMMIT" not in sql.upper(), name
+
+
+def test_release_is_the_batch_without_its_commit() -> None:
+    batch, alone = MariaDB().sql("RELEASE"), MariaDBCluster().sql("RELEASE")
+    assert batch.rstrip().endswith("COMMIT")
+    assert batch.startswith(alone.rstrip())
