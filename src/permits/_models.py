@@ -211,16 +211,23 @@ class CapacityChange:
 
 @dataclass(frozen=True, slots=True)
 class Drift:
-    """A semaphore whose stored count of permits in use disagrees with its held permit rows."""
+    """A semaphore row that disagrees with its permit rows.
+
+    ``field`` says which of its columns: ``"used"``, the count of permits in use, against the sum over the
+    permit rows of held leases; or ``"last_token"``, the last fencing token handed out, which must be at
+    least the highest token of any permit row (else the next grant would meet a token already given, and
+    the unique key would refuse every grant of that semaphore)."""
 
     name: str
-    recorded: int  # the count on the semaphore row
-    actual: int  # the sum over the permit rows of held leases
+    recorded: int  # the value on the semaphore row
+    actual: int  # what the permit rows say it should be (the true count; the highest token)
     repaired: bool = False
+    field: str = "used"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
+            "field": self.field,
             "recorded": self.recorded,
             "actual": self.actual,
             "repaired": self.repaired,

@@ -162,6 +162,7 @@ def drift_in(data: dict[str, Any]) -> Drift:
             recorded=int(data["recorded"]),
             actual=int(data["actual"]),
             repaired=bool(data.get("repaired", False)),
+            field=str(data.get("field", "used")),  # servers before 0.x sent only count drift
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _malformed("drift", exc) from exc

@@ -268,12 +268,13 @@ def sweep(batch_size: int, db: str | None) -> None:
 @click.option("--repair", is_flag=True, help="Store the true counts.")
 @_db_option
 def reconcile(repair: bool, db: str | None) -> None:
-    """Check each semaphore's count against its permit rows; exit 1 if drift remains."""
+    """Check each semaphore's count and token counter against its permit rows; exit 1 if drift remains."""
     with _client(db) as client:
         drift = client.reconcile(repair=repair)
     for d in drift:
         state = "repaired" if d.repaired else "DRIFT"
-        click.echo(f"{state}: {d.name}: recorded {d.recorded}, actual {d.actual}")
+        what = "permits in use" if d.field == "used" else "last token"
+        click.echo(f"{state}: {d.name}: {what} recorded {d.recorded}, actual {d.actual}")
     if not drift:
         click.echo("no drift")
     elif not repair:

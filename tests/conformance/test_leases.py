@@ -248,3 +248,29 @@ def test_reconcile_finds_and_repairs_drift(client: Any, db_url: str, ns: str) ->
     assert [(d.recorded, d.actual, d.repaired) for d in repaired] == [(4, 2, True)]
     assert client.get_semaphore(f"{ns}s").used == 2
     assert [d for d in client.reconcile() if d.name == f"{ns}s"] == []
+
+
+def test_reconcile_raises_a_lagging_token_counter(client: Any, db_url: str, ns: str) -> None:
+    """A token counter behind the permit rows (what a half-committed grant on Galera left, see
+    docs/deployment.md) would make every grant meet a token already handed out. reconcile finds it and
+    repair raises the counter; it never lowers one."""
+    from sqlalchemy import create_engine, text
+
+    name = f"{ns}t"
+    client.create_semaphore(name, 3)
+    for _ in range(3):
+        client.release(client.try_acquire(name))
+    held = client.try_acquire(name)
+    assert held.token == 4
+    url = db_url.replace("mysql://", "mysql+pymysql://").replace("postgresql://", "postgresql+psycopg://")
+    engine = create_engine(url)
+    with engine.begin() as conn:  # damage the counter behind permits' back
+        conn.execute(text("UPDATE permits_semaphore SET last_token = 2 WHERE name = :n"), {"n": name})
+    engine.dispose()
+    drift = [d for d in client.reconcile() if d.name == name]
+    assert [(d.field, d.recorded, d.actual, d.repaired) for d in drift] == [("last_token", 2, 4, False)]
+    repaired = [d for d in client.reconcile(repair=True) if d.name == name]
+    assert [(d.field, d.recorded, d.actual, d.repaired) for d in repaired] == [("last_token", 2, 4, True)]
+    assert client.get_semaphore(name).last_token == 4
+    assert client.try_acquire(name).token == 5  # the next grant is not refused as a duplicate
+    assert [d for d in client.reconcile() if d.name == name] == []

@@ -626,27 +626,41 @@ def delete_history_batch(older_than_ms: int, limit: int) -> Flow[int]:
 
 
 def find_drift() -> Flow[list[Drift]]:
-    """Compare each semaphore's stored count with the sum over its held permit rows."""
+    """Compare each semaphore row with its permit rows, from one snapshot: the stored count with the sum
+    over held permits, and the last fencing token with the highest token handed out."""
     found = yield Stmt("DRIFT_CHECK")
-    return [
-        Drift(name=str(name), recorded=int(used), actual=int(actual))
-        for _, name, used, actual in found.rows
-        if int(used) != int(actual)
-    ]
+    drift: list[Drift] = []
+    for _, name, used, actual, last_token, highest in found.rows:
+        if int(used) != int(actual):
+            drift.append(Drift(name=str(name), recorded=int(used), actual=int(actual)))
+        if int(last_token) < int(highest):
+            drift.append(Drift(name=str(name), recorded=int(last_token), actual=int(highest), field="last_token"))
+    return drift
 
 
-def repair_drift(name: str) -> Flow[Drift | None]:
-    """Recount one semaphore under its row lock and store the true count."""
+def repair_drift(name: str, field: str = "used") -> Flow[Drift | None]:
+    """Under the semaphore's row lock: store the true count (``used``), or raise the token counter to the
+    highest token handed out (``last_token``; never lowered)."""
     locked = yield Stmt("SEMS_LOCK", {"names": [name]})
     if not locked.rows:
         return None
-    sem_id, _, _, used = locked.rows[0]
-    actual = yield Stmt("USED_ACTUAL_ONE", {"sem_id": int(sem_id)})
+    sem_id = int(locked.rows[0][0])
+    if field == "last_token":
+        current = yield Stmt("SEM_GET", {"name": name})
+        last_token = int(current.rows[0][3])
+        highest = yield Stmt("TOKEN_HIGHEST_ONE", {"sem_id": sem_id})
+        top = int(highest.rows[0][0] or 0)
+        if top <= last_token:
+            return None
+        yield Stmt("SEM_RAISE_TOKEN", {"id": sem_id, "token": top})
+        return Drift(name=name, recorded=last_token, actual=top, repaired=True, field="last_token")
+    used = int(locked.rows[0][3])
+    actual = yield Stmt("USED_ACTUAL_ONE", {"sem_id": sem_id})
     true_used = int(actual.rows[0][0] or 0) if actual.rows else 0
-    if true_used == int(used):
+    if true_used == used:
         return None
-    yield Stmt("SEM_SET_USED", {"id": int(sem_id), "used": true_used})
-    return Drift(name=name, recorded=int(used), actual=true_used, repaired=True)
+    yield Stmt("SEM_SET_USED", {"id": sem_id, "used": true_used})
+    return Drift(name=name, recorded=used, actual=true_used, repaired=True)
 
 
 def count_held(identity: str) -> Flow[int]:

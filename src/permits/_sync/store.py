@@ -332,7 +332,9 @@ class SQLStore:
             return drift
         repaired: list[Drift] = []
         for found in drift:
-            fixed = self._run(lambda name=found.name: flows.repair_drift(name))  # type: ignore[misc]
+            fixed = self._run(
+                lambda name=found.name, field=found.field: flows.repair_drift(name, field)  # type: ignore[misc]
+            )
             if fixed is not None:
                 repaired.append(fixed)
         return repaired

@@ -232,8 +232,13 @@ PORTABLE_SQL: dict[str, str] = {
         SELECT s.id, s.name, s.used,
                COALESCE((SELECT SUM(p.count) FROM permits_permit p
                          JOIN permits_lease l ON l.id = p.lease_id
-                         WHERE p.semaphore_id = s.id AND l.state = 1), 0)
+                         WHERE p.semaphore_id = s.id AND l.state = 1), 0),
+               s.last_token,
+               COALESCE((SELECT MAX(p.token) FROM permits_permit p WHERE p.semaphore_id = s.id), 0)
         FROM permits_semaphore s WHERE s.deleted = 0 ORDER BY s.name""",
+    # params: sem_id -> the highest fencing token of the semaphore's permit rows (held or not)
+    "TOKEN_HIGHEST_ONE": """
+        SELECT COALESCE(MAX(token), 0) FROM permits_permit WHERE semaphore_id = :sem_id""",
     # params: sem_id -> sum(count) over held leases
     "USED_ACTUAL_ONE": """
         SELECT COALESCE(SUM(p.count), 0) FROM permits_lease l
@@ -278,6 +283,10 @@ PORTABLE_SQL: dict[str, str] = {
     "HISTORY_DELETE": "DELETE FROM permits_capacity_change WHERE id IN :ids",
     # params: id, used
     "SEM_SET_USED": "UPDATE permits_semaphore SET used = :used, updated_at_ms = {now} WHERE id = :id",
+    # Only ever raises the counter: a fencing token is never handed out twice. params: id, token
+    "SEM_RAISE_TOKEN": """
+        UPDATE permits_semaphore SET last_token = :token, updated_at_ms = {now}
+        WHERE id = :id AND last_token < :token""",
 }
 
 

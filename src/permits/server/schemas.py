@@ -8,7 +8,7 @@ by ``permits._wire``; the models below describe them (tests check that the two a
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -178,6 +178,7 @@ class SweepOut(BaseModel):
 
 class DriftOut(BaseModel):
     name: str
+    field: Literal["used", "last_token"]
     recorded: int
     actual: int
     repaired: bool
