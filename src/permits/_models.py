@@ -213,10 +213,11 @@ class CapacityChange:
 class Drift:
     """A semaphore row that disagrees with its permit rows.
 
-    ``field`` says which of its columns: ``"used"``, the count of permits in use, against the sum over the
-    permit rows of held leases; or ``"last_token"``, the last fencing token handed out, which must be at
+    ``field`` says what disagrees: ``"used"``, the count of permits in use, against the sum over the
+    permit rows of held leases; ``"last_token"``, the last fencing token handed out, which must be at
     least the highest token of any permit row (else the next grant would meet a token already given, and
-    the unique key would refuse every grant of that semaphore)."""
+    the unique key would refuse every grant of that semaphore); or ``"orphaned_permits"``, permit rows
+    whose lease is gone (``recorded`` of them, where there should be none)."""
 
     name: str
     recorded: int  # the value on the semaphore row

@@ -265,7 +265,7 @@ def sweep(batch_size: int, db: str | None) -> None:
 
 
 @main.command()
-@click.option("--repair", is_flag=True, help="Store the true counts.")
+@click.option("--repair", is_flag=True, help="Fix what drifted: true counts, token counters, orphaned permit rows.")
 @_db_option
 def reconcile(repair: bool, db: str | None) -> None:
     """Check each semaphore's count and token counter against its permit rows; exit 1 if drift remains."""
@@ -273,7 +273,7 @@ def reconcile(repair: bool, db: str | None) -> None:
         drift = client.reconcile(repair=repair)
     for d in drift:
         state = "repaired" if d.repaired else "DRIFT"
-        what = "permits in use" if d.field == "used" else "last token"
+        what = {"used": "permits in use", "last_token": "last token"}.get(d.field, "permit rows without a lease")
         click.echo(f"{state}: {d.name}: {what} recorded {d.recorded}, actual {d.actual}")
     if not drift:
         click.echo("no drift")

@@ -274,3 +274,32 @@ def test_reconcile_raises_a_lagging_token_counter(client: Any, db_url: str, ns: 
     assert client.get_semaphore(name).last_token == 4
     assert client.try_acquire(name).token == 5  # the next grant is not refused as a duplicate
     assert [d for d in client.reconcile() if d.name == name] == []
+
+
+def test_reconcile_removes_permit_rows_without_a_lease(client: Any, db_url: str, ns: str) -> None:
+    """A permit row whose lease is gone (the other half of the Galera batch bug) counts nothing held, but a
+    lease that one day reused its id would inherit it. reconcile reports it; repair deletes it, and raises
+    the token counter past it first, so its token stays spent."""
+    from sqlalchemy import create_engine, text
+
+    name = f"{ns}o"
+    client.create_semaphore(name, 2)
+    held = client.try_acquire(name)
+    url = db_url.replace("mysql://", "mysql+pymysql://").replace("postgresql://", "postgresql+psycopg://")
+    engine = create_engine(url)
+    with engine.begin() as conn:  # a permit with token 2 whose lease never committed
+        sem_id = conn.execute(text("SELECT id FROM permits_semaphore WHERE name = :n"), {"n": name}).scalar()
+        conn.execute(
+            text("INSERT INTO permits_permit (lease_id, semaphore_id, count, token) VALUES (:l, :s, 1, 2)"),
+            {"l": 10**12 + 7, "s": sem_id},
+        )
+    drift = sorted((d.field, d.recorded, d.actual) for d in client.reconcile() if d.name == name)
+    assert drift == [("last_token", 1, 2), ("orphaned_permits", 1, 0)]
+    repaired = sorted((d.field, d.repaired) for d in client.reconcile(repair=True) if d.name == name)
+    assert repaired == [("last_token", True), ("orphaned_permits", True)]
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT token FROM permits_permit WHERE semaphore_id = :s"), {"s": sem_id}).all()
+    engine.dispose()
+    assert [r[0] for r in rows] == [held.token]  # the held lease's permit is untouched
+    assert client.try_acquire(name).token == 3
+    assert [d for d in client.reconcile() if d.name == name] == []

@@ -59,10 +59,11 @@ def assert_tokens_consistent(galera: GaleraCluster, names: list[str]) -> None:
         )
         assert len(rows) == len(names), (i, rows)
         for name, last_token, highest in rows:
-            assert highest is None or int(last_token) == int(highest), f"node {i}: {name} {last_token} < {highest}"
+            assert highest is None or int(last_token) >= int(highest), f"node {i}: {name} {last_token} < {highest}"
         orphans = galera.nodes[i].query(
             "SELECT p.lease_id, p.token FROM test.permits_permit p"
-            " LEFT JOIN test.permits_lease l ON l.id = p.lease_id WHERE l.id IS NULL"
+            " JOIN test.permits_semaphore s ON s.id = p.semaphore_id"
+            f" LEFT JOIN test.permits_lease l ON l.id = p.lease_id WHERE l.id IS NULL AND s.name IN ({quoted})"
         )
         assert orphans == (), f"node {i}: permit rows without a lease: {orphans[:5]}"
 
@@ -80,6 +81,7 @@ def test_many_processes_over_three_nodes(galera: GaleraCluster, tmp_path: Path) 
     assert_tokens_consistent(galera, [f"{ns}a", f"{ns}b"])
 
 
+@pytest.mark.timeout(900)
 def test_the_behaviour_suite_passes_with_each_node_serving_a_part(galera: GaleraCluster) -> None:
     """tests/conformance on the cluster, against the database directly (its service half adds nothing
     the cluster could break): its files dealt out to the three nodes, each run by a pytest of its own."""
@@ -90,14 +92,16 @@ def test_the_behaviour_suite_passes_with_each_node_serving_a_part(galera: Galera
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "mysql and db", *part],
             cwd=here.parent,
-            env={**os.environ, "PERMITS_TEST_MYSQL_URL": galera.url(i)},
+            # CI=true: a node the suite cannot reach fails it instead of skipping every test
+            env={**os.environ, "PERMITS_TEST_MYSQL_URL": galera.url(i), "CI": "true"},
             capture_output=True,
             text=True,
             timeout=600,
         )
-        summary = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
-        assert done.returncode in (0, 5), f"node {i} ({part}):\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
-        print(f"node {i}: {' '.join(summary)}")
+        summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+        assert done.returncode == 0, f"node {i} ({part}):\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
+        assert " passed" in summary and "skipped" not in summary, f"node {i}: {summary}"
+        print(f"node {i}: {summary}")
 
 
 def test_races_on_three_nodes_never_grant_a_mutex_twice(galera: GaleraCluster) -> None:

@@ -123,7 +123,7 @@ def try_acquire(
         if taken.rowcount == 0:
             raise _refused(d, owner, key, wants, ttl_ms, queue_ms, recheck, queued)
         tokens[want.name] = d.taken_token(taken)
-    if queue_ms:
+    if queue_ms or queued:  # a grant gives up the request's places, even on an attempt that would not queue
         yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
     return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
 
@@ -143,7 +143,7 @@ def _refused(
     they must not hold the row that the next grant needs."""
     if not recheck:
         return Restart(lambda: queue_place(owner, key), readonly=True) if queued else Restart(_no_room)
-    return Restart(lambda: _why_refused(d, owner, key, wants, ttl_ms, queue_ms), readonly=True)
+    return Restart(lambda: _why_refused(d, owner, key, wants, ttl_ms, queue_ms, queued), readonly=True)
 
 
 def _no_room() -> Flow[None]:
@@ -153,7 +153,7 @@ def _no_room() -> Flow[None]:
 
 
 def _why_refused(
-    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0
+    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0, queued: bool = False
 ) -> Flow[Lease | None]:
     # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
     existing = yield from _find_lease(owner, key)
@@ -169,7 +169,7 @@ def _why_refused(
     # Expired leases never block: if any hold these semaphores, reclaim them under lock and try again.
     expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": sorted(sid for sid, _, _ in sems.values())})
     if expired.rows:
-        raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms, queue_ms))
+        raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms, queue_ms, queued))
     if queue_ms and fair:
         raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms))
     return None
@@ -271,7 +271,7 @@ def _acquire_one(
 
 
 def _acquire_slow(
-    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0
+    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0, queued: bool = False
 ) -> Flow[Lease | None]:
     # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
     existing = yield from _find_lease(owner, key)
@@ -298,9 +298,9 @@ def _acquire_slow(
     for want in wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
         if taken.rowcount == 0:  # room, but a fair queue ahead of us: wait like any refused request
-            raise _refused(d, owner, key, wants, ttl_ms, queue_ms)
+            raise _refused(d, owner, key, wants, ttl_ms, queue_ms, queued=queued)
         tokens[want.name] = d.taken_token(taken)
-    if queue_ms:
+    if queue_ms or queued:
         yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
     return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
 
@@ -630,21 +630,29 @@ def find_drift() -> Flow[list[Drift]]:
     over held permits, and the last fencing token with the highest token handed out."""
     found = yield Stmt("DRIFT_CHECK")
     drift: list[Drift] = []
-    for _, name, used, actual, last_token, highest in found.rows:
+    for _, name, used, actual, last_token, highest, orphaned in found.rows:
         if int(used) != int(actual):
             drift.append(Drift(name=str(name), recorded=int(used), actual=int(actual)))
         if int(last_token) < int(highest):
             drift.append(Drift(name=str(name), recorded=int(last_token), actual=int(highest), field="last_token"))
+        if int(orphaned):
+            drift.append(Drift(name=str(name), recorded=int(orphaned), actual=0, field="orphaned_permits"))
     return drift
 
 
 def repair_drift(name: str, field: str = "used") -> Flow[Drift | None]:
-    """Under the semaphore's row lock: store the true count (``used``), or raise the token counter to the
-    highest token handed out (``last_token``; never lowered)."""
+    """Under the semaphore's row lock: store the true count (``used``), raise the token counter to the
+    highest token handed out (``last_token``; never lowered), or delete the permit rows whose lease is gone
+    (``orphaned_permits``; their tokens stay spent)."""
     locked = yield Stmt("SEMS_LOCK", {"names": [name]})
     if not locked.rows:
         return None
     sem_id = int(locked.rows[0][0])
+    if field == "orphaned_permits":
+        gone = yield Stmt("PERMITS_ORPHANED_DELETE", {"sem_id": sem_id})
+        if gone.rowcount <= 0:
+            return None
+        return Drift(name=name, recorded=gone.rowcount, actual=0, repaired=True, field="orphaned_permits")
     if field == "last_token":
         current = yield Stmt("SEM_GET", {"name": name})
         last_token = int(current.rows[0][3])

@@ -17,7 +17,14 @@ from permits._backoff import RETRY_BACKOFF
 from permits._config import Settings, redact
 from permits._core import flows
 from permits._core.flows import DuplicateKey, Flow, Restart, Result, Retry, Stmt
-from permits._exceptions import SchemaMismatch, StorageConflict, StorageError, UsageError
+from permits._exceptions import (
+    SchemaMismatch,
+    StorageConflict,
+    StorageError,
+    StorageReadOnly,
+    StorageUnavailable,
+    UsageError,
+)
 from permits._io import sync_sleep, monotonic
 from permits._models import (
     CapacityChange,
@@ -113,7 +120,14 @@ class SQLStore:
         if self._dialect.name == "mysql":
             # Which server the URL reached decides the statements: MySQL lacks INSERT ... RETURNING, and
             # a node of a multi-primary cluster must get one statement per request (dialects/mysql.py).
-            multi_primary = is_multi_primary(self._with_retries(self._probe_replication))
+            try:
+                variables = self._with_retries(self._probe_replication)
+            except (StorageUnavailable, StorageReadOnly):
+                raise
+            except StorageError as exc:  # an engine that speaks MySQL but does not answer this (Vitess, say)
+                logger.warning("cannot tell whether %s is a multi-primary cluster node (%s)", self.url, exc)
+                variables = []
+            multi_primary = is_multi_primary(variables)
             self._dialect = mysql_family_dialect(getattr(self._engine.dialect, "is_mariadb", True), multi_primary)
         head = _schema.head()
         if revision != head:
@@ -156,7 +170,7 @@ class SQLStore:
         with self._engine.connect() as conn:
             result = conn.exec_driver_sql(MULTI_PRIMARY_PROBE)
             found: list[Any] = list(result.fetchall())  # (Variable_name, Value)
-            rows = [(str(name), str(value)) for name, value in found]
+            rows = [(_text(name), _text(value)) for name, value in found]
             conn.rollback()
             return rows
 
@@ -549,6 +563,10 @@ class SQLStore:
         if self.after_statement is not None:
             self.after_statement(stmt.name)
         return result
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes | bytearray) else str(value)
 
 
 def _send_batch(driver: Any, sql: str, params: Any) -> Result:

@@ -234,8 +234,15 @@ PORTABLE_SQL: dict[str, str] = {
                          JOIN permits_lease l ON l.id = p.lease_id
                          WHERE p.semaphore_id = s.id AND l.state = 1), 0),
                s.last_token,
-               COALESCE((SELECT MAX(p.token) FROM permits_permit p WHERE p.semaphore_id = s.id), 0)
+               COALESCE((SELECT MAX(p.token) FROM permits_permit p WHERE p.semaphore_id = s.id), 0),
+               (SELECT COUNT(*) FROM permits_permit p WHERE p.semaphore_id = s.id
+                AND NOT EXISTS (SELECT 1 FROM permits_lease l WHERE l.id = p.lease_id))
         FROM permits_semaphore s WHERE s.deleted = 0 ORDER BY s.name""",
+    # Permit rows whose lease is gone: no flow writes one (a permit and its lease commit together, and
+    # go together), but a half-committed grant did (docs/deployment.md, Galera). params: sem_id
+    "PERMITS_ORPHANED_DELETE": """
+        DELETE FROM permits_permit WHERE semaphore_id = :sem_id
+        AND NOT EXISTS (SELECT 1 FROM permits_lease l WHERE l.id = permits_permit.lease_id)""",
     # params: sem_id -> the highest fencing token of the semaphore's permit rows (held or not)
     "TOKEN_HIGHEST_ONE": """
         SELECT COALESCE(MAX(token), 0) FROM permits_permit WHERE semaphore_id = :sem_id""",

@@ -178,7 +178,7 @@ class SweepOut(BaseModel):
 
 class DriftOut(BaseModel):
     name: str
-    field: Literal["used", "last_token"]
+    field: Literal["used", "last_token", "orphaned_permits"]
     recorded: int
     actual: int
     repaired: bool
