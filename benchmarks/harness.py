@@ -928,6 +928,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scenario", default="hot", help=f"comma list of {SCENARIO_NAMES}")
     parser.add_argument("--clients", default="1,4,16", help="comma list of client counts")
     parser.add_argument("--per-acquire", type=int, default=1, help="semaphores taken together by one acquire")
+    parser.add_argument(
+        "--capacity", type=int, default=DEFAULT_CAPACITY, help="capacity of each semaphore (1: a mutex)"
+    )
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
     parser.add_argument("--warmup", type=float, default=0.0, help="uncounted seconds of cycles before each run")
     parser.add_argument("--history", type=int, default=0, help="pre-load this many old released rows before each run")
@@ -954,7 +957,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # spread over all configurations instead of skewing one.
     for _ in range(args.repeat):
         for system, backend, scenario, clients in grid:
-            template = Scenario(scenario, clients, per_acquire=args.per_acquire)
+            template = Scenario(scenario, clients, capacity=args.capacity, per_acquire=args.per_acquire)
             result = run(
                 system, urls[backend], template, clients, args.seconds, history=args.history, warmup=args.warmup
             )

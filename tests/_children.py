@@ -182,7 +182,38 @@ def fenced_writer(args: dict[str, Any]) -> None:
     engine.dispose()
 
 
-COMMANDS = {"cycles": cycles, "hold": hold, "operate": operate, "fenced_writer": fenced_writer}
+# ---------------------------------------------------------------------------------------------- turns
+
+
+def take_turns(args: dict[str, Any]) -> None:
+    """Acquire ``name``, hold it ``hold`` seconds and release it, again and again for ``seconds``; then say
+    how many grants and how many timeouts this process had, as one JSON line."""
+    granted = timed_out = 0
+    with permits.connect(args["url"], owner=args["owner"]) as client:
+        client.get_semaphore(args["name"])  # connected before the start signal
+        _say("ready")
+        if sys.stdin.readline().strip() != "go":
+            raise SystemExit("no start signal")
+        end = time.monotonic() + args["seconds"]
+        while time.monotonic() < end:
+            try:
+                lease = client.acquire(args["name"], ttl=30, timeout=args["timeout"])
+            except permits.AcquireTimeout:
+                timed_out += 1
+                continue
+            time.sleep(args["hold"])
+            client.release(lease)
+            granted += 1
+    _say(json.dumps({"granted": granted, "timed_out": timed_out}))
+
+
+COMMANDS = {
+    "cycles": cycles,
+    "hold": hold,
+    "operate": operate,
+    "fenced_writer": fenced_writer,
+    "take_turns": take_turns,
+}
 
 if __name__ == "__main__":
     COMMANDS[sys.argv[1]](json.loads(sys.argv[2]))

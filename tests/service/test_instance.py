@@ -110,6 +110,120 @@ def test_a_release_wakes_a_waiter_at_once(db_url: str, ns: str) -> None:
     assert _run(scenario()) < 0.3
 
 
+# ------------------------------------------------------------------------------------------- hand-off
+
+
+def test_waiters_in_one_instance_are_served_in_arrival_order(db_url: str, ns: str) -> None:
+    async def scenario() -> tuple[list[int], list[float], int]:
+        state = _state(db_url)
+        attempt = state.sql_store.try_acquire
+        attempts = 0
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal attempts
+            attempts += 1
+            return await attempt(*args, **kwargs)
+
+        state.sql_store.try_acquire = counted  # type: ignore[method-assign]
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}m", 1)
+            held = await client.acquire(f"{ns}m", ttl=30)
+            granted: list[int] = []
+            leases: dict[int, permits.Lease] = {}
+
+            async def waiter(i: int) -> None:
+                leases[i] = await client.acquire(f"{ns}m", ttl=30, timeout=30)
+                granted.append(i)
+
+            tasks = []
+            for i in range(5):
+                tasks.append(asyncio.create_task(waiter(i)))
+                await asyncio.sleep(0.05)  # a clear arrival order
+            await asyncio.sleep(0.3)
+            assert state.instance_store.handoff is not None
+            assert state.instance_store.handoff.queued(f"{ns}m") == 5
+            hand_offs: list[float] = []
+            before = attempts
+            current = held
+            for i in range(5):
+                released_at = asyncio.get_running_loop().time()
+                await client.release(current)
+                while len(granted) <= i:
+                    await asyncio.sleep(0.001)
+                hand_offs.append(asyncio.get_running_loop().time() - released_at)
+                current = leases[granted[-1]]
+            await client.release(current)
+            await asyncio.gather(*tasks)
+            assert (await client.get_semaphore(f"{ns}m")).used == 0
+            return granted, hand_offs, attempts - before
+
+    granted, hand_offs, attempts = _run(scenario())
+    assert granted == [0, 1, 2, 3, 4]  # first come, first served
+    assert max(hand_offs) < 0.3, hand_offs  # a release here reaches the head of the line at once
+    # One attempt per hand-off, not one per waiter (a poll may add one now and then).
+    assert attempts <= 5 + 3, attempts
+
+
+def test_a_waiter_in_line_leaves_it_at_its_deadline(db_url: str, ns: str) -> None:
+    async def scenario() -> None:
+        state = _state(db_url)
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}m", 1)
+            held = await client.acquire(f"{ns}m", ttl=30)
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(permits.AcquireTimeout):
+                await client.acquire(f"{ns}m", key="late", ttl=30, timeout=0.3)
+            assert asyncio.get_running_loop().time() - started < 2
+            assert state.instance_store.handoff is not None
+            await asyncio.sleep(0.2)
+            assert state.instance_store.handoff.queued(f"{ns}m") == 0
+            assert state.waker.waiters == 0
+            await client.release(held)
+            await asyncio.sleep(0.3)
+            # Nothing was granted to the request that gave up.
+            assert (await client.get_semaphore(f"{ns}m")).used == 0
+            with pytest.raises(permits.LeaseNotFound):
+                await client.get_lease("late")
+
+    _run(scenario())
+
+
+def test_a_line_finds_room_made_through_another_instance(db_url: str, ns: str) -> None:
+    async def scenario() -> float:
+        first, second = _state(db_url), _state(db_url)
+        async with first.client as a, second.client as b:
+            await a.create_semaphore(f"{ns}m", 1)
+            held = await a.acquire(f"{ns}m", ttl=30)
+            waiter = asyncio.create_task(b.acquire(f"{ns}m", ttl=30, timeout=20))
+            await asyncio.sleep(1.0)
+            released_at = asyncio.get_running_loop().time()
+            await a.release(held)
+            lease = await waiter
+            found_after = asyncio.get_running_loop().time() - released_at
+            await b.release(lease)
+            return found_after
+
+    # The line's poll is capped at 0.1 s (PostgreSQL's NOTIFY is heard sooner).
+    assert _run(scenario()) < 1.0
+
+
+def test_shutdown_answers_the_waiters_in_line(db_url: str, ns: str) -> None:
+    async def scenario() -> None:
+        state = _state(db_url)
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}m", 1)
+            await client.acquire(f"{ns}m", ttl=30)
+            waiters = [asyncio.create_task(client.acquire(f"{ns}m", ttl=30, timeout=20)) for _ in range(3)]
+            await asyncio.sleep(0.3)
+            state.waker.draining.set()
+            done, pending = await asyncio.wait(waiters, timeout=2)
+            assert not pending
+            for task in done:
+                assert isinstance(task.exception(), permits.ServiceUnavailable)
+
+    _run(scenario())
+
+
 # ---------------------------------------------------------------------------------------- maintenance
 
 

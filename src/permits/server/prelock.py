@@ -19,14 +19,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from permits._exceptions import LimitExceeded, ServiceUnavailable
 from permits._io import monotonic
 from permits._models import CapacityChange, Lease, ReleaseOutcome, Want
 from permits.stores.base import AsyncStore
+
+if TYPE_CHECKING:
+    from permits.server.handoff import HandOff
 
 
 @dataclass
@@ -94,8 +97,9 @@ class Waker:
         self.waiters = 0
         self.draining = asyncio.Event()
 
-    async def wait(self, names: Sequence[str], seconds: float) -> bool:
-        """Wait for a local release of one of ``names`` (True) or ``seconds`` (False)."""
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Count one more request waiting for room here, within ``max_waiters``, while the block runs."""
         if self.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
         if self.waiters >= self.max_waiters:
@@ -103,24 +107,38 @@ class Waker:
                 f"{self.max_waiters} requests are already waiting for room on this instance",
                 limit="max_waiters",
             )
-        event = asyncio.Event()
-        for name in names:
-            self._waiting.setdefault(name, set()).add(event)
         self.waiters += 1
-        draining = asyncio.ensure_future(self.draining.wait())
-        woken = asyncio.ensure_future(event.wait())
         try:
-            await asyncio.wait({draining, woken}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+            yield
         finally:
-            draining.cancel()
-            woken.cancel()
             self.waiters -= 1
+
+    def watch(self, name: str, event: asyncio.Event) -> None:
+        """Set ``event`` whenever permits of ``name`` come back here, until ``unwatch``."""
+        self._waiting.setdefault(name, set()).add(event)
+
+    def unwatch(self, name: str, event: asyncio.Event) -> None:
+        events = self._waiting.get(name)
+        if events is not None:
+            events.discard(event)
+            if not events:
+                del self._waiting[name]
+
+    async def wait(self, names: Sequence[str], seconds: float) -> bool:
+        """Wait for a local release of one of ``names`` (True) or ``seconds`` (False)."""
+        with self.admitted():
+            event = asyncio.Event()
             for name in names:
-                events = self._waiting.get(name)
-                if events is not None:
-                    events.discard(event)
-                    if not events:
-                        del self._waiting[name]
+                self.watch(name, event)
+            draining = asyncio.ensure_future(self.draining.wait())
+            woken = asyncio.ensure_future(event.wait())
+            try:
+                await asyncio.wait({draining, woken}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                draining.cancel()
+                woken.cancel()
+                for name in names:
+                    self.unwatch(name, event)
         if self.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
         return event.is_set()
@@ -158,6 +176,8 @@ class InstanceStore:
         self.prelock = prelock
         self.waker = waker
         self._on_hold = on_hold
+        #: This instance's lines of waiting single-semaphore acquires (``permits.server.handoff``).
+        self.handoff: HandOff | None = None
         #: (owner, key) -> (semaphore names, monotonic time of the grant)
         self._granted: OrderedDict[tuple[str, str], tuple[list[str], float]] = OrderedDict()
 
@@ -169,10 +189,25 @@ class InstanceStore:
     ) -> Lease | None:
         if self.waker.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
-        async with self.prelock.hold([w.name for w in wants]):
-            lease = await self._inner.try_acquire(owner, key, wants, ttl_ms, wait, recheck)
+        names = [w.name for w in wants]
+        handoff = self.handoff if self.handoff is not None and self.handoff.enabled else None
+        if wait <= 0 or len(wants) != 1:
+            handoff = None
+        # A request that would wait goes to the back of a line that has formed, rather than ask ahead of
+        # those in it; unless it is a retry of one granted here, which gets its lease back at once.
+        behind = handoff is not None and handoff.queued(names[0]) > 0 and (owner, key) not in self._granted
+        lease = None
+        rechecked_at = None
+        if not behind:
+            async with self.prelock.hold(names):
+                lease = await self._inner.try_acquire(owner, key, wants, ttl_ms, wait, recheck)
+            rechecked_at = monotonic() if recheck else None
+        # A semaphore in fair mode keeps its waiters in the database's queue (the store knows their places),
+        # and they pace themselves by it; the others wait in this instance's line.
+        if lease is None and handoff is not None and self._inner.queue_short(owner, key) is None:
+            lease = await handoff.wait(owner, key, wants[0], ttl_ms, wait, rechecked_at)
         if lease is not None and (owner, key) not in self._granted:
-            self._granted[(owner, key)] = ([w.name for w in wants], monotonic())
+            self._granted[(owner, key)] = (names, monotonic())
             if len(self._granted) > self.REMEMBERED_LEASES:
                 self._granted.popitem(last=False)
         return lease

@@ -16,6 +16,7 @@ from permits._io import monotonic
 from permits.server.auth import Authenticator, Identity
 from permits.server.config import ServerConfig
 from permits.server.events import Broadcaster
+from permits.server.handoff import HandOff
 from permits.server.maintenance import LivenessProbe
 from permits.server.metrics import Metrics
 from permits.server.prelock import InstanceStore, PreLock, Waker
@@ -84,6 +85,7 @@ class ServiceState:
         prelock = PreLock(config.prelock, config.prelock_wait, on_wait=metrics.prelock_wait_seconds.observe)
         waker = Waker(config.limits.max_waiters)
         instance_store = InstanceStore(sql_store, prelock, waker, on_hold=metrics.hold_seconds.observe)
+        instance_store.handoff = HandOff(sql_store, prelock, waker)
         # Attempts go through the pre-lock, and waits hear the releases this instance sees.
         client = AsyncClient(
             config.database_url,
