@@ -27,6 +27,7 @@ beside permits on each backend. ZooKeeper and etcd are started privately when no
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -170,6 +171,9 @@ def main() -> int:
     if charts_dir is None and plan.charts and args.out is not None:
         charts_dir = args.out.with_suffix("")  # docs/benchmarks.md -> docs/benchmarks/
 
+    # The peers start private Redis, ZooKeeper and etcd servers from Debian's packages: install any missing
+    # first, or their rows would be failures rather than figures.
+    subprocess.run([str(Path(__file__).resolve().parent.parent / "scripts" / "ensure-peers")], check=True)
     if "postgresql" in plan.backends:
         # A client that waits holds two connections (its pool's and its LISTEN one), the service some more.
         ensure_database(default_url("postgresql"))  # a fresh server has no benchmark database yet
