@@ -160,8 +160,30 @@ def test_waiters_in_one_instance_are_served_in_arrival_order(db_url: str, ns: st
     granted, hand_offs, attempts = _run(scenario())
     assert granted == [0, 1, 2, 3, 4]  # first come, first served
     assert max(hand_offs) < 0.3, hand_offs  # a release here reaches the head of the line at once
-    # One attempt per hand-off, not one per waiter (a poll may add one now and then).
-    assert attempts <= 5 + 3, attempts
+    # About one attempt per hand-off, not one per waiter (that would be 5 + 4 + 3 + 2 + 1 = 15 and more). On
+    # PostgreSQL the NOTIFY of a release handed off here may add one more, and a poll one now and then.
+    assert attempts <= 2 * 5 + 2, attempts
+
+
+def test_a_retry_of_a_granted_key_does_not_wait_behind_the_line(db_url: str, ns: str) -> None:
+    async def scenario() -> None:
+        state = _state(db_url)
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}m", 1)
+            held = await client.acquire(f"{ns}m", key="mine", ttl=30)
+            waiter = asyncio.create_task(client.acquire(f"{ns}m", key="other", ttl=30, timeout=20))
+            await asyncio.sleep(0.3)
+            assert state.instance_store.handoff is not None
+            assert state.instance_store.handoff.queued(f"{ns}m") == 1
+            # The same key again (a reply lost on the way, say), while a line waits for the permit it holds.
+            started = asyncio.get_running_loop().time()
+            again = await client.acquire(f"{ns}m", key="mine", ttl=30, timeout=10)
+            assert asyncio.get_running_loop().time() - started < 1.0
+            assert again.token == held.token
+            await client.release(held)
+            await client.release(await waiter)
+
+    _run(scenario())
 
 
 def test_a_waiter_in_line_leaves_it_at_its_deadline(db_url: str, ns: str) -> None:

@@ -28,6 +28,7 @@ import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from permits._backoff import Backoff
 from permits._exceptions import ServiceUnavailable
@@ -42,6 +43,10 @@ logger = logging.getLogger("permits.server")
 #: Between attempts for the head of a line when nobody said that room came back. One statement per
 #: semaphore per instance, whatever the number of waiters, so the cap can be short.
 LINE_POLL = Backoff(base=0.005, cap=0.1)
+#: How long one wait on the store's listener lasts before the line asks it again.
+LISTEN_SECONDS = 1.0
+#: A notification heard this soon after a hand-off here is taken for that release's own.
+ECHO_SECONDS = 0.05
 
 
 @dataclass(eq=False)
@@ -67,6 +72,11 @@ class _Line:
     #: Set when this instance sees permits of the semaphore come back; cleared before each attempt.
     room: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    #: The store's wait for a release elsewhere (PostgreSQL's LISTEN), kept across polls: cancelling it at
+    #: every poll could cancel the listener's first connect, and it would never start.
+    heard: asyncio.Future[bool] | None = None
+    #: When the line last handed a permit to a request (``monotonic()``).
+    handed_at: float = float("-inf")
 
 
 class HandOff:
@@ -97,6 +107,13 @@ class HandOff:
             if line is None:
                 line = self._lines[want.name] = _Line()
                 self._waker.watch(want.name, line.room)
+            # A retry of a request that is still in the line (its reply was lost, and the client asked again
+            # under the same key) takes that request's place and answer, rather than queue behind it.
+            twin = next((t for t in line.tickets if (t.owner, t.key) == (owner, key) and not t.abandoned), None)
+            if twin is not None:
+                twin.deadline = max(twin.deadline, monotonic() + seconds)
+                done, _ = await asyncio.wait({twin.future}, timeout=seconds)
+                return twin.future.result() if done and not twin.future.cancelled() else None
             ticket = _Ticket(owner, key, want, ttl_ms, monotonic() + seconds, rechecked_at)
             line.tickets.append(ticket)
             if line.task is None:
@@ -110,6 +127,11 @@ class HandOff:
                 if not ticket.future.done():
                     ticket.abandoned = True
                     ticket.future.cancel()
+                    if not ticket.attempting:  # out of the line now, so a burst of give-ups cannot pile up
+                        with contextlib.suppress(ValueError):
+                            line.tickets.remove(ticket)
+                elif not ticket.future.cancelled():
+                    ticket.future.exception()  # an answer that came as this waiter left: mark it seen
 
     async def _serve(self, name: str, line: _Line) -> None:
         refusals = 1  # the request that formed the line was refused just now
@@ -162,6 +184,7 @@ class HandOff:
                 if lease is not None:
                     line.tickets.popleft()
                     refusals = 0
+                    line.handed_at = monotonic()
                     if not ticket.future.done():
                         ticket.future.set_result(lease)
                     else:
@@ -174,9 +197,19 @@ class HandOff:
                     if not ticket.future.done():
                         ticket.future.set_result(None)
                     continue
+                if self._inner.queue_short(ticket.owner, ticket.key) is not None:
+                    # It holds a place in a fair queue after all: the database orders it, and the client's
+                    # loop paces it by that place.
+                    line.tickets.popleft()
+                    if not ticket.future.done():
+                        ticket.future.set_result(None)
+                    continue
                 refusals += 1
         finally:
             line.task = None
+            if line.heard is not None:
+                line.heard.cancel()
+                line.heard = None
             if self._lines.get(name) is line:
                 if line.tickets:  # a waiter arrived as the task ended (it was cancelled): serve it anew
                     if not self._waker.draining.is_set():
@@ -187,14 +220,22 @@ class HandOff:
 
     async def _room_or_timeout(self, name: str, line: _Line, seconds: float) -> None:
         """Until this instance sees room come back, the store's listener hears of a release, or ``seconds``."""
-        if line.room.is_set() or seconds <= 0:
-            return
-        local = asyncio.ensure_future(line.room.wait())
-        heard = asyncio.ensure_future(self._inner.wait_for_room([name], seconds))
-        try:
-            await asyncio.wait({local, heard}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (local, heard):
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await heard
+        deadline = monotonic() + seconds
+        while not line.room.is_set() and (left := deadline - monotonic()) > 0:
+            if line.heard is None:
+                line.heard = asyncio.ensure_future(self._inner.wait_for_room([name], LISTEN_SECONDS))
+            local: asyncio.Future[Any] = asyncio.ensure_future(line.room.wait())
+            heard: asyncio.Future[Any] = line.heard
+            try:
+                await asyncio.wait({local, heard}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                local.cancel()
+            if not heard.done():
+                return
+            line.heard = None
+            if heard.cancelled() or heard.exception() is not None or not heard.result():
+                continue  # a failed or idle wait is only a missed wake-up: the poll covers it
+            if monotonic() - line.handed_at > ECHO_SECONDS:
+                return
+            # Heard just after a hand-off here: most likely the notification of that very release, whose
+            # permit is taken. Asking again would be refused; a release elsewhere is found by the poll.

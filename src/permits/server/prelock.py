@@ -190,22 +190,25 @@ class InstanceStore:
         if self.waker.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
         names = [w.name for w in wants]
+        started = monotonic()
+        # A request for one permit of one semaphore that is not fair waits in this instance's line. A fair
+        # semaphore's waiters keep their places in the database's queue (the store knows them) and pace
+        # themselves by them; larger requests wait as before, so none holds up a line's smaller ones.
         handoff = self.handoff if self.handoff is not None and self.handoff.enabled else None
-        if wait <= 0 or len(wants) != 1:
-            handoff = None
-        # A request that would wait goes to the back of a line that has formed, rather than ask ahead of
-        # those in it; unless it is a retry of one granted here, which gets its lease back at once.
-        behind = handoff is not None and handoff.queued(names[0]) > 0 and (owner, key) not in self._granted
+        lined = handoff is not None and wait > 0 and len(wants) == 1 and wants[0].count == 1
         lease = None
         rechecked_at = None
-        if not behind:
+        # Where a line has formed, a new request goes to its back rather than ask ahead of it; unless it is
+        # a retry of one granted here, which must never wait behind the permit it holds itself: it asks at
+        # once and gets that lease back. (A retry of a request still in the line shares its place there.)
+        if not (lined and handoff is not None and handoff.queued(names[0]) and (owner, key) not in self._granted):
             async with self.prelock.hold(names):
                 lease = await self._inner.try_acquire(owner, key, wants, ttl_ms, wait, recheck)
             rechecked_at = monotonic() if recheck else None
-        # A semaphore in fair mode keeps its waiters in the database's queue (the store knows their places),
-        # and they pace themselves by it; the others wait in this instance's line.
-        if lease is None and handoff is not None and self._inner.queue_short(owner, key) is None:
-            lease = await handoff.wait(owner, key, wants[0], ttl_ms, wait, rechecked_at)
+        remaining = wait - (monotonic() - started)
+        fair = self._inner.queue_short(owner, key) is not None
+        if lease is None and lined and handoff is not None and remaining > 0 and not fair:
+            lease = await handoff.wait(owner, key, wants[0], ttl_ms, remaining, rechecked_at)
         if lease is not None and (owner, key) not in self._granted:
             self._granted[(owner, key)] = (names, monotonic())
             if len(self._granted) > self.REMEMBERED_LEASES:
