@@ -39,6 +39,8 @@ def _reset(url: str) -> None:
     cur = conn.cursor()
     for table in _TABLES:
         cur.execute(f"DROP TABLE IF EXISTS {table}")
+    if backend_of(url) == "postgresql":
+        cur.execute("DROP SEQUENCE IF EXISTS permits_ticket")
     conn.close()
 
 

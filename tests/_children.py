@@ -187,9 +187,17 @@ def fenced_writer(args: dict[str, Any]) -> None:
 
 def take_turns(args: dict[str, Any]) -> None:
     """Acquire ``name``, hold it ``hold`` seconds and release it, again and again for ``seconds``; then say
-    how many grants and how many timeouts this process had, as one JSON line."""
+    how many grants and how many timeouts this process had, and how many attempts its acquires made (on a
+    database: the statements that try to take room), as one JSON line."""
     granted = timed_out = 0
+    attempts = [0]
     with permits.connect(args["url"], owner=args["owner"]) as client:
+        if hasattr(client._store, "after_statement"):
+
+            def count(statement: str) -> None:
+                attempts[0] += statement in ("ACQUIRE_ONE", "SEM_TAKE")
+
+            client._store.after_statement = count
         client.get_semaphore(args["name"])  # connected before the start signal
         _say("ready")
         if sys.stdin.readline().strip() != "go":
@@ -204,7 +212,33 @@ def take_turns(args: dict[str, Any]) -> None:
             time.sleep(args["hold"])
             client.release(lease)
             granted += 1
-    _say(json.dumps({"granted": granted, "timed_out": timed_out}))
+    _say(json.dumps({"granted": granted, "timed_out": timed_out, "attempts": attempts[0]}))
+
+
+def run_take_turns(processes: int, args: dict[str, Any]) -> list[dict[str, int]]:
+    """Parent side: start ``processes`` children of ``take_turns`` (owners p0, p1, ...), start them together,
+    and return what each reported."""
+    children = [
+        spawn("take_turns", {**args, "owner": f"p{i}"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        for i in range(processes)
+    ]
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        results = []
+        for child in children:
+            out, _ = child.communicate(timeout=60)
+            assert child.returncode == 0
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
 
 
 COMMANDS = {

@@ -6,10 +6,12 @@ grant behind it); one that asks too rarely leaves returned permits idle. Three s
 - **Rechecks.** An attempt that finds no room is one statement. The transaction that finds out why (an
   earlier grant under the same key, expired leases to reclaim, the fair-queue place to keep) runs on the
   first attempt and then at most once a ``RECHECK_SECONDS``.
-- **Place in a fair queue.** A queued request learns how many permits it is short of fitting. That falls
-  only as permits come back, so the pacer measures how fast it falls and sleeps about half the predicted
-  time; only the request one permit short listens for a release. The rest of the queue stays asleep
-  instead of stampeding at every release.
+- **Place in a fair queue.** A queued request learns how many permits it is short of fitting. On
+  PostgreSQL its place records its process's wake channel, and a release calls the waiters that fit now
+  (see ``_async/listener.py``): the request sleeps until called, and only the queue's head wakes at a
+  release. Elsewhere the shortfall falls only as permits come back, so the pacer measures how fast it
+  falls and sleeps about half the predicted time; only the request one permit short listens for a
+  release. Either way the rest of the queue stays asleep instead of stampeding at every release.
 - **Lost races.** On PostgreSQL (and in the service) every waiter of a semaphore hears of every release.
   A waiter that was told of room and still found none lost a race to another waiter: it then spreads its
   next retries over a window that doubles with each lost race, as Ethernet spreads its retransmissions, so
@@ -30,6 +32,9 @@ RECHECK_SECONDS = 1.0
 #: Bounds on the sleep of a queued request that paces itself by its place.
 QUEUE_MIN_SLEEP = 0.002
 QUEUE_MAX_SLEEP = 1.0
+#: A queued request that is called when its turn comes still asks at least this often: a call can be lost
+#: (while the listener reconnects), and a waiter ahead can leave without a call (its place lapses).
+CALLED_MAX_SLEEP = 1.0
 #: The first lost race spreads retries over this many seconds; each further one doubles it, up to the cap.
 RACE_SPREAD_BASE = 0.002
 RACE_SPREAD_CAP = 0.5
@@ -99,9 +104,17 @@ class WaitPacer:
         predicted = self.short / self.rate
         return min(QUEUE_MAX_SLEEP, max(QUEUE_MIN_SLEEP, predicted / 2)), listen
 
-    def woken(self) -> float:
+    def waits_turn(self) -> bool:
+        """The request holds a place in a fair queue and does not fit yet: if the store calls it when its
+        turn comes, it sleeps until then (up to ``CALLED_MAX_SLEEP``) instead of following ``next_sleep``."""
+        return self.short is not None and self.short > 0
+
+    def woken(self, called: bool = False) -> float:
         """A release ended the sleep early. Returns how long to wait before asking: 0 until a race was
-        lost, then a random time within the spread window."""
+        lost, then a random time within the spread window. A request ``called`` because its turn came
+        lost no race when it finds no room after all: the release called only those that fit."""
+        if called:
+            return 0.0
         self._woken = True
         if self.lost_races == 0:
             return 0.0

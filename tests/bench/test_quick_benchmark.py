@@ -19,6 +19,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from peers import PEERS  # noqa: E402 - benchmarks/ is not a package
 
+from tests.conftest import SERVER_URLS  # noqa: E402
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the subprocess's own limit: the quick run takes 2-3 minutes, more on a busy machine
@@ -48,3 +50,20 @@ def test_quick_benchmark_runs_every_system() -> None:
         for row in rows:
             errors = row.rstrip(" |").rsplit("|", 1)[1].strip()
             assert errors == "0", f"{peer} had errors: {row}"
+
+
+def test_the_notify_cost_measurement_runs() -> None:
+    """benchmarks/notify_cost.py, behind the PostgreSQL notification figures in docs/benchmarks.md."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "notify_cost.py"),
+            *("--url", SERVER_URLS["postgresql"], "--listeners", "0,2", "--seconds", "0.3"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert len([line for line in done.stdout.splitlines() if line.endswith(" ms")]) == 2, done.stdout

@@ -50,17 +50,18 @@ def test_a_waiting_acquire_still_finds_its_earlier_grant_at_once(db_url: str, ns
         client.release(again)
 
 
-def test_a_fair_queue_is_served_in_order_while_its_waiters_pace_themselves(db_url: str, ns: str) -> None:
-    """Four waiters queue on a fair mutex; each holds it briefly. All are served, in arrival order, and a
-    waiter far back in the queue makes fewer attempts than it would polling at the backoff's floor."""
-    name = f"{ns}fair"
+def _queue_behind_a_holder(
+    db_url: str, ns: str, name: str, waiters: int, settle: float = 0.0
+) -> tuple[list[int], dict[int, int]]:
+    """``waiters`` clients queue, in turn, on the fair mutex ``name`` that a holder holds; each holds it for
+    0.3 s once granted. Returns the order they were granted in, and each one's acquire attempts."""
     with permits.connect(db_url, owner=f"{ns}h") as holder:
         holder.create_semaphore(name, 1, fair=True)
         held = holder.acquire(name, ttl=30)
         order: list[int] = []
         attempts: dict[int, int] = {}
         threads = []
-        for index in range(4):
+        for index in range(waiters):
 
             def wait(index: int = index) -> None:
                 with permits.connect(db_url, owner=f"{ns}w{index}") as client:
@@ -77,9 +78,30 @@ def test_a_fair_queue_is_served_in_order_while_its_waiters_pace_themselves(db_ur
             threads.append(thread)
             while len(holder.waiters(name)) < index + 1:  # arrival order is queue order
                 time.sleep(0.01)
+        time.sleep(settle)
         holder.release(held)
         for thread in threads:
             thread.join(60)
+    return order, attempts
+
+
+def test_a_fair_queue_is_served_in_order_while_its_waiters_pace_themselves(db_url: str, ns: str) -> None:
+    """Four waiters queue on a fair mutex; each holds it briefly. All are served, in arrival order, and a
+    waiter far back in the queue makes fewer attempts than it would polling at the backoff's floor."""
+    order, attempts = _queue_behind_a_holder(db_url, ns, f"{ns}fair", 4)
     assert order == [0, 1, 2, 3]
     # The last waiter waited about 1.2 s; at the backoff's 20 ms floor it would have asked ~60 times.
     assert attempts[3] < 40, attempts
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_on_postgresql_a_fair_queue_calls_its_head_and_the_rest_sleep(db_url: str, ns: str) -> None:
+    """On PostgreSQL a queued waiter is called on its process's own channel when its turn comes (see
+    permits/_async/listener.py): it asks about once per call instead of polling by a prediction, and no
+    release wakes the waiters behind the head."""
+    # The pause lets every waiter's listener come up and its place record its channel.
+    order, attempts = _queue_behind_a_holder(db_url, ns, f"{ns}called", 5, settle=0.5)
+    assert order == [0, 1, 2, 3, 4]
+    # The last waited about 2 s behind four holders: its first attempts, one when the listener came up
+    # (which records its channel), then one per call or per second. Pacing by prediction asks 10-20 times.
+    assert attempts[4] <= 7, attempts

@@ -92,3 +92,62 @@ def test_each_semaphore_notifies_its_own_channel_whatever_its_name(pg_url: str, 
     observer.close()
     assert (channel_for(other), other) in notes
     assert (channel_for(wanted), wanted) in notes
+
+
+def test_a_fair_waiter_is_called_when_the_waiter_ahead_of_it_leaves(pg_url: str, ns: str) -> None:
+    """A large request at the head of a fair queue holds up a small one that would fit. When the large
+    one's wait times out, the statement that gives up its place calls the small one on its process's
+    wake channel: it is granted at once, not at its next poll (at most a second later)."""
+    name = f"{ns}s"
+    with permits.connect(pg_url, owner=f"{ns}h") as holder:
+        holder.create_semaphore(name, 2, fair=True)
+        holder.acquire(name, ttl=30)
+        big_gave_up: list[float] = []
+        small_granted: list[float] = []
+
+        def big() -> None:
+            with permits.connect(pg_url, owner=f"{ns}big") as client, pytest.raises(permits.AcquireTimeout):
+                try:
+                    client.acquire({name: 2}, ttl=30, timeout=2.5)
+                finally:
+                    big_gave_up.append(time.monotonic())
+
+        def small() -> None:
+            with permits.connect(pg_url, owner=f"{ns}small") as client:
+                client.acquire(name, ttl=30, timeout=20)
+                small_granted.append(time.monotonic())
+
+        threads = [threading.Thread(target=big)]
+        threads[0].start()
+        while len(holder.waiters(name)) < 1:
+            time.sleep(0.01)
+        threads.append(threading.Thread(target=small))
+        threads[1].start()
+        for thread in threads:
+            thread.join(30)
+    assert big_gave_up and small_granted
+    assert small_granted[0] - big_gave_up[0] < 0.5, small_granted[0] - big_gave_up[0]
+
+
+def test_a_listener_stops_listening_once_its_waiters_are_gone(pg_url: str, ns: str) -> None:
+    """PostgreSQL signals every backend that LISTENs to anything at each NOTIFY in the database, so a
+    client that no longer waits must not stay subscribed: its listener UNLISTENs its channels, the
+    semaphores' and its own wake channel, a little after its last waiter (listener.LINGER)."""
+    from permits._sync.listener import LINGER, SUBSCRIBE_EVERY
+
+    name = f"{ns}s"
+    with permits.connect(pg_url, owner=f"{ns}h") as holder, permits.connect(pg_url, owner=f"{ns}w") as waiter:
+        holder.create_semaphore(name, 1, fair=True)
+        held = holder.acquire(name, ttl=30)
+        thread = threading.Thread(target=lambda: waiter.release(waiter.acquire(name, ttl=30, timeout=20)))
+        thread.start()
+        listener = waiter._store._listener  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 5
+        while listener.wake_channel is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert listener.wake_channel is not None  # a fair waiter's process listens for its calls
+        holder.release(held)
+        thread.join(30)
+        time.sleep(LINGER + 3 * SUBSCRIBE_EVERY)
+        assert listener.wake_channel is None
+        assert not listener._subscribed

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import permits
-from tests._children import spawn
+from tests._children import run_take_turns
 from tests._service import Service, running, wait_until
 
 
@@ -152,26 +152,7 @@ def test_waiters_on_a_mutex_take_turns_through_the_service(db_url: str, ns: str)
         with permits.connect(service.url) as admin:
             admin.create_semaphore(f"{ns}m", 1)
         args = {"url": service.url, "name": f"{ns}m", "seconds": 4, "hold": 0.02, "timeout": 3}
-        children = [
-            spawn("take_turns", {**args, "owner": f"p{i}"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            for i in range(6)
-        ]
-        try:
-            for child in children:
-                assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-            for child in children:
-                assert child.stdin is not None
-                child.stdin.write("go\n")
-                child.stdin.flush()
-            results = []
-            for child in children:
-                out, _ = child.communicate(timeout=60)
-                assert child.returncode == 0
-                results.append(json.loads(out.strip().splitlines()[-1]))
-        finally:
-            for child in children:
-                if child.poll() is None:
-                    child.kill()
+        results = run_take_turns(6, args)
         with permits.connect(service.url) as admin:
             assert admin.get_semaphore(f"{ns}m").used == 0
     turns = [r["granted"] for r in results]

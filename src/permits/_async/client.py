@@ -28,7 +28,7 @@ from permits._models import (
     Waiter,
     Want,
 )
-from permits._pacing import WaitPacer
+from permits._pacing import CALLED_MAX_SLEEP, WaitPacer
 from permits._validate import Seconds, WantsLike
 from permits.stores import async_store_for
 from permits.stores.base import AsyncStore
@@ -153,6 +153,8 @@ class AsyncClient:
         while True:
             wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
             conflict: StorageConflict | None = None
+            # Read before the attempt: a call that arrives while the attempt runs then still counts.
+            calls = self._store.wake_calls(names)
             try:
                 lease = await self._store.try_acquire(
                     owner_, key_, wants_, ttl_ms, wait, recheck=pacer.recheck_due(monotonic())
@@ -168,7 +170,9 @@ class AsyncClient:
                 return lease
             pacer.refused(monotonic(), self._store.queue_short(owner_, key_))
             self._remember_contention(contended, pacer)
-            delay, listen = pacer.next_sleep(monotonic())
+            # A request whose place in a fair queue will be called when its turn comes sleeps until then.
+            called = calls is not None and pacer.waits_turn() and self._store.place_called(owner_, key_)
+            delay, listen = (CALLED_MAX_SLEEP, True) if called else pacer.next_sleep(monotonic())
             remaining = None if deadline is None else deadline - monotonic()
             if remaining is not None:
                 if remaining <= 0:
@@ -182,8 +186,8 @@ class AsyncClient:
                 delay = min(delay, remaining)
             if not listen:
                 await async_sleep(delay)
-            elif await self._store.wait_for_room(names, delay):
-                spread = pacer.woken()
+            elif await self._store.wait_for_room(names, delay, calls if called else None):
+                spread = pacer.woken(called=called)
                 if deadline is not None:
                     spread = min(spread, max(0.0, deadline - monotonic()))
                 if spread > 0:

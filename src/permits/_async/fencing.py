@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from permits._fencing import FenceStatements, check_args, verdict
@@ -31,13 +31,20 @@ class AsyncFencingGuard:
                 return
             if next_step == "advance":
                 continue
+            # A savepoint: losing the race for the first token must not undo the caller's own work.
+            savepoint = await conn.begin_nested()
             try:
-                # A savepoint: losing the race for the first token must not undo the caller's own work.
-                async with conn.begin_nested():
-                    await conn.execute(self._sql.first, params)
-                return
+                await conn.execute(self._sql.first, params)
             except IntegrityError:
+                await savepoint.rollback()
                 continue  # another writer recorded the first token meanwhile: compare with it
+            except DBAPIError:
+                # Not rolled back to the savepoint: MariaDB and MySQL end a deadlocked transaction whole,
+                # savepoints and all, so that rollback would fail ("SAVEPOINT does not exist") and hide the
+                # deadlock, which the caller must see to retry its transaction. Its rollback undoes this.
+                raise
+            await savepoint.commit()
+            return
 
     async def highest(self, conn: AsyncConnection, resource: str) -> int | None:
         """The highest token accepted for ``resource`` so far, or None."""

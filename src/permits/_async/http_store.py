@@ -113,12 +113,18 @@ class AsyncHTTPStore:
             return None
         return _wire.lease_in(data)
 
-    async def wait_for_room(self, names: Sequence[str], seconds: float) -> bool:
+    def wake_calls(self, names: Sequence[str]) -> int | None:
+        return None  # the service hears of releases, not this client
+
+    async def wait_for_room(self, names: Sequence[str], seconds: float, since: int | None = None) -> bool:
         """Nothing to wait for here: the service waited for room itself (a long poll) before it answered."""
         return False
 
     def queue_short(self, owner: str, key: str) -> int | None:
         return None  # the service paces its own waiting
+
+    def place_called(self, owner: str, key: str) -> bool:
+        return False
 
     async def release(self, owner: str, key: str) -> ReleaseOutcome:
         data = await self._call("POST", "/v1/leases/release", json={"key": key, "owner": owner})

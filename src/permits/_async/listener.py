@@ -4,9 +4,18 @@ Every statement that gives permits back on PostgreSQL (a release, the return of 
 permits, a capacity change) ends with ``pg_notify(<the semaphore's channel>, <its name>)``; notifications
 are sent at commit. Each semaphore has a channel of its own (``channel_for``), so a process hears only of
 the semaphores its waiters wait for, not of every release on the server. One listener connection per
-store subscribes to those channels and wakes the waiters of a semaphore at once. Waiters still poll with
-backoff as well, so a lost notification or a broken listener costs latency, never a grant: the database
-decides every grant either way.
+store subscribes to those channels and wakes the waiters of a semaphore at once.
+
+A waiter in a fair queue hears no such broadcast. Its listener also LISTENs on a channel of its own (the
+store's ``wake_channel``), which the waiter's place in the queue records; every statement that gives
+permits back notifies, besides the semaphore's channel, the wake channel of each queued waiter that fits
+now (see ``dialects/postgresql.py``). At a release, then, the head of the queue wakes, in whichever process
+it is, and the rest of the queue sleeps: each notification costs one process, not every process that
+waits on the semaphore. Counting those calls per semaphore (``called``) lets a waiter read the count before
+its attempt, so that a call that arrives while the attempt runs still counts.
+
+Waiters still poll as well, so a lost notification or a broken listener costs latency, never a grant: the
+database decides every grant either way.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +41,7 @@ from permits._io import (
 
 logger = logging.getLogger("permits.listener")
 CHANNEL_PREFIX = "permits_room_"
+WAKE_CHANNEL_PREFIX = "permits_wake_"
 #: After a failed connection, wait this long before trying to listen again (meanwhile: polling only).
 RETRY_AFTER = 5.0
 #: Stay subscribed this long after the last waiter that listened: a hot semaphore's waiters come and go
@@ -46,10 +57,23 @@ def channel_for(name: str) -> str:
     return CHANNEL_PREFIX + hashlib.md5(name.encode("utf-8"), usedforsecurity=False).hexdigest()
 
 
+class _Waiter:
+    """One wait: for any release on ``names`` (``since`` None), or for a call on this store's wake
+    channel about one of them, counted from ``since``."""
+
+    __slots__ = ("event", "names", "since")
+
+    def __init__(self, event: Any, names: Sequence[str], since: int | None) -> None:
+        self.event, self.names, self.since = event, tuple(names), since
+
+
 class AsyncRoomListener:
     def __init__(self, conninfo: str) -> None:
         self._conninfo = conninfo
-        self._waiting: dict[str, set[Any]] = {}
+        self._waiting: dict[str, set[_Waiter]] = {}
+        #: calls heard on the wake channel, per semaphore, since this listener started
+        self._called: dict[str, int] = {}
+        self._wake_channel = WAKE_CHANNEL_PREFIX + uuid.uuid4().hex
         self._mutex = async_mutex()
         self._stop = async_event()
         self._runner: Any = None
@@ -58,27 +82,62 @@ class AsyncRoomListener:
         #: names whose channel this connection LISTENs to, and when a waiter last wanted each name
         self._subscribed: set[str] = set()
         self._wanted_at: dict[str, float] = {}
+        #: when a waiter of this store last waited in a fair queue (the wake channel is LISTENed till LINGER)
+        self._calls_wanted_at = -LINGER
+        self._wake_subscribed = False
 
-    async def wait(self, names: Sequence[str], seconds: float) -> bool:
-        """Return when one of ``names`` got permits back (True), or after ``seconds`` (False)."""
-        event = async_event()
+    @property
+    def wake_channel(self) -> str | None:
+        """This store's own channel, for its waiters' places in fair queues; ``None`` while not LISTENed
+        (a place recorded without one is never called, and its waiter polls)."""
+        return self._wake_channel if self._runner is not None and self._wake_subscribed else None
+
+    def want_calls(self) -> None:
+        """A waiter of this store holds a place in a fair queue: LISTEN on the wake channel (within
+        ``SUBSCRIBE_EVERY``), and until ``LINGER`` after the last such waiter. Only then: PostgreSQL
+        signals every backend that LISTENs to anything at each NOTIFY in the database, whatever the
+        channel, so an idle listener still costs the server at every release (docs/benchmarks.md)."""
+        with self._mutex:
+            self._calls_wanted_at = monotonic()
+
+    def called(self, names: Sequence[str]) -> int | None:
+        """How many calls about ``names`` the wake channel has had so far, for ``wait``'s ``since``;
+        ``None`` while it is not LISTENed."""
+        with self._mutex:
+            if self._runner is None or not self._wake_subscribed:
+                return None
+            return sum(self._called.get(name, 0) for name in names)
+
+    async def wait(self, names: Sequence[str], seconds: float, since: int | None = None) -> bool:
+        """Return when one of ``names`` got permits back (True), or after ``seconds`` (False). With
+        ``since`` (from ``called``), wait for a call on the wake channel instead, counting from ``since``."""
+        waiter = _Waiter(async_event(), names, since)
         with self._mutex:
             for name in names:
-                self._waiting.setdefault(name, set()).add(event)
-                self._wanted_at[name] = monotonic()
+                self._waiting.setdefault(name, set()).add(waiter)
+                if since is None:  # hearing every release needs the semaphore's channel
+                    self._wanted_at[name] = monotonic()
+            if since is not None:
+                self._calls_wanted_at = monotonic()
+            if since is not None and sum(self._called.get(name, 0) for name in names) > since:
+                waiter.event.set()  # called while the waiter was still asking
         try:
             if await self._listening():
-                return bool(await async_wait(event, seconds))
+                return bool(await async_wait(waiter.event, seconds))
             await async_sleep(seconds)
             return False
         finally:
             with self._mutex:
                 for name in names:
-                    events = self._waiting.get(name)
-                    if events is not None:
-                        events.discard(event)
-                        if not events:
+                    waiters = self._waiting.get(name)
+                    if waiters is not None:
+                        waiters.discard(waiter)
+                        if not waiters:
                             del self._waiting[name]
+
+    async def start(self) -> bool:
+        """Connect and listen on the wake channel now, if not yet (True: listening)."""
+        return await self._listening()
 
     async def close(self) -> None:
         self._stop.set()
@@ -98,6 +157,7 @@ class AsyncRoomListener:
             return False
         self._connection = connection
         self._subscribed = set()
+        self._wake_subscribed = False
         self._failed_at = -RETRY_AFTER
         self._runner = async_spawn(self._run, "permits-listener")
         return True
@@ -109,16 +169,24 @@ class AsyncRoomListener:
         process more than polling does."""
         now = monotonic()
         with self._mutex:
-            for name in self._waiting:
-                self._wanted_at[name] = now
+            for name, waiters in self._waiting.items():
+                if any(w.since is None for w in waiters):
+                    self._wanted_at[name] = now
+                elif waiters:
+                    self._calls_wanted_at = now
             for name in [n for n, at in self._wanted_at.items() if now - at >= LINGER]:
                 del self._wanted_at[name]
             wanted = set(self._wanted_at)
+            wake_wanted = now - self._calls_wanted_at < LINGER
         changes = [f"LISTEN {channel_for(n)}" for n in sorted(wanted - self._subscribed)]
         changes += [f"UNLISTEN {channel_for(n)}" for n in sorted(self._subscribed - wanted)]
+        if wake_wanted != self._wake_subscribed:
+            changes.append(f"{'' if wake_wanted else 'UN'}LISTEN {self._wake_channel}")
         if changes:
             await self._connection.execute("; ".join(changes))
-            self._subscribed = wanted
+            with self._mutex:
+                self._subscribed = wanted
+                self._wake_subscribed = wake_wanted
 
     async def _run(self) -> None:
         try:
@@ -127,14 +195,20 @@ class AsyncRoomListener:
                 # A timeout, so that a stop or a waiter of a new semaphore is noticed soon even when
                 # nothing is released.
                 async for note in self._connection.notifies(timeout=SUBSCRIBE_EVERY):
+                    called = note.channel == self._wake_channel
                     with self._mutex:
-                        events = list(self._waiting.get(note.payload, ()))
-                    for event in events:
-                        event.set()
+                        if called:
+                            self._called[note.payload] = self._called.get(note.payload, 0) + 1
+                        # A call wakes the waiters that wait for one; a release, those that do not.
+                        ready = [w for w in self._waiting.get(note.payload, ()) if (w.since is not None) == called]
+                    for waiter in ready:
+                        waiter.event.set()
         except psycopg.Error as exc:
             logger.warning("the LISTEN connection broke (waiters poll meanwhile): %s", exc)
             self._failed_at = monotonic()
         finally:
-            self._runner = None
+            with self._mutex:
+                self._runner = None
+                self._wake_subscribed = False
             with contextlib.suppress(psycopg.Error):
                 await self._connection.close()

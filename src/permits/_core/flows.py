@@ -98,6 +98,7 @@ def try_acquire(
     queue_ms: int = 0,
     recheck: bool = True,
     queued: bool = False,
+    wake: str | None = None,
 ) -> Flow[Lease | Queued | None]:
     """Grant every want or none; ``None`` means no room (after reclaiming expired leases).
 
@@ -107,7 +108,9 @@ def try_acquire(
     transaction writes). Only when a semaphore has no room does the flow look further.
 
     ``queue_ms`` > 0 means the caller will wait: on a fair semaphore a refused request then takes a place
-    in the queue, kept for ``queue_ms`` unless the caller asks again, and a grant gives its place up.
+    in the queue, kept for ``queue_ms`` unless the caller asks again, and a grant gives its place up. The
+    place records ``wake``, the caller's wake channel (PostgreSQL), which a release notifies when the
+    request's turn comes.
 
     ``recheck=False`` is for a waiter asking again soon after a full refusal: no room is then the answer at
     once, without the transaction that finds out why (the key's earlier grant, expired leases to reclaim,
@@ -116,12 +119,12 @@ def try_acquire(
     that is ``queued`` (it holds fair-queue places) learns its place instead, to pace its next attempt.
     """
     if len(wants) == 1 and d.has("ACQUIRE_ONE"):
-        return (yield from _acquire_one(d, owner, key, wants[0], ttl_ms, queue_ms, recheck, queued))
+        return (yield from _acquire_one(d, owner, key, wants[0], ttl_ms, queue_ms, recheck, queued, wake))
     tokens: dict[str, int] = {}
     for want in wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
         if taken.rowcount == 0:
-            raise _refused(d, owner, key, wants, ttl_ms, queue_ms, recheck, queued)
+            raise _refused(d, owner, key, wants, ttl_ms, queue_ms, recheck, queued, wake)
         tokens[want.name] = d.taken_token(taken)
     if queue_ms or queued:  # a grant gives up the request's places, even on an attempt that would not queue
         yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
@@ -137,13 +140,16 @@ def _refused(
     queue_ms: int = 0,
     recheck: bool = True,
     queued: bool = False,
+    wake: str | None = None,
 ) -> Restart:
     """A semaphore had no room (or does not exist). Roll back at once, which lets go of the semaphore
     rows, and find out why without locking anything: on a hot semaphore the refused are the many, and
     they must not hold the row that the next grant needs."""
     if not recheck:
-        return Restart(lambda: queue_place(owner, key), readonly=True) if queued else Restart(_no_room)
-    return Restart(lambda: _why_refused(d, owner, key, wants, ttl_ms, queue_ms, queued), readonly=True)
+        if queued:
+            return Restart(lambda: queue_place(owner, key, alone=d.free_autocommit), readonly=True)
+        return Restart(_no_room)
+    return Restart(lambda: _why_refused(d, owner, key, wants, ttl_ms, queue_ms, queued, wake), readonly=True)
 
 
 def _no_room() -> Flow[None]:
@@ -153,8 +159,15 @@ def _no_room() -> Flow[None]:
 
 
 def _why_refused(
-    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0, queued: bool = False
-) -> Flow[Lease | None]:
+    d: Dialect,
+    owner: str,
+    key: str,
+    wants: Sequence[Want],
+    ttl_ms: int,
+    queue_ms: int = 0,
+    queued: bool = False,
+    wake: str | None = None,
+) -> Flow[Lease | Queued | None]:
     # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
     existing = yield from _find_lease(owner, key)
     if existing is not None:
@@ -169,9 +182,12 @@ def _why_refused(
     # Expired leases never block: if any hold these semaphores, reclaim them under lock and try again.
     expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": sorted(sid for sid, _, _ in sems.values())})
     if expired.rows:
-        raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms, queue_ms, queued))
+        raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms, queue_ms, queued, wake))
     if queue_ms and fair:
-        raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms))
+        if d.cheaper_readonly:
+            raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms, wake))
+        # Elsewhere this transaction can write as it is: a waiter joins the queue without a second one.
+        return (yield from _enqueue(d, owner, key, wants, fair, queue_ms, wake))
     return None
 
 
@@ -190,27 +206,38 @@ class Queued:
 
 
 def _enqueue(
-    d: Dialect, owner: str, key: str, wants: Sequence[Want], fair: Mapping[str, int], queue_ms: int
+    d: Dialect,
+    owner: str,
+    key: str,
+    wants: Sequence[Want],
+    fair: Mapping[str, int],
+    queue_ms: int,
+    wake: str | None = None,
 ) -> Flow[Queued]:
-    """Keep this request's places in the fair queues, or take them: a ticket per fair semaphore, taken in
-    name order under each semaphore's row lock, so every semaphore orders any two requests alike."""
-    kept = yield Stmt("WAITERS_REFRESH", {"owner": owner, "key": key, "place_ms": queue_ms})
+    """Keep this request's places in the fair queues, or take them, so that every semaphore orders any two
+    requests alike: one ticket for all of them from the dialect's sequence (``TICKET_NEXT``), or else a
+    ticket per fair semaphore from its row's counter, taken in name order under each row's lock."""
+    kept = yield Stmt("WAITERS_REFRESH", {"owner": owner, "key": key, "place_ms": queue_ms, "wake": wake})
     if kept.rowcount == 0:
+        shared = int((yield Stmt("TICKET_NEXT")).rows[0][0]) if d.has("TICKET_NEXT") else None
         for want in wants:
             if want.name not in fair:
                 continue
-            ticket = yield Stmt("SEM_TICKET", {"id": fair[want.name]})
-            params = {"sem_id": fair[want.name], "ticket": d.taken_token(ticket), "owner": owner, "key": key}
+            ticket = shared
+            if ticket is None:
+                ticket = d.taken_token((yield Stmt("SEM_TICKET", {"id": fair[want.name]})))
+            params = {"sem_id": fair[want.name], "ticket": ticket, "owner": owner, "key": key}
             try:
-                yield Stmt("WAITER_INSERT", {**params, "count": want.count, "place_ms": queue_ms})
+                yield Stmt("WAITER_INSERT", {**params, "count": want.count, "place_ms": queue_ms, "wake": wake})
             except DuplicateKey:
-                raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms)) from None
+                raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms, wake)) from None
     return (yield from queue_place(owner, key)) or Queued()
 
 
-def queue_place(owner: str, key: str) -> Flow[Queued | None]:
-    """How far a queued request is from fitting (see ``Queued``); ``None`` when it holds no live place."""
-    found = yield Stmt("WAITER_SHORT", {"owner": owner, "key": key})
+def queue_place(owner: str, key: str, alone: bool = False) -> Flow[Queued | None]:
+    """How far a queued request is from fitting (see ``Queued``); ``None`` when it holds no live place.
+    ``alone``: the read is a transaction by itself (where autocommit is free: no BEGIN, no COMMIT)."""
+    found = yield Stmt("WAITER_SHORT", {"owner": owner, "key": key}, alone=alone)
     if not found.rows:
         return None
     return Queued(max(int(row[0]) for row in found.rows))
@@ -244,6 +271,7 @@ def _acquire_one(
     queue_ms: int = 0,
     recheck: bool = True,
     queued: bool = False,
+    wake: str | None = None,
 ) -> Flow[Lease | Queued | None]:
     """One semaphore, one statement: take the room, insert the lease and its permit row, and give up the
     request's place in a fair queue if it had one, all or nothing.
@@ -257,7 +285,7 @@ def _acquire_one(
     except DuplicateKey:
         raise Restart(lambda: _replay(owner, key, [want])) from None
     if not done.rows:
-        raise _refused(d, owner, key, [want], ttl_ms, queue_ms, recheck, queued)
+        raise _refused(d, owner, key, [want], ttl_ms, queue_ms, recheck, queued, wake)
     _, acquired_ms, expires_ms, token = done.rows[0]
     return Lease(
         key=key,
@@ -271,7 +299,14 @@ def _acquire_one(
 
 
 def _acquire_slow(
-    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, queue_ms: int = 0, queued: bool = False
+    d: Dialect,
+    owner: str,
+    key: str,
+    wants: Sequence[Want],
+    ttl_ms: int,
+    queue_ms: int = 0,
+    queued: bool = False,
+    wake: str | None = None,
 ) -> Flow[Lease | None]:
     # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
     existing = yield from _find_lease(owner, key)
@@ -298,7 +333,7 @@ def _acquire_slow(
     for want in wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
         if taken.rowcount == 0:  # room, but a fair queue ahead of us: wait like any refused request
-            raise _refused(d, owner, key, wants, ttl_ms, queue_ms, queued=queued)
+            raise _refused(d, owner, key, wants, ttl_ms, queue_ms, queued=queued, wake=wake)
         tokens[want.name] = d.taken_token(taken)
     if queue_ms or queued:
         yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})

@@ -29,7 +29,7 @@ from permits._models import (
     Waiter,
     Want,
 )
-from permits._pacing import WaitPacer
+from permits._pacing import CALLED_MAX_SLEEP, WaitPacer
 from permits._validate import Seconds, WantsLike
 from permits.stores import sync_store_for
 from permits.stores.base import Store
@@ -154,6 +154,8 @@ class Client:
         while True:
             wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
             conflict: StorageConflict | None = None
+            # Read before the attempt: a call that arrives while the attempt runs then still counts.
+            calls = self._store.wake_calls(names)
             try:
                 lease = self._store.try_acquire(
                     owner_, key_, wants_, ttl_ms, wait, recheck=pacer.recheck_due(monotonic())
@@ -169,7 +171,9 @@ class Client:
                 return lease
             pacer.refused(monotonic(), self._store.queue_short(owner_, key_))
             self._remember_contention(contended, pacer)
-            delay, listen = pacer.next_sleep(monotonic())
+            # A request whose place in a fair queue will be called when its turn comes sleeps until then.
+            called = calls is not None and pacer.waits_turn() and self._store.place_called(owner_, key_)
+            delay, listen = (CALLED_MAX_SLEEP, True) if called else pacer.next_sleep(monotonic())
             remaining = None if deadline is None else deadline - monotonic()
             if remaining is not None:
                 if remaining <= 0:
@@ -183,8 +187,8 @@ class Client:
                 delay = min(delay, remaining)
             if not listen:
                 sync_sleep(delay)
-            elif self._store.wait_for_room(names, delay):
-                spread = pacer.woken()
+            elif self._store.wait_for_room(names, delay, calls if called else None):
+                spread = pacer.woken(called=called)
                 if deadline is not None:
                     spread = min(spread, max(0.0, deadline - monotonic()))
                 if spread > 0:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy import Connection
 
 from permits._fencing import FenceStatements, check_args, verdict
@@ -32,13 +32,20 @@ class FencingGuard:
                 return
             if next_step == "advance":
                 continue
+            # A savepoint: losing the race for the first token must not undo the caller's own work.
+            savepoint = conn.begin_nested()
             try:
-                # A savepoint: losing the race for the first token must not undo the caller's own work.
-                with conn.begin_nested():
-                    conn.execute(self._sql.first, params)
-                return
+                conn.execute(self._sql.first, params)
             except IntegrityError:
+                savepoint.rollback()
                 continue  # another writer recorded the first token meanwhile: compare with it
+            except DBAPIError:
+                # Not rolled back to the savepoint: MariaDB and MySQL end a deadlocked transaction whole,
+                # savepoints and all, so that rollback would fail ("SAVEPOINT does not exist") and hide the
+                # deadlock, which the caller must see to retry its transaction. Its rollback undoes this.
+                raise
+            savepoint.commit()
+            return
 
     def highest(self, conn: Connection, resource: str) -> int | None:
         """The highest token accepted for ``resource`` so far, or None."""

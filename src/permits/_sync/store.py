@@ -88,7 +88,8 @@ class SQLStore:
         #: statements that run alone, compiled for the driver, by name
         self._driver_statements: dict[str, tuple[str, tuple[str, ...] | None]] = {}
         #: requests this store put in a fair queue and that were not granted yet (insertion-ordered)
-        self._queued: OrderedDict[tuple[str, str], int | None] = OrderedDict()
+        #: each with its shortfall (see ``queue_short``), and whether its place records the wake channel
+        self._queued: OrderedDict[tuple[str, str], tuple[int | None, bool]] = OrderedDict()
         # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling.
         self._listener: RoomListener | None = None
         if self._dialect.name == "postgresql":
@@ -190,19 +191,35 @@ class SQLStore:
         # A caller that waits keeps a place in the queue of each fair semaphore it asks for.
         queue_ms = PLACE_MS if wait > 0 else 0
         tries = 0
-        queued = (owner, key) in self._queued
+        place = self._queued.get((owner, key))
+        queued = place is not None
+        # On PostgreSQL a place records this store's wake channel, to be called when its turn comes. One
+        # recorded before the listener was up is recorded again, with the channel, by a full recheck.
+        wake = None if self._listener is None else self._listener.wake_channel
+        if place is not None and wake is not None and not place[1]:
+            recheck = True
+
+        full = recheck
 
         def attempt() -> Flow[Lease | flows.Queued | None]:
-            nonlocal tries
+            nonlocal tries, full
             tries += 1
             # After a lost connection the last attempt may have been granted with its reply lost: only
             # the full recheck finds that lease under the key.
             full = recheck or tries > 1
-            return flows.try_acquire(self._dialect, owner, key, wants, ttl_ms, queue_ms, full, queued)
+            return flows.try_acquire(self._dialect, owner, key, wants, ttl_ms, queue_ms, full, queued, wake)
 
         result: Any = self._run(attempt, deadline=deadline)
         if isinstance(result, flows.Queued):
-            self._queued[(owner, key)] = result.short
+            # Only a full attempt records (or refreshes) the place, and with it the wake channel.
+            called = wake is not None if full else place is not None and place[1]
+            if self._listener is not None:
+                # Listen for calls (from now on, if not yet), so that an attempt can record where to call
+                # this waiter.
+                self._listener.want_calls()
+                if wake is None:
+                    self._listener.start()
+            self._queued[(owner, key)] = (result.short, called)
             self._queued.move_to_end((owner, key))
             if len(self._queued) > MAX_REMEMBERED_PLACES:
                 self._queued.popitem(last=False)
@@ -217,7 +234,14 @@ class SQLStore:
     def queue_short(self, owner: str, key: str) -> int | None:
         """How many permits a waiting request was short of fitting at its last attempt, in its fair queues
         (see ``flows.Queued``); ``None`` when it holds no place this store knows of."""
-        return self._queued.get((owner, key))
+        place = self._queued.get((owner, key))
+        return None if place is None else place[0]
+
+    def place_called(self, owner: str, key: str) -> bool:
+        """Whether the request's places in fair queues record this store's wake channel: then a release
+        calls it when its turn comes (see ``listener.py``), and it need not poll."""
+        place = self._queued.get((owner, key))
+        return place is not None and place[1]
 
     def dequeue(self, owner: str, key: str) -> None:
         # Only a request this store put in a queue has a place to give up: a timeout on any other costs
@@ -228,9 +252,14 @@ class SQLStore:
     def waiters(self, name: str) -> list[Waiter]:
         return self._run(lambda: flows.waiters(name), readonly=True)
 
-    def wait_for_room(self, names: Sequence[str], seconds: float) -> bool:
+    def wake_calls(self, names: Sequence[str]) -> int | None:
+        """How many calls about ``names`` this store's wake channel has had (PostgreSQL: see
+        ``listener.py``), for ``wait_for_room``'s ``since``; ``None`` when it has no wake channel (yet)."""
+        return None if self._listener is None else self._listener.called(names)
+
+    def wait_for_room(self, names: Sequence[str], seconds: float, since: int | None = None) -> bool:
         if self._listener is not None:
-            return self._listener.wait(names, seconds)
+            return self._listener.wait(names, seconds, since)
         sync_sleep(seconds)
         return False
 

@@ -117,10 +117,11 @@ PORTABLE_SQL: dict[str, str] = {
     "SEM_TICKET": """
         UPDATE permits_semaphore SET last_ticket = last_ticket + 1 WHERE id = :id
         RETURNING last_ticket""",
-    # params: sem_id, ticket, owner, key, count, place_ms
+    # params: sem_id, ticket, owner, key, count, place_ms, wake (the waiter's wake channel, or NULL)
     "WAITER_INSERT": """
-        INSERT INTO permits_waiter (semaphore_id, ticket, owner, lease_key, count, enqueued_at_ms, expires_at_ms)
-        VALUES (:sem_id, :ticket, :owner, :key, :count, {now}, {now} + :place_ms)""",
+        INSERT INTO permits_waiter
+            (semaphore_id, ticket, owner, lease_key, count, enqueued_at_ms, expires_at_ms, wake_channel)
+        VALUES (:sem_id, :ticket, :owner, :key, :count, {now}, {now} + :place_ms, :wake)""",
     # How many permits a queued request is short of fitting, per fair semaphore it waits on: in use, plus
     # wanted by the live waiters ahead and by itself, minus the capacity (see flows.Queued).
     # params: owner, key -> short (one row per live place; none: the request holds no live place)
@@ -130,9 +131,10 @@ PORTABLE_SQL: dict[str, str] = {
             WHERE w.semaphore_id = m.semaphore_id AND w.ticket < m.ticket AND w.expires_at_ms > {now}), 0)
         FROM permits_waiter m JOIN permits_semaphore s ON s.id = m.semaphore_id
         WHERE m.owner = :owner AND m.lease_key = :key AND m.expires_at_ms > {now}""",
-    # A waiter keeps its place by asking again. params: owner, key, place_ms -> rowcount
+    # A waiter keeps its place by asking again (and says where to call it now). params: owner, key,
+    # place_ms, wake -> rowcount
     "WAITERS_REFRESH": """
-        UPDATE permits_waiter SET expires_at_ms = {now} + :place_ms
+        UPDATE permits_waiter SET expires_at_ms = {now} + :place_ms, wake_channel = :wake
         WHERE owner = :owner AND lease_key = :key""",
     # params: owner, key
     "WAITERS_DELETE": "DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key",
@@ -309,6 +311,9 @@ class Dialect:
     insert_returning: ClassVar[bool] = True
     #: switching a pooled connection to autocommit and back costs no round trip (see Stmt.alone)
     free_autocommit: ClassVar[bool] = False
+    #: a read-only transaction is cheaper than one that may write (SQLite: it takes no write lock), so a flow
+    #: that found it must write restarts in a writing one rather than writing where it is
+    cheaper_readonly: ClassVar[bool] = False
     #: a statement that runs alone (Stmt.alone) is a batch of statements ending in its own COMMIT. The store
     #: sends it as one request on the driver's connection, outside SQLAlchemy's transaction, whose COMMIT
     #: would cost a round trip of its own. A batch answers with its first result set that has columns, or

@@ -26,6 +26,28 @@ _DUPLICATE = {"23505"}  # unique_violation
 _SCHEMA = {"42P01"}  # undefined_table
 
 
+def _call_fitting(rows: str, leaving: str = "") -> str:
+    """The second half of a statement that makes room: notify the wake channel of each waiter in a fair
+    queue that fits now, given ``rows`` (a CTE with the semaphores' id, name, room and fair). A waiter fits
+    when its count and those of the live waiters ahead of it fit in the room, as the fair gate of
+    ``SEM_TAKE`` counts them; ``leaving`` excludes the places a statement deletes itself (a statement does
+    not see its own CTE's changes)."""
+    return (
+        """
+            UNION ALL
+            SELECT pg_notify(w.wake_channel, r.name)
+            FROM """
+        + rows
+        + """ r, LATERAL (
+                SELECT q.wake_channel, SUM(q.count) OVER (ORDER BY q.ticket) AS upto
+                FROM permits_waiter q
+                WHERE q.semaphore_id = r.id AND q.expires_at_ms > {now}"""
+        + leaving
+        + """) w
+            WHERE r.fair = 1 AND w.upto <= r.room AND w.wake_channel IS NOT NULL"""
+    )
+
+
 class PostgreSQL(Dialect):
     name = "postgresql"
     # statement_timestamp(): the time the statement started, the same everywhere in one statement.
@@ -41,8 +63,9 @@ class PostgreSQL(Dialect):
         # Release in one statement: the CTE ends the lease and the outer UPDATE gives back the permits of
         # each of its semaphores (one permit row per semaphore, so each semaphore row is matched once).
         # Waiters LISTEN on their semaphores' channels (see _async/listener.py): each statement that gives
-        # permits back notifies the semaphore's channel; PostgreSQL sends the notifications at commit.
-        # -> one row per semaphore given back (none: nothing was held under this key)
+        # permits back notifies the semaphore's channel, and calls the waiters in fair queues that fit now
+        # on their own channels; PostgreSQL sends the notifications at commit.
+        # -> at least one row per semaphore given back (none: nothing was held under this key)
         "RELEASE": """
             WITH ended AS (
                 UPDATE permits_lease SET state = 0, end_reason = 'released', ended_at_ms = {now}
@@ -52,18 +75,21 @@ class PostgreSQL(Dialect):
                 UPDATE permits_semaphore s SET used = s.used - p.count, updated_at_ms = {now}
                 FROM permits_permit p, ended e
                 WHERE p.lease_id = e.id AND s.id = p.semaphore_id
-                RETURNING s.name)
-            SELECT pg_notify('permits_room_' || md5(name), name) FROM given""",
+                RETURNING s.id, s.name, s.capacity - s.used AS room, s.fair)
+            SELECT pg_notify('permits_room_' || md5(name), name) FROM given"""
+        + _call_fitting("given"),
         "SEM_GIVE_BACK": """
             WITH given AS (
                 UPDATE permits_semaphore SET used = used - :count, updated_at_ms = {now} WHERE id = :id
-                RETURNING name)
-            SELECT pg_notify('permits_room_' || md5(name), name) FROM given""",
+                RETURNING id, name, capacity - used AS room, fair)
+            SELECT pg_notify('permits_room_' || md5(name), name) FROM given"""
+        + _call_fitting("given"),
         "SEM_SET_CAPACITY": """
             WITH changed AS (
                 UPDATE permits_semaphore SET capacity = :capacity, updated_at_ms = {now} WHERE id = :id
-                RETURNING name)
-            SELECT pg_notify('permits_room_' || md5(name), name) FROM changed""",
+                RETURNING id, name, capacity - used AS room, fair)
+            SELECT pg_notify('permits_room_' || md5(name), name) FROM changed"""
+        + _call_fitting("changed"),
         # Acquire one semaphore in one statement: each CTE feeds the next, so when the UPDATE finds no room
         # nothing is inserted and no row comes back. A grant also gives up the request's places in fair
         # queues (a waiting caller may hold some). params: owner, key, name, count, ttl_ms
@@ -90,9 +116,16 @@ class PostgreSQL(Dialect):
         # params: owner, key -> one row per semaphore whose queue it left
         "WAITERS_DELETE": """
             WITH gone AS (
-                DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key RETURNING semaphore_id)
-            SELECT pg_notify('permits_room_' || md5(s.name), s.name) FROM permits_semaphore s
-            WHERE s.id IN (SELECT semaphore_id FROM gone)""",
+                DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key RETURNING semaphore_id),
+            left_behind AS (
+                SELECT id, name, capacity - used AS room, fair FROM permits_semaphore
+                WHERE id IN (SELECT semaphore_id FROM gone))
+            SELECT pg_notify('permits_room_' || md5(name), name) FROM left_behind"""
+        + _call_fitting("left_behind", " AND NOT (q.owner = :owner AND q.lease_key = :key)"),
+        # A fair queue's ticket from a sequence (migration 0005), one per request for all its queues:
+        # nextval locks no row, so an arriving waiter does not hold the semaphore row, which every grant
+        # and release writes, through its enqueue and commit. -> ticket
+        "TICKET_NEXT": "SELECT nextval('permits_ticket')",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }

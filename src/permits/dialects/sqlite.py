@@ -30,6 +30,8 @@ class SQLite(Dialect):
     # julianday('now') is fixed for the whole statement, like NOW() on the servers.
     now_sql = _NOW_SQL
     for_update = ""
+    # A read-only transaction starts with BEGIN, which takes no write lock (stores/_engine.py).
+    cheaper_readonly = True
     sync_driver = "pysqlite"
     async_driver = "aiosqlite"
 

@@ -215,7 +215,16 @@ class InstanceStore:
                 self._granted.popitem(last=False)
         return lease
 
-    async def wait_for_room(self, names: Sequence[str], seconds: float) -> bool:
+    def wake_calls(self, names: Sequence[str]) -> int | None:
+        # A waiter in a fair queue is called by the database (PostgreSQL), wherever the release ran.
+        return self._inner.wake_calls(names)
+
+    def place_called(self, owner: str, key: str) -> bool:
+        return self._inner.place_called(owner, key)
+
+    async def wait_for_room(self, names: Sequence[str], seconds: float, since: int | None = None) -> bool:
+        if since is not None:
+            return await self._inner.wait_for_room(names, seconds, since)
         return await self.waker.wait(names, seconds)
 
     async def dequeue(self, owner: str, key: str) -> None:

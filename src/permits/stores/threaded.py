@@ -45,13 +45,19 @@ class ThreadedSQLStore:
     def on_retry(self, hook: Callable[[str], None] | None) -> None:
         self._inner.on_retry = hook
 
-    async def wait_for_room(self, names: Any, seconds: float) -> bool:
+    def wake_calls(self, names: Any) -> int | None:
+        return None  # SQLite: nothing to hear
+
+    async def wait_for_room(self, names: Any, seconds: float, since: int | None = None) -> bool:
         await asyncio.sleep(seconds)  # never hold a worker thread just to wait
         return False
 
     def queue_short(self, owner: str, key: str) -> int | None:
         result: int | None = self._inner.queue_short(owner, key)  # a memory lookup: no thread needed
         return result
+
+    def place_called(self, owner: str, key: str) -> bool:
+        return False
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._inner, name)
