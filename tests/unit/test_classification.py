@@ -28,6 +28,7 @@ class _PostgresError(Exception):
     [
         (1213, Fault.CONFLICT, "MariaDB/MySQL deadlock; Galera certification failure; Vitess deadlock"),
         (1205, Fault.CONFLICT, "lock wait timeout"),
+        (1467, Fault.CONFLICT, "InnoDB lost a wait for an AUTO-INC table lock (deadlock or timeout)"),
         (3101, Fault.CONFLICT, "MySQL Group Replication: rolled back at commit by certification"),
         (9007, Fault.CONFLICT, "TiDB optimistic mode: write conflict"),
         (8002, Fault.CONFLICT, "TiDB optimistic mode: SELECT FOR UPDATE write conflict"),
