@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from permits import IdempotencyConflict, InvalidArgument, LeaseLost, ReleaseOutcome, Want, _validate
+from permits import IdempotencyConflict, InvalidArgument, LeaseLost, ReleaseOutcome, SemaphoreNotFound, Want, _validate
 from permits._backoff import Backoff
 from permits._core import decide, flows
 from permits._core.flows import Result
@@ -91,21 +91,27 @@ def test_acquire_without_room_lets_go_at_once_then_checks_without_locks() -> Non
     with pytest.raises(flows.Restart) as refused:
         flow.send(Result([], 0))
     assert refused.value.readonly
-    # ... then, locking nothing: a retry must get its lease, not a refusal; then why there was no room.
+    # ... then, locking nothing and in one read: whether the key has a lease (a retry must get it, not a
+    # refusal), whether expired leases hold the semaphore, and its row.
     check = refused.value.flow()
-    assert next(check).name == "LEASE_FIND"
-    assert check.send(Result([], 0)).name == "SEMS_READ"
-    assert check.send(Result([(5, "a", 1, 1, 0)], 1)).name == "EXPIRED_FOR_SEMS"
+    assert next(check).name == "REFUSAL_READ"
     with pytest.raises(StopIteration) as done:
-        check.send(Result([], 0))
+        check.send(Result([(0, 0, 5, "a", 1, 1, 0)], 1))
     assert done.value.value is None
+    # The key has a lease: it is looked up and replayed.
+    check = refused.value.flow()
+    next(check)
+    assert check.send(Result([(1, 0, 5, "a", 1, 1, 0)], 1)).name == "LEASE_FIND"
+    # No such semaphore: the read answers one row of NULLs.
+    check = refused.value.flow()
+    next(check)
+    with pytest.raises(SemaphoreNotFound):
+        check.send(Result([(0, 0, None, None, None, None, None)], 1))
     # An expired lease holds the room: reclaim it under lock, in a writing transaction.
     check = refused.value.flow()
     next(check)
-    check.send(Result([], 0))
-    check.send(Result([(5, "a", 1, 1, 0)], 1))
     with pytest.raises(flows.Restart) as reclaim:
-        check.send(Result([(42,)], 1))
+        check.send(Result([(0, 1, 5, "a", 1, 1, 0)], 1))
     assert not reclaim.value.readonly
     slow = reclaim.value.flow()
     assert next(slow).name == "LEASE_FIND"

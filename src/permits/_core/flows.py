@@ -168,27 +168,41 @@ def _why_refused(
     queued: bool = False,
     wake: str | None = None,
 ) -> Flow[Lease | Queued | None]:
-    # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
-    existing = yield from _find_lease(owner, key)
-    if existing is not None:
-        return decide.replay(existing[1], wants)
-    found = yield Stmt("SEMS_READ", {"names": [w.name for w in wants]})
-    sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used, _ in found.rows}
-    fair = {str(name): int(sid) for sid, name, _, _, is_fair in found.rows if int(is_fair)}
+    # Three questions in one read: has this key a lease already (a retry of a request that was granted
+    # must get it back, not a refusal for lack of room), do expired leases hold these semaphores, and what
+    # are their rows. Where autocommit is free the read is a transaction by itself, and whatever must
+    # follow it (rarely needed, but for a place in a fair queue) restarts in a new one.
+    alone = d.free_autocommit
+    found = yield Stmt("REFUSAL_READ", {"owner": owner, "key": key, "names": [w.name for w in wants]}, alone=alone)
+    if any(int(row[0]) for row in found.rows):
+        if alone:
+            raise Restart(lambda: _replay_or_refuse(owner, key, wants))
+        existing = yield from _find_lease(owner, key)
+        if existing is not None:
+            return decide.replay(existing[1], wants)
+    expired = any(int(row[1]) for row in found.rows)
+    rows = [row[2:] for row in found.rows if row[2] is not None]
+    sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used, _ in rows}
+    fair = {str(name): int(sid) for sid, name, _, _, is_fair in rows if int(is_fair)}
     for want in wants:
         if want.name not in sems:
             raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
     decide.check_counts(wants, {n: cap for n, (_, cap, _) in sems.items()})
     # Expired leases never block: if any hold these semaphores, reclaim them under lock and try again.
-    expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": sorted(sid for sid, _, _ in sems.values())})
-    if expired.rows:
+    if expired:
         raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms, queue_ms, queued, wake))
     if queue_ms and fair:
-        if d.cheaper_readonly:
+        if d.cheaper_readonly or alone:
             raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms, wake))
         # Elsewhere this transaction can write as it is: a waiter joins the queue without a second one.
         return (yield from _enqueue(d, owner, key, wants, fair, queue_ms, wake))
     return None
+
+
+def _replay_or_refuse(owner: str, key: str, wants: Sequence[Want]) -> Flow[Lease | None]:
+    """The refused request's key has a lease: a retry of a request that was granted gets it back."""
+    existing = yield from _find_lease(owner, key)
+    return None if existing is None else decide.replay(existing[1], wants)
 
 
 class Queued:

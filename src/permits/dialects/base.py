@@ -68,6 +68,14 @@ IDLE_IN_TRANSACTION_SECONDS = 30
 # Parameters that carry a list, expanded into IN (...) by SQLAlchemy.
 _EXPANDING = ("names", "ids", "sem_ids")
 
+
+def _expands(template: str, param: str) -> bool:
+    """A list parameter written ``IN :names`` is expanded by SQLAlchemy into one parameter per item (so the
+    statement cannot go to the driver directly); one written ``= ANY(:names)`` goes as it is, an array
+    (PostgreSQL)."""
+    return f"IN :{param}" in template
+
+
 PORTABLE_SQL: dict[str, str] = {
     # -> now_ms
     "NOW_MS": "SELECT {now}",
@@ -106,11 +114,25 @@ PORTABLE_SQL: dict[str, str] = {
     "PERMIT_INSERT": """
         INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
         SELECT :lease_id, id, :count, :token FROM permits_semaphore WHERE name = :name AND deleted = 0""",
-    # The same without locks, for a refused acquire that only needs to know why. params: names
-    # -> id, name, capacity, used, fair
-    "SEMS_READ": """
-        SELECT id, name, capacity, used, fair FROM permits_semaphore
-        WHERE name IN :names AND deleted = 0 ORDER BY name""",
+    # Why an acquire was refused, in one read (one snapshot): whether its key has a lease already (a retry
+    # of a request that was granted), whether expired leases hold any of its semaphores (to reclaim), and
+    # the semaphores' rows, read without locks (the refused are the many on a hot semaphore, and must not
+    # hold the row the next grant needs). params: owner, key, names -> leased, expired, id, name,
+    # capacity, used, fair: one row per semaphore found, or one row of NULL semaphore columns if none is.
+    "REFUSAL_READ": """
+        SELECT x.leased, x.expired, s.id, s.name, s.capacity, s.used, s.fair
+        FROM (SELECT
+                CASE WHEN EXISTS (
+                    SELECT 1 FROM permits_lease WHERE owner = :owner AND lease_key = :key) THEN 1 ELSE 0 END
+                AS leased,
+                CASE WHEN EXISTS (
+                    SELECT 1 FROM permits_lease l
+                    JOIN permits_permit p ON p.lease_id = l.id
+                    JOIN permits_semaphore e ON e.id = p.semaphore_id
+                    WHERE l.state = 1 AND l.expires_at_ms <= {now} AND e.name IN :names AND e.deleted = 0)
+                THEN 1 ELSE 0 END AS expired) x
+        LEFT JOIN permits_semaphore s ON s.name IN :names AND s.deleted = 0
+        ORDER BY s.name""",
     # ---- fair queues
     # Take the next ticket of a fair semaphore (this locks its row: tickets are handed out in the same
     # order on every semaphore of a request, since requests lock rows in name order). params: id -> ticket
@@ -334,11 +356,13 @@ class Dialect:
         sql = {**PORTABLE_SQL, **OBSERVE_SQL, **self.overrides}
         self._sql = {name: s for name, s in sql.items() if s is not None}
         self._clauses: dict[str, TextClause] = {}
-        self._expanding = {name for name, template in self._sql.items() if any(f":{p}" in template for p in _EXPANDING)}
+        self._expanding = {
+            name for name, template in self._sql.items() if any(_expands(template, p) for p in _EXPANDING)
+        }
         for name, template in self._sql.items():
             gate = FAIR_GATE.format(now=self.now_sql)
             clause = text(template.format(now=self.now_sql, for_update=self.for_update, fair_gate=gate).strip())
-            expanding: list[Any] = [bindparam(p, expanding=True) for p in _EXPANDING if f":{p}" in template]
+            expanding: list[Any] = [bindparam(p, expanding=True) for p in _EXPANDING if _expands(template, p)]
             self._clauses[name] = clause.bindparams(*expanding) if expanding else clause
 
     def expands(self, name: str) -> bool:

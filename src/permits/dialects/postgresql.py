@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from permits.dialects.base import IDLE_IN_TRANSACTION_SECONDS, Dialect, Fault, require_module
+from permits.dialects.base import IDLE_IN_TRANSACTION_SECONDS, PORTABLE_SQL, Dialect, Fault, require_module
 
 _CONFLICT = {
     "40001",  # serialization_failure
@@ -112,6 +112,9 @@ class PostgreSQL(Dialect):
                 DELETE FROM permits_waiter
                 WHERE owner = :owner AND lease_key = :key AND EXISTS (SELECT 1 FROM lease))
             SELECT lease.id, lease.acquired_at_ms, lease.expires_at_ms, permit.token FROM lease, permit""",
+        # REFUSAL_READ with the names as one array parameter: the statement then goes to the driver as it
+        # is, alone (see Stmt.alone), rather than through SQLAlchemy's expansion of ``IN :names``.
+        "REFUSAL_READ": PORTABLE_SQL["REFUSAL_READ"].replace("IN :names", "= ANY(:names)"),
         # A waiter that gives up its place (its wait timed out) may leave room for the ones behind it.
         # params: owner, key -> one row per semaphore whose queue it left
         "WAITERS_DELETE": """
