@@ -7,10 +7,12 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from typing import Any
 
 import pytest
 
 import permits
+from permits import Want
 
 #: The read that finds out why an acquire was refused (flows._why_refused).
 WHY_REFUSED = "REFUSAL_READ"
@@ -105,3 +107,29 @@ def test_on_postgresql_a_fair_queue_calls_its_head_and_the_rest_sleep(db_url: st
     # The last waited about 2 s behind four holders: its first attempts, one when the listener came up
     # (which records its channel), then one per call or per second. Pacing by prediction asks 10-20 times.
     assert attempts[4] <= 7, attempts
+
+
+def test_a_queued_request_learns_how_many_permits_it_is_short(db_url: str, ns: str) -> None:
+    """The shortfall a refused request learns when it joins a fair queue (one statement on PostgreSQL,
+    four elsewhere) and each time it asks again: the permits in use, plus those wanted by the live
+    waiters ahead of it and by itself, minus the capacity. A kept place does not count itself, and the
+    place read between full checks (WAITER_SHORT) agrees."""
+    name = f"{ns}short"
+    with permits.connect(db_url, owner=f"{ns}h") as holder:
+        holder.create_semaphore(name, 3, fair=True)
+        held = holder.acquire({name: 2}, ttl=30)
+        store: Any = holder._store
+        first, second = (Want(name, 2),), (Want(name, 1),)
+        assert store.try_acquire(f"{ns}a", "k", first, 30_000, wait=5.0) is None
+        assert store.queue_short(f"{ns}a", "k") == 2 + 2 - 3  # in use + its own - capacity
+        assert store.try_acquire(f"{ns}b", "k", second, 30_000, wait=5.0) is None
+        assert store.queue_short(f"{ns}b", "k") == 2 + 2 + 1 - 3  # and the waiter ahead
+        for recheck in (True, False):  # the full check keeps the place; the quick one reads it
+            assert store.try_acquire(f"{ns}a", "k", first, 30_000, wait=5.0, recheck=recheck) is None
+            assert store.queue_short(f"{ns}a", "k") == 1
+            assert store.try_acquire(f"{ns}b", "k", second, 30_000, wait=5.0, recheck=recheck) is None
+            assert store.queue_short(f"{ns}b", "k") == 2
+        holder.release(held)
+        granted = store.try_acquire(f"{ns}a", "k", first, 30_000, wait=5.0)
+        assert granted is not None and granted.counts == {name: 2}
+        assert store.try_acquire(f"{ns}b", "k", second, 30_000, wait=5.0, recheck=False) is not None

@@ -193,7 +193,7 @@ def _why_refused(
         raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms, queue_ms, queued, wake))
     if queue_ms and fair:
         if d.cheaper_readonly or alone:
-            raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms, wake))
+            raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms, wake, first=True))
         # Elsewhere this transaction can write as it is: a waiter joins the queue without a second one.
         return (yield from _enqueue(d, owner, key, wants, fair, queue_ms, wake))
     return None
@@ -227,10 +227,21 @@ def _enqueue(
     fair: Mapping[str, int],
     queue_ms: int,
     wake: str | None = None,
+    first: bool = False,
 ) -> Flow[Queued]:
     """Keep this request's places in the fair queues, or take them, so that every semaphore orders any two
     requests alike: one ticket for all of them from the dialect's sequence (``TICKET_NEXT``), or else a
-    ticket per fair semaphore from its row's counter, taken in name order under each row's lock."""
+    ticket per fair semaphore from its row's counter, taken in name order under each row's lock.
+    ``first``: this is the transaction's first statement (it may then run alone, see ``ENQUEUE``)."""
+    if d.has("ENQUEUE"):
+        queues = [(fair[w.name], w.count) for w in wants if w.name in fair]
+        params = {"owner": owner, "key": key, "place_ms": queue_ms, "wake": wake}
+        params.update(sem_ids=[sid for sid, _ in queues], counts=[count for _, count in queues])
+        try:
+            placed = yield Stmt("ENQUEUE", params, alone=first and d.free_autocommit)
+        except DuplicateKey:  # the same request, enqueued at the same time by another attempt of its own
+            raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms, wake, first=True)) from None
+        return Queued(max(int(row[0]) for row in placed.rows)) if placed.rows else Queued()
     kept = yield Stmt("WAITERS_REFRESH", {"owner": owner, "key": key, "place_ms": queue_ms, "wake": wake})
     if kept.rowcount == 0:
         shared = int((yield Stmt("TICKET_NEXT")).rows[0][0]) if d.has("TICKET_NEXT") else None
@@ -244,7 +255,7 @@ def _enqueue(
             try:
                 yield Stmt("WAITER_INSERT", {**params, "count": want.count, "place_ms": queue_ms, "wake": wake})
             except DuplicateKey:
-                raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms, wake)) from None
+                raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms, wake, first=True)) from None
     return (yield from queue_place(owner, key)) or Queued()
 
 

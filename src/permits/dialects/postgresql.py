@@ -129,6 +129,31 @@ class PostgreSQL(Dialect):
         # nextval locks no row, so an arriving waiter does not hold the semaphore row, which every grant
         # and release writes, through its enqueue and commit. -> ticket
         "TICKET_NEXT": "SELECT nextval('permits_ticket')",
+        # The enqueue in one statement (flows._enqueue does it in four elsewhere): keep the request's places
+        # (and say where to call it now), or else take one ticket from the sequence for all of its fair
+        # queues and a place in each; then how many permits it is short of fitting, per queue, as
+        # WAITER_SHORT counts them. The last part reads the table as it was when the statement began, which
+        # holds every waiter ahead of the request: a new place has the newest ticket, and a kept one does
+        # not count itself. params: owner, key, place_ms, wake, sem_ids, counts (arrays, one item per fair
+        # semaphore) -> short, one row per place
+        "ENQUEUE": """
+            WITH kept AS (
+                UPDATE permits_waiter SET expires_at_ms = {now} + :place_ms, wake_channel = :wake
+                WHERE owner = :owner AND lease_key = :key
+                RETURNING semaphore_id, ticket, count),
+            ticket AS (
+                SELECT nextval('permits_ticket') AS ticket WHERE NOT EXISTS (SELECT 1 FROM kept)),
+            placed AS (
+                INSERT INTO permits_waiter
+                    (semaphore_id, ticket, owner, lease_key, count, enqueued_at_ms, expires_at_ms, wake_channel)
+                SELECT w.semaphore_id, t.ticket, :owner, :key, w.count, {now}, {now} + :place_ms, :wake
+                FROM ticket t, unnest(CAST(:sem_ids AS BIGINT[]), CAST(:counts AS BIGINT[])) AS w(semaphore_id, count)
+                RETURNING semaphore_id, ticket, count),
+            mine AS (SELECT * FROM kept UNION ALL SELECT * FROM placed)
+            SELECT s.used + m.count - s.capacity + COALESCE((
+                SELECT SUM(w.count) FROM permits_waiter w
+                WHERE w.semaphore_id = m.semaphore_id AND w.ticket < m.ticket AND w.expires_at_ms > {now}), 0)
+            FROM mine m JOIN permits_semaphore s ON s.id = m.semaphore_id""",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }
