@@ -133,3 +133,27 @@ def test_a_queued_request_learns_how_many_permits_it_is_short(db_url: str, ns: s
         granted = store.try_acquire(f"{ns}a", "k", first, 30_000, wait=5.0)
         assert granted is not None and granted.counts == {name: 2}
         assert store.try_acquire(f"{ns}b", "k", second, 30_000, wait=5.0, recheck=False) is not None
+
+
+def test_a_newcomer_behind_a_fair_queue_reclaims_an_expired_lease_and_waits(db_url: str, ns: str) -> None:
+    """An expired lease holds a fair semaphore's only permit and a waiter is queued. A newcomer finds the
+    expired lease and ends it, which makes room, but the queue is ahead of it: the reclaim must stand (it
+    used to roll back with the refusal, and the newcomer found the same lease again, restart after restart,
+    until it failed with StorageError), and the newcomer waits like any refused request."""
+    name = f"{ns}reclaim"
+    with (
+        permits.connect(db_url, owner=f"{ns}holder") as holder,
+        permits.connect(db_url, owner=f"{ns}queued") as queued,
+        permits.connect(db_url, owner=f"{ns}newcomer") as newcomer,
+    ):
+        holder.create_semaphore(name, 1, fair=True)
+        stale = holder.acquire(name, ttl=0.2)
+        store: Any = queued._store
+        assert store.try_acquire(f"{ns}queued", "k", (Want(name, 1),), 30_000, wait=5.0) is None
+        time.sleep(0.3)  # the holder's lease expires; the queued waiter keeps its place (5 s)
+        with pytest.raises(permits.AcquireTimeout):
+            newcomer.acquire(name, ttl=30, timeout=0.1)
+        assert holder.get_lease(stale.key).end_reason == "expired"  # the reclaim stood
+        assert holder.get_semaphore(name).used == 0
+        lease = store.try_acquire(f"{ns}queued", "k", (Want(name, 1),), 30_000, wait=5.0, recheck=False)
+        assert lease is not None  # the queue's head takes the permit the reclaim gave back

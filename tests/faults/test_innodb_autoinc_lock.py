@@ -1,7 +1,7 @@
 """A grant on MariaDB that loses a wait for InnoDB's AUTO-INC table lock is retried, not raised.
 
 With innodb_autoinc_lock_mode = 1 (MariaDB's default), an INSERT ... SELECT holds a table-level AUTO-INC
-lock until the statement ends, and a grant's lease and permit rows are inserted that way. A grant that
+lock until the statement ends, and a grant of one semaphore inserts its lease row that way. A grant that
 waits for that lock and loses (a deadlock victim, or a lock wait timeout) gets error 1467, "Failed to read
 auto-increment value from storage engine", in place of 1213 or 1205. CI met it once as a deadlock of three
 (a grant holding the lease table's AUTO-INC lock, waiting on a release's gap lock; the release waiting on

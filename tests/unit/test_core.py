@@ -140,3 +140,33 @@ def test_postgresql_acquires_one_semaphore_in_one_statement() -> None:
     next(flow)
     with pytest.raises(flows.Restart):
         flow.send(Result([], 0))
+
+
+def test_on_postgresql_the_refusal_read_and_the_enqueue_each_run_alone() -> None:
+    """Where autocommit is free, the read of why a request was refused is a transaction by itself, and so
+    is the enqueue that follows it for a fair queue; a key with a lease is looked at again in a transaction
+    that can go on to read the lease."""
+    d = PostgreSQL()
+    flow = flows.try_acquire(d, "o", "k", (Want("a", 1), Want("b", 1)), 5000, queue_ms=5000)
+    assert next(flow).name == "SEM_TAKE"
+    with pytest.raises(flows.Restart) as refused:
+        flow.send(Result([], 0))
+    check = refused.value.flow()
+    read = next(check)
+    assert (read.name, read.alone) == ("REFUSAL_READ", True)
+    # A fair semaphore and a caller that waits: the enqueue restarts, as one statement, alone.
+    with pytest.raises(flows.Restart) as enqueue:
+        check.send(Result([(0, 0, 5, "a", 1, 1, 1), (0, 0, 6, "b", 1, 0, 0)], 2))
+    placed = next(enqueue.value.flow())
+    assert (placed.name, placed.alone) == ("ENQUEUE", True)
+    assert dict(placed.params)["sem_ids"] == [5]  # b is not fair: no place in its line
+    # The key has a lease: read again, in a transaction, then the lease itself.
+    check = refused.value.flow()
+    next(check)
+    with pytest.raises(flows.Restart) as again:
+        check.send(Result([(1, 0, 5, "a", 1, 1, 1), (1, 0, 6, "b", 1, 0, 0)], 2))
+    assert again.value.readonly
+    retry = again.value.flow()
+    read = next(retry)
+    assert (read.name, read.alone) == ("REFUSAL_READ", False)
+    assert retry.send(Result([(1, 0, 5, "a", 1, 1, 1), (1, 0, 6, "b", 1, 0, 0)], 2)).name == "LEASE_FIND"

@@ -167,16 +167,18 @@ def _why_refused(
     queue_ms: int = 0,
     queued: bool = False,
     wake: str | None = None,
+    may_run_alone: bool = True,
 ) -> Flow[Lease | Queued | None]:
     # Three questions in one read: has this key a lease already (a retry of a request that was granted
     # must get it back, not a refusal for lack of room), do expired leases hold these semaphores, and what
     # are their rows. Where autocommit is free the read is a transaction by itself, and whatever must
     # follow it (rarely needed, but for a place in a fair queue) restarts in a new one.
-    alone = d.free_autocommit
+    alone = may_run_alone and d.free_autocommit
     found = yield Stmt("REFUSAL_READ", {"owner": owner, "key": key, "names": [w.name for w in wants]}, alone=alone)
     if any(int(row[0]) for row in found.rows):
-        if alone:
-            raise Restart(lambda: _replay_or_refuse(owner, key, wants))
+        if alone:  # look again, in a transaction that can go on to read the lease
+            args = (d, owner, key, wants, ttl_ms, queue_ms, queued, wake)
+            raise Restart(lambda: _why_refused(*args, may_run_alone=False), readonly=True)
         existing = yield from _find_lease(owner, key)
         if existing is not None:
             return decide.replay(existing[1], wants)
@@ -197,12 +199,6 @@ def _why_refused(
         # Elsewhere this transaction can write as it is: a waiter joins the queue without a second one.
         return (yield from _enqueue(d, owner, key, wants, fair, queue_ms, wake))
     return None
-
-
-def _replay_or_refuse(owner: str, key: str, wants: Sequence[Want]) -> Flow[Lease | None]:
-    """The refused request's key has a lease: a retry of a request that was granted gets it back."""
-    existing = yield from _find_lease(owner, key)
-    return None if existing is None else decide.replay(existing[1], wants)
 
 
 class Queued:
@@ -345,11 +341,12 @@ def _acquire_slow(
             raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
     decide.check_counts(wants, {n: cap for n, (_, cap, _) in sems.items()})
 
+    reclaimed: list[int] = []
     if not _all_have_room(wants, sems):
         # Expired leases never block: end those holding these semaphores, in this transaction.
         expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": sorted(sid for sid, _, _ in sems.values())})
         if expired.rows:
-            returned, _ = yield from _end_leases([int(r[0]) for r in expired.rows], EndReason.EXPIRED)
+            returned, reclaimed = yield from _end_leases([int(r[0]) for r in expired.rows], EndReason.EXPIRED)
             sems = {n: (sid, cap, used - returned.get(sid, 0)) for n, (sid, cap, used) in sems.items()}
         if not _all_have_room(wants, sems):
             return None  # commit: the reclaim stands even though this request waits
@@ -358,11 +355,22 @@ def _acquire_slow(
     for want in wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
         if taken.rowcount == 0:  # room, but a fair queue ahead of us: wait like any refused request
+            if reclaimed:
+                # Rolling back would bring the expired leases back, for the next attempt to find and end
+                # again, and again, while the queue stays ahead: end them in a transaction of their own.
+                raise Restart(lambda: _reclaim(reclaimed))
             raise _refused(d, owner, key, wants, ttl_ms, queue_ms, queued=queued, wake=wake)
         tokens[want.name] = d.taken_token(taken)
     if queue_ms or queued:
         yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
     return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
+
+
+def _reclaim(ids: Sequence[int]) -> Flow[None]:
+    """End expired leases (those still held: each is re-checked under lock) and commit, for a request that
+    then waits: no room for it, as far as this attempt goes."""
+    yield from _end_leases(ids, EndReason.EXPIRED)
+    return None
 
 
 def _all_have_room(wants: Sequence[Want], sems: Mapping[str, tuple[int, int, int]]) -> bool:

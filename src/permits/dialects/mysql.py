@@ -12,8 +12,8 @@ _CONFLICT = {
     1205,  # ER_LOCK_WAIT_TIMEOUT
     1213,  # ER_LOCK_DEADLOCK; also a Galera certification failure (and Vitess's deadlock)
     1614,  # ER_XA_RBDEADLOCK
-    # ER_AUTOINC_READ_FAILED: InnoDB's answer when an INSERT ... SELECT (a grant's lease and permit rows)
-    # waits for a table's AUTO-INC lock and loses: a deadlock victim or a lock wait timeout. The real
+    # ER_AUTOINC_READ_FAILED: InnoDB's answer when an INSERT ... SELECT (ACQUIRE_ONE's lease row) waits
+    # for a table's AUTO-INC lock and loses: a deadlock victim or a lock wait timeout. The real
     # cause (1213, 1205) is not reported, and the statement or transaction is rolled back just the same.
     # innodb_autoinc_lock_mode = 2 (required by Galera, the default in MySQL 8) takes no such lock. The
     # other meaning, a BIGINT id at its maximum, cannot happen in practice.
