@@ -157,3 +157,23 @@ def test_a_newcomer_behind_a_fair_queue_reclaims_an_expired_lease_and_waits(db_u
         assert holder.get_semaphore(name).used == 0
         lease = store.try_acquire(f"{ns}queued", "k", (Want(name, 1),), 30_000, wait=5.0, recheck=False)
         assert lease is not None  # the queue's head takes the permit the reclaim gave back
+
+
+@pytest.mark.parametrize("fair", [False, True], ids=["plain", "fair"])
+def test_a_waiting_grant_gives_up_queue_places_only_where_it_may_hold_some(db_url: str, ns: str, fair: bool) -> None:
+    """A grant to a caller that waits deletes the request's places in fair queues (it may have taken some
+    in an earlier attempt, or through another store). Places are only ever taken in fair queues, so where
+    the statement that takes the room also says the semaphores are plain, there is nothing to delete and
+    no statement is spent on it. MariaDB's SEM_TAKE cannot say (no UPDATE ... RETURNING): it always
+    deletes. Two semaphores, so that every engine takes the room with SEM_TAKE."""
+    names = [f"{ns}a", f"{ns}b"]
+    with permits.connect(db_url, owner=f"{ns}w") as client:
+        for name in names:
+            client.create_semaphore(name, 2, fair=fair)
+        seen: collections.Counter[str] = collections.Counter()
+        client._store.after_statement = lambda statement: seen.update([statement])  # type: ignore[attr-defined]
+        lease = client.acquire(dict.fromkeys(names, 1), ttl=30, timeout=5)
+        client.release(lease)
+    assert seen["SEM_TAKE"] == 2, seen
+    says_fairness = not db_url.startswith("mysql")
+    assert seen["WAITERS_DELETE"] == (0 if says_fairness and not fair else 1), seen

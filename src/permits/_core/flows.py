@@ -121,12 +121,15 @@ def try_acquire(
     if len(wants) == 1 and d.has("ACQUIRE_ONE"):
         return (yield from _acquire_one(d, owner, key, wants[0], ttl_ms, queue_ms, recheck, queued, wake))
     tokens: dict[str, int] = {}
+    places = queued  # whether the request may hold places in fair queues
     for want in wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
         if taken.rowcount == 0:
             raise _refused(d, owner, key, wants, ttl_ms, queue_ms, recheck, queued, wake)
         tokens[want.name] = d.taken_token(taken)
-    if queue_ms or queued:  # a grant gives up the request's places, even on an attempt that would not queue
+        # Places are taken in fair queues only: a waiter granted on plain semaphores has none to give up.
+        places = places or (queue_ms > 0 and d.taken_fair(taken) is not False)
+    if places:  # a grant gives up the request's places, even on an attempt that would not queue
         yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
     return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
 
@@ -352,6 +355,7 @@ def _acquire_slow(
             return None  # commit: the reclaim stands even though this request waits
 
     tokens: dict[str, int] = {}
+    places = queued  # whether the request may hold places in fair queues
     for want in wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
         if taken.rowcount == 0:  # room, but a fair queue ahead of us: wait like any refused request
@@ -361,7 +365,8 @@ def _acquire_slow(
                 raise Restart(lambda: _reclaim(reclaimed))
             raise _refused(d, owner, key, wants, ttl_ms, queue_ms, queued=queued, wake=wake)
         tokens[want.name] = d.taken_token(taken)
-    if queue_ms or queued:
+        places = places or (queue_ms > 0 and d.taken_fair(taken) is not False)
+    if places:
         yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
     return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
 

@@ -50,6 +50,7 @@ from permits.stores._engine import (
     sync_engine,
     translate,
 )
+from permits.stores.direct import DirectTransactions
 
 if TYPE_CHECKING:
     from permits._sync.listener import RoomListener
@@ -87,6 +88,13 @@ class SQLStore:
         self.on_retry: Callable[[str], None] | None = None
         #: statements that run alone, compiled for the driver, by name
         self._driver_statements: dict[str, tuple[str, tuple[str, ...] | None]] = {}
+        #: SQLite's transactions skip SQLAlchemy's Connection (stores/direct.py). The asyncio store runs SQLite
+        #: through the sync one, on a worker thread (stores/threaded.py), so only the sync store needs this.
+        self._direct = (
+            DirectTransactions(sync_engine(self._engine), self._dialect)
+            if self._dialect.name == "sqlite" and not IS_ASYNC
+            else None
+        )
         #: requests this store put in a fair queue and that were not granted yet (insertion-ordered)
         #: each with its shortfall (see ``queue_short``), and whether its place records the wake channel
         self._queued: OrderedDict[tuple[str, str], tuple[int | None, bool]] = OrderedDict()
@@ -462,6 +470,8 @@ class SQLStore:
         except StopIteration as stop:  # pragma: no cover - every flow sends at least one statement
             done: T = stop.value
             return done
+        if self._direct is not None:
+            return self._direct.run(flow, first, readonly, self.after_statement)
         with self._engine.connect() as conn:
             if first.alone and (self._dialect.free_autocommit or self._dialect.self_committing):
                 return self._drive_alone(conn, flow, first)

@@ -86,7 +86,7 @@ PORTABLE_SQL: dict[str, str] = {
         UPDATE permits_semaphore
         SET used = used + :count, last_token = last_token + 1, updated_at_ms = {now}
         WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
-        RETURNING last_token""",
+        RETURNING last_token, fair""",
     # Lock the named semaphores in name order, so two multi-semaphore acquires never wait in a cycle.
     # params: names -> id, name, capacity, used
     "SEMS_LOCK": """
@@ -382,6 +382,11 @@ class Dialect:
     def taken_token(self, result: Result) -> int:
         """The counter that ``SEM_TAKE`` (fencing token) or ``SEM_TICKET`` (queue ticket) just bumped."""
         return int(result.rows[0][0])
+
+    def taken_fair(self, result: Result) -> bool | None:
+        """Whether the semaphore that ``SEM_TAKE`` just took room from is fair; ``None`` where the statement
+        cannot say."""
+        return bool(result.rows[0][1])
 
     # ---- engine set-up
 

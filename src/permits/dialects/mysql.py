@@ -119,6 +119,9 @@ class MariaDB(Dialect):
             raise RuntimeError("the MySQL driver did not report LAST_INSERT_ID")
         return int(result.lastrowid)
 
+    def taken_fair(self, result: Result) -> bool | None:
+        return None  # SEM_TAKE answers with the token alone (there is no UPDATE ... RETURNING)
+
     def engine_options(self, lock_wait_timeout: float) -> dict[str, Any]:
         # Waiting long on a row lock only holds a connection: fail fast and let the retry loop back off.
         seconds = max(1, round(lock_wait_timeout))

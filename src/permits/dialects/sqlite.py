@@ -37,7 +37,7 @@ class SQLite(Dialect):
 
     def engine_options(self, lock_wait_timeout: float) -> dict[str, Any]:
         # The driver's own transaction handling is turned off (isolation_level=None) so that the store
-        # can issue BEGIN IMMEDIATE itself; see stores/_events.py.
+        # can issue BEGIN IMMEDIATE itself; see stores/direct.py.
         return {"connect_args": {"timeout": lock_wait_timeout, "isolation_level": None}}
 
     def prepare_connection(self, dbapi_connection: sqlite3.Connection) -> None:

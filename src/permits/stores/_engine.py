@@ -52,6 +52,8 @@ def install_events(engine: Engine, dialect: Dialect, settings: Settings) -> None
         cursor.close()
         dialect.prepare_connection(dbapi_connection)
 
+    # Operations run their transactions on the driver (stores/direct.py); this begins the few that go
+    # through SQLAlchemy's Connection (the schema's check and migrations).
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
         readonly = connection.get_execution_options().get(READONLY, False)

@@ -1,0 +1,123 @@
+"""SQLite's transactions, run on the driver's own connection with no SQLAlchemy Connection around them.
+
+SQLite runs inside the client's process and lets one writer in at a time. Every bit of Python around a
+statement is then part of the transaction, and other processes wait for the write lock through all of
+it. SQLAlchemy's Connection, its Transaction object and the begin event cost about a sixth of an acquire
+and release cycle's CPU on one process (docs/benchmarks.md). The pool still hands out the connections and
+sets each one up when it opens (stores/_engine.py); only the wrapping of each transaction is gone.
+
+The sync SQL store runs every flow on SQLite through here. The asyncio store runs SQLite through the sync
+one, on a worker thread (stores/threaded.py), so it needs no twin of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.sql.compiler import Compiled
+
+from permits._core.flows import DuplicateKey, Flow, Result, Stmt
+from permits.dialects.base import Dialect, Fault
+from permits.stores._engine import driver_error
+
+T = TypeVar("T")
+
+
+class DirectTransactions:
+    """Runs a flow in one SQLite transaction: BEGIN (IMMEDIATE unless read-only), its statements on the
+    sqlite3 cursor, COMMIT; on any error, ROLLBACK. Driver errors come out wrapped as SQLAlchemy wraps
+    them, so the store's retry loop classifies them as it does every other engine's."""
+
+    def __init__(self, engine: Engine, dialect: Dialect) -> None:
+        self._engine = engine
+        self._dialect = dialect
+        self._statements: dict[str, tuple[str, tuple[str, ...], Compiled | None]] = {}
+
+    def run(self, flow: Flow[T], first: Stmt, readonly: bool, after_statement: Callable[[str], None] | None) -> T:
+        pooled = self._engine.raw_connection()
+        try:
+            driver: Any = pooled.driver_connection
+            cursor = driver.cursor()
+            try:
+                # Read-only: a deferred BEGIN takes no write lock, so readers never queue behind writers.
+                self._call(cursor.execute, "BEGIN" if readonly else "BEGIN IMMEDIATE")
+                value = self._drive(cursor, flow, first, after_statement)
+                self._call(driver.commit)
+                return value
+            except BaseException:
+                if driver.in_transaction:
+                    try:
+                        driver.rollback()
+                    except Exception:  # the connection's state is unknown: never hand it out again
+                        pooled.invalidate()
+                raise
+            finally:
+                cursor.close()
+        finally:
+            pooled.close()
+
+    def _drive(self, cursor: Any, flow: Flow[T], first: Stmt, after_statement: Callable[[str], None] | None) -> T:
+        stmt = first
+        try:
+            while True:
+                try:
+                    result = self._send(cursor, stmt)
+                except DBAPIError as exc:
+                    if self._dialect.classify(exc) is not Fault.DUPLICATE:
+                        raise
+                    stmt = flow.throw(DuplicateKey())
+                    continue
+                if after_statement is not None:
+                    after_statement(stmt.name)
+                stmt = flow.send(result)
+        except StopIteration as stop:
+            value: T = stop.value
+            return value
+
+    def _send(self, cursor: Any, stmt: Stmt) -> Result:
+        sql, order, compiled = self._statement(stmt.name)
+        try:
+            if isinstance(stmt.params, Mapping):
+                if compiled is not None:
+                    # A list parameter (``IN :names``) becomes one placeholder per item, as SQLAlchemy does.
+                    expanded = compiled.construct_expanded_state(dict(stmt.params))  # type: ignore[attr-defined]
+                    cursor.execute(expanded.statement, expanded.positional_parameters)
+                else:
+                    given = stmt.params
+                    cursor.execute(sql, tuple([given[name] for name in order]))
+            elif stmt.params:  # a list of params: once per item
+                cursor.executemany(sql, [tuple([p[name] for name in order]) for p in stmt.params])
+            else:
+                return Result([], 0)
+            if cursor.description is not None:
+                found = cursor.fetchall()
+                return Result(found, len(found))
+            return Result([], int(cursor.rowcount))
+        except Exception as exc:
+            wrapped = driver_error(self._engine, exc)
+            if wrapped is None:
+                raise
+            raise wrapped from exc
+
+    def _statement(self, name: str) -> tuple[str, tuple[str, ...], Compiled | None]:
+        """A statement compiled for sqlite3: its SQL, its parameters' names in placeholder order, and, for
+        one with a list parameter, the compiled form that expands it per call."""
+        cached = self._statements.get(name)
+        if cached is None:
+            compiled = self._dialect.clause(name).compile(dialect=self._engine.dialect)
+            order = tuple(compiled.positiontup or ())
+            cached = (compiled.string, order, compiled if self._dialect.expands(name) else None)
+            self._statements[name] = cached
+        return cached
+
+    def _call(self, method: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return method(*args)
+        except Exception as exc:
+            wrapped = driver_error(self._engine, exc)
+            if wrapped is None:
+                raise
+            raise wrapped from exc
