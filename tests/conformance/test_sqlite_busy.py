@@ -1,8 +1,8 @@
 """SQLite: a write lock held elsewhere (another process's BEGIN IMMEDIATE) is a typed, retried conflict.
 
 Every writing transaction starts with BEGIN IMMEDIATE, sent on the sqlite3 cursor by the store's direct
-transactions (permits/stores/direct.py). A busy database there must reach the caller as permits' own error after the retries, never as the
-driver's exception, and a waiting acquire rides it out within its timeout.
+transactions (permits/stores/direct.py). A busy database there must reach the caller as permits' own error
+after the retries, never as the driver's exception, and a waiting acquire rides it out within its timeout.
 """
 
 from __future__ import annotations
