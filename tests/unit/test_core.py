@@ -67,7 +67,7 @@ def test_release_outcomes() -> None:
 def test_acquire_fast_path_statements() -> None:
     """A grant with room is: one conditional UPDATE per semaphore, the lease row, the permit rows."""
     d = PostgreSQL()
-    flow = flows.try_acquire(d, "o", "k", (Want("a", 1), Want("b", 2)), 5000)
+    flow = flows.try_acquire(d, flows.Request("o", "k", (Want("a", 1), Want("b", 2)), 5000))
     sent = [next(flow)]
     replies = [
         Result([(11,)], 1),  # SEM_TAKE a -> token 11
@@ -85,7 +85,7 @@ def test_acquire_fast_path_statements() -> None:
 
 def test_acquire_without_room_lets_go_at_once_then_checks_without_locks() -> None:
     d = SQLite()
-    flow = flows.try_acquire(d, "o", "k", (Want("a", 1),), 5000)
+    flow = flows.try_acquire(d, flows.Request("o", "k", (Want("a", 1),), 5000))
     assert next(flow).name == "SEM_TAKE"
     # No room: roll back at once (the refused must not hold the row the next grant needs) ...
     with pytest.raises(flows.Restart) as refused:
@@ -129,14 +129,14 @@ def test_every_statement_a_flow_names_exists_in_every_dialect() -> None:
 
 def test_postgresql_acquires_one_semaphore_in_one_statement() -> None:
     d = PostgreSQL()
-    flow = flows.try_acquire(d, "o", "k", (Want("a", 1),), 5000)
+    flow = flows.try_acquire(d, flows.Request("o", "k", (Want("a", 1),), 5000))
     first = next(flow)
     assert (first.name, first.alone) == ("ACQUIRE_ONE", True)
     with pytest.raises(StopIteration) as done:
         flow.send(Result([(5, 1000, 6000, 77)], 1))
     assert done.value.value.tokens == {"a": 77}
     # No room: nothing was written, so the slow path starts over in a transaction of its own.
-    flow = flows.try_acquire(d, "o", "k", (Want("a", 1),), 5000)
+    flow = flows.try_acquire(d, flows.Request("o", "k", (Want("a", 1),), 5000))
     next(flow)
     with pytest.raises(flows.Restart):
         flow.send(Result([], 0))
@@ -147,7 +147,7 @@ def test_on_postgresql_the_refusal_read_and_the_enqueue_each_run_alone() -> None
     is the enqueue that follows it for a fair queue; a key with a lease is looked at again in a transaction
     that can go on to read the lease."""
     d = PostgreSQL()
-    flow = flows.try_acquire(d, "o", "k", (Want("a", 1), Want("b", 1)), 5000, queue_ms=5000)
+    flow = flows.try_acquire(d, flows.Request("o", "k", (Want("a", 1), Want("b", 1)), 5000, queue_ms=5000))
     assert next(flow).name == "SEM_TAKE"
     with pytest.raises(flows.Restart) as refused:
         flow.send(Result([], 0))

@@ -214,7 +214,8 @@ class AsyncSQLStore:
             # After a lost connection the last attempt may have been granted with its reply lost: only
             # the full recheck finds that lease under the key.
             full = recheck or tries > 1
-            return flows.try_acquire(self._dialect, owner, key, wants, ttl_ms, queue_ms, full, queued, wake)
+            request = flows.Request(owner, key, wants, ttl_ms, queue_ms, queued, wake)
+            return flows.try_acquire(self._dialect, request, recheck=full)
 
         result: Any = await self._run(attempt, deadline=deadline)
         if isinstance(result, flows.Queued):

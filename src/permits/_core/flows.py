@@ -89,17 +89,24 @@ class Restart(Exception):
 # ---------------------------------------------------------------------------------------------- acquire
 
 
-def try_acquire(
-    d: Dialect,
-    owner: str,
-    key: str,
-    wants: Sequence[Want],
-    ttl_ms: int,
-    queue_ms: int = 0,
-    recheck: bool = True,
-    queued: bool = False,
-    wake: str | None = None,
-) -> Flow[Lease | Queued | None]:
+@dataclass(frozen=True, slots=True)
+class Request:
+    """An acquire request, as the acquire flows pass it between themselves."""
+
+    owner: str
+    key: str
+    wants: Sequence[Want]
+    ttl_ms: int
+    #: > 0: the caller waits, and on a fair semaphore a refused request takes a place in the queue, kept
+    #: this long unless the caller asks again
+    queue_ms: int = 0
+    #: the request holds places in fair queues (its store put it there), and learns its place when refused
+    queued: bool = False
+    #: the caller's wake channel (PostgreSQL), recorded in its places: a release calls it when its turn comes
+    wake: str | None = None
+
+
+def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | None]:
     """Grant every want or none; ``None`` means no room (after reclaiming expired leases).
 
     The fast path is one conditional UPDATE per semaphore, in name order: it counts the permits and bumps
@@ -107,10 +114,9 @@ def try_acquire(
     is written, and every grant writes the row (multi-primary engines such as Galera certify only rows a
     transaction writes). Only when a semaphore has no room does the flow look further.
 
-    ``queue_ms`` > 0 means the caller will wait: on a fair semaphore a refused request then takes a place
-    in the queue, kept for ``queue_ms`` unless the caller asks again, and a grant gives its place up. The
-    place records ``wake``, the caller's wake channel (PostgreSQL), which a release notifies when the
-    request's turn comes.
+    A request with ``queue_ms`` > 0 waits: on a fair semaphore a refused request then takes a place in the
+    queue, and a grant gives its places up. The place records ``wake``, the caller's wake channel
+    (PostgreSQL), which a release notifies when the request's turn comes.
 
     ``recheck=False`` is for a waiter asking again soon after a full refusal: no room is then the answer at
     once, without the transaction that finds out why (the key's earlier grant, expired leases to reclaim,
@@ -118,41 +124,31 @@ def try_acquire(
     a refusal costs one statement while the reasons it skips cannot change the outcome for long. A request
     that is ``queued`` (it holds fair-queue places) learns its place instead, to pace its next attempt.
     """
-    if len(wants) == 1 and d.has("ACQUIRE_ONE"):
-        return (yield from _acquire_one(d, owner, key, wants[0], ttl_ms, queue_ms, recheck, queued, wake))
+    if len(req.wants) == 1 and d.has("ACQUIRE_ONE"):
+        return (yield from _acquire_one(d, req, recheck))
     tokens: dict[str, int] = {}
-    places = queued  # whether the request may hold places in fair queues
-    for want in wants:
-        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
+    places = req.queued  # whether the request may hold places in fair queues
+    for want in req.wants:
+        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": req.owner, "key": req.key})
         if taken.rowcount == 0:
-            raise _refused(d, owner, key, wants, ttl_ms, queue_ms, recheck, queued, wake)
+            raise _refused(d, req, recheck)
         tokens[want.name] = d.taken_token(taken)
         # Places are taken in fair queues only: a waiter granted on plain semaphores has none to give up.
-        places = places or (queue_ms > 0 and d.taken_fair(taken) is not False)
+        places = places or (req.queue_ms > 0 and d.taken_fair(taken) is not False)
     if places:  # a grant gives up the request's places, even on an attempt that would not queue
-        yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
-    return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
+        yield Stmt("WAITERS_DELETE", {"owner": req.owner, "key": req.key})
+    return (yield from _insert_lease(d, req, tokens))
 
 
-def _refused(
-    d: Dialect,
-    owner: str,
-    key: str,
-    wants: Sequence[Want],
-    ttl_ms: int,
-    queue_ms: int = 0,
-    recheck: bool = True,
-    queued: bool = False,
-    wake: str | None = None,
-) -> Restart:
+def _refused(d: Dialect, req: Request, recheck: bool = True) -> Restart:
     """A semaphore had no room (or does not exist). Roll back at once, which lets go of the semaphore
     rows, and find out why without locking anything: on a hot semaphore the refused are the many, and
     they must not hold the row that the next grant needs."""
     if not recheck:
-        if queued:
-            return Restart(lambda: queue_place(owner, key, alone=d.free_autocommit), readonly=True)
+        if req.queued:
+            return Restart(lambda: queue_place(req.owner, req.key, alone=d.free_autocommit), readonly=True)
         return Restart(_no_room)
-    return Restart(lambda: _why_refused(d, owner, key, wants, ttl_ms, queue_ms, queued, wake), readonly=True)
+    return Restart(lambda: _why_refused(d, req), readonly=True)
 
 
 def _no_room() -> Flow[None]:
@@ -161,46 +157,36 @@ def _no_room() -> Flow[None]:
     return None
 
 
-def _why_refused(
-    d: Dialect,
-    owner: str,
-    key: str,
-    wants: Sequence[Want],
-    ttl_ms: int,
-    queue_ms: int = 0,
-    queued: bool = False,
-    wake: str | None = None,
-    may_run_alone: bool = True,
-) -> Flow[Lease | Queued | None]:
+def _why_refused(d: Dialect, req: Request, may_run_alone: bool = True) -> Flow[Lease | Queued | None]:
     # Three questions in one read: has this key a lease already (a retry of a request that was granted
     # must get it back, not a refusal for lack of room), do expired leases hold these semaphores, and what
     # are their rows. Where autocommit is free the read is a transaction by itself, and whatever must
     # follow it (rarely needed, but for a place in a fair queue) restarts in a new one.
     alone = may_run_alone and d.free_autocommit
-    found = yield Stmt("REFUSAL_READ", {"owner": owner, "key": key, "names": [w.name for w in wants]}, alone=alone)
+    names = [w.name for w in req.wants]
+    found = yield Stmt("REFUSAL_READ", {"owner": req.owner, "key": req.key, "names": names}, alone=alone)
     if any(int(row[0]) for row in found.rows):
         if alone:  # look again, in a transaction that can go on to read the lease
-            args = (d, owner, key, wants, ttl_ms, queue_ms, queued, wake)
-            raise Restart(lambda: _why_refused(*args, may_run_alone=False), readonly=True)
-        existing = yield from _find_lease(owner, key)
+            raise Restart(lambda: _why_refused(d, req, may_run_alone=False), readonly=True)
+        existing = yield from _find_lease(req.owner, req.key)
         if existing is not None:
-            return decide.replay(existing[1], wants)
+            return decide.replay(existing[1], req.wants)
     expired = any(int(row[1]) for row in found.rows)
     rows = [row[2:] for row in found.rows if row[2] is not None]
     sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used, _ in rows}
     fair = {str(name): int(sid) for sid, name, _, _, is_fair in rows if int(is_fair)}
-    for want in wants:
+    for want in req.wants:
         if want.name not in sems:
             raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
-    decide.check_counts(wants, {n: cap for n, (_, cap, _) in sems.items()})
+    decide.check_counts(req.wants, {n: cap for n, (_, cap, _) in sems.items()})
     # Expired leases never block: if any hold these semaphores, reclaim them under lock and try again.
     if expired:
-        raise Restart(lambda: _acquire_slow(d, owner, key, wants, ttl_ms, queue_ms, queued, wake))
-    if queue_ms and fair:
+        raise Restart(lambda: _acquire_slow(d, req))
+    if req.queue_ms and fair:
         if d.cheaper_readonly or alone:
-            raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms, wake, first=True))
+            raise Restart(lambda: _enqueue(d, req, fair, first=True))
         # Elsewhere this transaction can write as it is: a waiter joins the queue without a second one.
-        return (yield from _enqueue(d, owner, key, wants, fair, queue_ms, wake))
+        return (yield from _enqueue(d, req, fair))
     return None
 
 
@@ -218,44 +204,34 @@ class Queued:
         self.short = short
 
 
-def _enqueue(
-    d: Dialect,
-    owner: str,
-    key: str,
-    wants: Sequence[Want],
-    fair: Mapping[str, int],
-    queue_ms: int,
-    wake: str | None = None,
-    first: bool = False,
-) -> Flow[Queued]:
+def _enqueue(d: Dialect, req: Request, fair: Mapping[str, int], first: bool = False) -> Flow[Queued]:
     """Keep this request's places in the fair queues, or take them, so that every semaphore orders any two
     requests alike: one ticket for all of them from the dialect's sequence (``TICKET_NEXT``), or else a
     ticket per fair semaphore from its row's counter, taken in name order under each row's lock.
     ``first``: this is the transaction's first statement (it may then run alone, see ``ENQUEUE``)."""
+    place = {"owner": req.owner, "key": req.key, "place_ms": req.queue_ms, "wake": req.wake}
     if d.has("ENQUEUE"):
-        queues = [(fair[w.name], w.count) for w in wants if w.name in fair]
-        params = {"owner": owner, "key": key, "place_ms": queue_ms, "wake": wake}
-        params.update(sem_ids=[sid for sid, _ in queues], counts=[count for _, count in queues])
+        queues = [(fair[w.name], w.count) for w in req.wants if w.name in fair]
+        params = {**place, "sem_ids": [sid for sid, _ in queues], "counts": [count for _, count in queues]}
         try:
             placed = yield Stmt("ENQUEUE", params, alone=first and d.free_autocommit)
         except DuplicateKey:  # the same request, enqueued at the same time by another attempt of its own
-            raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms, wake, first=True)) from None
+            raise Restart(lambda: _enqueue(d, req, fair, first=True)) from None
         return Queued(max(int(row[0]) for row in placed.rows)) if placed.rows else Queued()
-    kept = yield Stmt("WAITERS_REFRESH", {"owner": owner, "key": key, "place_ms": queue_ms, "wake": wake})
+    kept = yield Stmt("WAITERS_REFRESH", place)
     if kept.rowcount == 0:
         shared = int((yield Stmt("TICKET_NEXT")).rows[0][0]) if d.has("TICKET_NEXT") else None
-        for want in wants:
+        for want in req.wants:
             if want.name not in fair:
                 continue
             ticket = shared
             if ticket is None:
                 ticket = d.taken_token((yield Stmt("SEM_TICKET", {"id": fair[want.name]})))
-            params = {"sem_id": fair[want.name], "ticket": ticket, "owner": owner, "key": key}
             try:
-                yield Stmt("WAITER_INSERT", {**params, "count": want.count, "place_ms": queue_ms, "wake": wake})
+                yield Stmt("WAITER_INSERT", {**place, "sem_id": fair[want.name], "ticket": ticket, "count": want.count})
             except DuplicateKey:
-                raise Restart(lambda: _enqueue(d, owner, key, wants, fair, queue_ms, wake, first=True)) from None
-    return (yield from queue_place(owner, key)) or Queued()
+                raise Restart(lambda: _enqueue(d, req, fair, first=True)) from None
+    return (yield from queue_place(req.owner, req.key)) or Queued()
 
 
 def queue_place(owner: str, key: str, alone: bool = False) -> Flow[Queued | None]:
@@ -286,34 +262,25 @@ def purge_waiters(age_ms: int) -> Flow[int]:
     return done.rowcount
 
 
-def _acquire_one(
-    d: Dialect,
-    owner: str,
-    key: str,
-    want: Want,
-    ttl_ms: int,
-    queue_ms: int = 0,
-    recheck: bool = True,
-    queued: bool = False,
-    wake: str | None = None,
-) -> Flow[Lease | Queued | None]:
+def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | None]:
     """One semaphore, one statement: take the room, insert the lease and its permit row, and give up the
     request's place in a fair queue if it had one, all or nothing.
 
     When there is no room, the statement changes nothing and the slow path runs in a transaction of its
     own (the key check, the reclaim of expired leases, a place in a fair queue for a caller that waits).
     """
-    params = {"owner": owner, "key": key, "name": want.name, "count": want.count, "ttl_ms": ttl_ms}
+    (want,) = req.wants
+    params = {"owner": req.owner, "key": req.key, "name": want.name, "count": want.count, "ttl_ms": req.ttl_ms}
     try:
         done = yield Stmt("ACQUIRE_ONE", params, alone=True)
     except DuplicateKey:
-        raise Restart(lambda: _replay(owner, key, [want])) from None
+        raise Restart(lambda: _replay(req.owner, req.key, req.wants)) from None
     if not done.rows:
-        raise _refused(d, owner, key, [want], ttl_ms, queue_ms, recheck, queued, wake)
+        raise _refused(d, req, recheck)
     _, acquired_ms, expires_ms, token = done.rows[0]
     return Lease(
-        key=key,
-        owner=owner,
+        key=req.key,
+        owner=req.owner,
         counts={want.name: want.count},
         tokens={want.name: int(token)},
         acquired_at=ms_to_datetime(int(acquired_ms)),
@@ -322,21 +289,13 @@ def _acquire_one(
     )
 
 
-def _acquire_slow(
-    d: Dialect,
-    owner: str,
-    key: str,
-    wants: Sequence[Want],
-    ttl_ms: int,
-    queue_ms: int = 0,
-    queued: bool = False,
-    wake: str | None = None,
-) -> Flow[Lease | None]:
+def _acquire_slow(d: Dialect, req: Request) -> Flow[Lease | None]:
     # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
-    existing = yield from _find_lease(owner, key)
+    existing = yield from _find_lease(req.owner, req.key)
     if existing is not None:
-        return decide.replay(existing[1], wants)
+        return decide.replay(existing[1], req.wants)
 
+    wants = req.wants
     locked = yield Stmt("SEMS_LOCK", {"names": [w.name for w in wants]})
     sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used in locked.rows}
     for want in wants:
@@ -355,20 +314,20 @@ def _acquire_slow(
             return None  # commit: the reclaim stands even though this request waits
 
     tokens: dict[str, int] = {}
-    places = queued  # whether the request may hold places in fair queues
+    places = req.queued  # whether the request may hold places in fair queues
     for want in wants:
-        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": owner, "key": key})
+        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": req.owner, "key": req.key})
         if taken.rowcount == 0:  # room, but a fair queue ahead of us: wait like any refused request
             if reclaimed:
                 # Rolling back would bring the expired leases back, for the next attempt to find and end
                 # again, and again, while the queue stays ahead: end them in a transaction of their own.
                 raise Restart(lambda: _reclaim(reclaimed))
-            raise _refused(d, owner, key, wants, ttl_ms, queue_ms, queued=queued, wake=wake)
+            raise _refused(d, req)
         tokens[want.name] = d.taken_token(taken)
-        places = places or (queue_ms > 0 and d.taken_fair(taken) is not False)
+        places = places or (req.queue_ms > 0 and d.taken_fair(taken) is not False)
     if places:
-        yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})
-    return (yield from _insert_lease(d, owner, key, wants, ttl_ms, tokens))
+        yield Stmt("WAITERS_DELETE", {"owner": req.owner, "key": req.key})
+    return (yield from _insert_lease(d, req, tokens))
 
 
 def _reclaim(ids: Sequence[int]) -> Flow[None]:
@@ -382,15 +341,13 @@ def _all_have_room(wants: Sequence[Want], sems: Mapping[str, tuple[int, int, int
     return all(decide.has_room(w, sems[w.name][1], sems[w.name][2]) for w in wants)
 
 
-def _insert_lease(
-    d: Dialect, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, tokens: dict[str, int]
-) -> Flow[Lease]:
+def _insert_lease(d: Dialect, req: Request, tokens: dict[str, int]) -> Flow[Lease]:
     try:
-        inserted = yield Stmt("LEASE_INSERT", {"owner": owner, "key": key, "ttl_ms": ttl_ms})
+        inserted = yield Stmt("LEASE_INSERT", {"owner": req.owner, "key": req.key, "ttl_ms": req.ttl_ms})
     except DuplicateKey:
         # The key is taken: this is a retry of a request that was granted (or a race with one). Roll back
         # the room just taken and answer from the lease that exists.
-        raise Restart(lambda: _replay(owner, key, wants)) from None
+        raise Restart(lambda: _replay(req.owner, req.key, req.wants)) from None
     if d.insert_returning:
         lease_id, acquired_ms, expires_ms = inserted.rows[0]
     else:
@@ -399,12 +356,12 @@ def _insert_lease(
         acquired_ms, expires_ms = times.rows[0]
     yield Stmt(
         "PERMIT_INSERT",
-        [{"lease_id": lease_id, "name": w.name, "count": w.count, "token": tokens[w.name]} for w in wants],
+        [{"lease_id": lease_id, "name": w.name, "count": w.count, "token": tokens[w.name]} for w in req.wants],
     )
     return Lease(
-        key=key,
-        owner=owner,
-        counts={w.name: w.count for w in wants},
+        key=req.key,
+        owner=req.owner,
+        counts={w.name: w.count for w in req.wants},
         tokens=dict(tokens),
         acquired_at=ms_to_datetime(int(acquired_ms)),
         expires_at=ms_to_datetime(int(expires_ms)),
