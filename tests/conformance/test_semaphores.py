@@ -123,3 +123,22 @@ def test_tokens_survive_delete_and_recreate(client: Any, ns: str) -> None:
     again = client.try_acquire(name)
     assert again.token > max(tokens), "a recreated semaphore must not hand out old tokens again"
     assert client.capacity_history(name)[0].new_capacity == 4
+
+
+def test_a_deleted_semaphore_takes_its_fair_queue_with_it(db_url: str, ns: str) -> None:
+    """Places in a fair queue belong to the semaphore: deleting it deletes them. A semaphore created again
+    under the name (which revives the row and its id) starts with an empty queue, and a newcomer is not
+    kept out by the waiters of the one that was deleted."""
+    name = f"{ns}q"
+    with permits.connect(db_url, owner=f"{ns}o") as client:
+        client.create_semaphore(name, 1, fair=True)
+        held = client.acquire(name, ttl=30)
+        store: Any = client._store
+        assert store.try_acquire(f"{ns}w", "k", (permits.Want(name, 1),), 30_000, wait=5.0) is None
+        assert len(client.waiters(name)) == 1
+        assert client.delete_semaphore(name, force=True) == 1
+        client.create_semaphore(name, 1, fair=True)
+        assert client.waiters(name) == []
+        lease = client.try_acquire(name)
+        assert lease is not None and lease.key != held.key
+        client.release(lease)

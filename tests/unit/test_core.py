@@ -70,8 +70,8 @@ def test_acquire_fast_path_statements() -> None:
     flow = flows.try_acquire(d, flows.Request("o", "k", (Want("a", 1), Want("b", 2)), 5000))
     sent = [next(flow)]
     replies = [
-        Result([(11,)], 1),  # SEM_TAKE a -> token 11
-        Result([(3,)], 1),  # SEM_TAKE b -> token 3
+        Result([(11, 0)], 1),  # SEM_TAKE a -> token 11, not fair
+        Result([(3, 0)], 1),  # SEM_TAKE b -> token 3, not fair
         Result([(99, 1000, 6000)], 1),  # LEASE_INSERT
         Result([], 2),  # PERMIT_INSERT
     ]
@@ -81,6 +81,19 @@ def test_acquire_fast_path_statements() -> None:
     assert [s.name for s in sent] == ["SEM_TAKE", "SEM_TAKE", "LEASE_INSERT", "PERMIT_INSERT"]
     lease = done.value.value
     assert lease.tokens == {"a": 11, "b": 3} and lease.expires_in == 5.0
+
+
+@pytest.mark.parametrize(("fair", "queued", "deletes"), [(0, False, False), (1, False, True), (0, True, True)])
+def test_a_waiting_grant_gives_up_its_queue_places_only_where_it_may_hold_some(
+    fair: int, queued: bool, deletes: bool
+) -> None:
+    """Places are taken in fair queues only: a grant to a caller that waits deletes the request's places
+    when a semaphore it took room from is fair, or when its store knows it queued, and otherwise spends no
+    statement on them."""
+    request = flows.Request("o", "k", (Want("a", 1), Want("b", 1)), 5000, queue_ms=5000, queued=queued)
+    flow = flows.try_acquire(SQLite(), request)
+    sent = [next(flow).name, flow.send(Result([(1, 0)], 1)).name, flow.send(Result([(2, fair)], 1)).name]
+    assert sent == ["SEM_TAKE", "SEM_TAKE", "WAITERS_DELETE" if deletes else "LEASE_INSERT"]
 
 
 def test_acquire_without_room_lets_go_at_once_then_checks_without_locks() -> None:

@@ -578,6 +578,7 @@ def delete_semaphore(name: str, force: bool) -> Flow[int]:
             yield from _end_leases(expired, EndReason.EXPIRED)
         if live:
             _, revoked = yield from _end_leases(live, EndReason.REVOKED)
+    yield Stmt("SEM_WAITERS_DELETE", {"id": sem_id})
     yield Stmt("SEM_TOMBSTONE", {"id": sem_id})
     return len(revoked)
 

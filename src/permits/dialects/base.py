@@ -245,6 +245,9 @@ PORTABLE_SQL: dict[str, str] = {
         WHERE p.semaphore_id = :sem_id AND l.state = 1""",
     # params: id
     "SEM_TOMBSTONE": "UPDATE permits_semaphore SET deleted = 1, used = 0, updated_at_ms = {now} WHERE id = :id",
+    # A deleted semaphore's queue goes with it: a name created again (which revives the row and its id)
+    # starts with an empty queue, fair or not. params: id
+    "SEM_WAITERS_DELETE": "DELETE FROM permits_waiter WHERE semaphore_id = :id",
     # Oldest expired leases first. params: limit -> id, owner, lease_key
     "EXPIRED_BATCH": """
         SELECT id, owner, lease_key FROM permits_lease

@@ -25,12 +25,14 @@ _NOW_SQL = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
 
 class SQLite(Dialect):
     name = "sqlite"
-    # SQLAlchemy's work per statement was most of a SQLite client's CPU per cycle: see docs/design.md
+    # SQLAlchemy's work per statement was most of a SQLite client's CPU per cycle: see docs/design.md. The
+    # store's direct transactions (stores/direct.py) always send statements on the driver; this covers a
+    # transaction begun through SQLAlchemy's Connection.
     statements_on_driver = True
     # julianday('now') is fixed for the whole statement, like NOW() on the servers.
     now_sql = _NOW_SQL
     for_update = ""
-    # A read-only transaction starts with BEGIN, which takes no write lock (stores/_engine.py).
+    # A read-only transaction starts with BEGIN, which takes no write lock (stores/direct.py).
     cheaper_readonly = True
     sync_driver = "pysqlite"
     async_driver = "aiosqlite"

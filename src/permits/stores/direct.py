@@ -2,9 +2,10 @@
 
 SQLite runs inside the client's process and lets one writer in at a time. Every bit of Python around a
 statement is then part of the transaction, and other processes wait for the write lock through all of
-it. SQLAlchemy's Connection, its Transaction object and the begin event cost about a sixth of an acquire
-and release cycle's CPU on one process (docs/benchmarks.md). The pool still hands out the connections and
-sets each one up when it opens (stores/_engine.py); only the wrapping of each transaction is gone.
+it. SQLAlchemy's Connection, its Transaction object and the begin event cost about a third of an acquire
+and release cycle's CPU, measured with the database on tmpfs so that disk writes do not count
+(docs/design.md). The pool still hands out the connections and sets each one up when it opens
+(stores/_engine.py); only the wrapping of each transaction is gone.
 
 The sync SQL store runs every flow on SQLite through here. The asyncio store runs SQLite through the sync
 one, on a worker thread (stores/threaded.py), so it needs no twin of this.
@@ -12,6 +13,7 @@ one, on a worker thread (stores/threaded.py), so it needs no twin of this.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -37,27 +39,45 @@ class DirectTransactions:
         self._statements: dict[str, tuple[str, tuple[str, ...], Compiled | None]] = {}
 
     def run(self, flow: Flow[T], first: Stmt, readonly: bool, after_statement: Callable[[str], None] | None) -> T:
-        pooled = self._engine.raw_connection()
+        # Opening a connection can fail too (the file cannot be opened, or is locked while the new
+        # connection sets WAL mode): wrapped like any other driver error, so that it is retried.
+        pooled = self._call(self._engine.raw_connection)
+        driver: Any = pooled.driver_connection
+        dropped = False
         try:
-            driver: Any = pooled.driver_connection
             cursor = driver.cursor()
             try:
                 # Read-only: a deferred BEGIN takes no write lock, so readers never queue behind writers.
                 self._call(cursor.execute, "BEGIN" if readonly else "BEGIN IMMEDIATE")
                 value = self._drive(cursor, flow, first, after_statement)
                 self._call(driver.commit)
-                return value
-            except BaseException:
-                if driver.in_transaction:
-                    try:
-                        driver.rollback()
-                    except Exception:  # the connection's state is unknown: never hand it out again
-                        pooled.invalidate()
+            except BaseException as exc:
+                dropped = self._abandon(pooled, driver, cursor, exc)
                 raise
-            finally:
-                cursor.close()
+            cursor.close()
+            return value
         finally:
+            # A connection left in a transaction would hold SQLite's write lock while it sits in the pool
+            # (nothing resets it on return): if the rollback could not end it, it is dropped instead.
+            if not dropped and driver.in_transaction:
+                pooled.invalidate()
             pooled.close()
+
+    def _abandon(self, pooled: Any, driver: Any, cursor: Any, exc: BaseException) -> bool:
+        """After a failure: roll back, or drop the connection if its state is unknown (the rollback failed,
+        or the database was unavailable) so that a retry starts on a fresh one. Returns whether it was
+        dropped."""
+        with contextlib.suppress(Exception):
+            cursor.close()
+        unavailable = isinstance(exc, DBAPIError) and self._dialect.classify(exc) is Fault.UNAVAILABLE
+        if not unavailable and driver.in_transaction:
+            try:
+                driver.rollback()
+            except Exception:
+                unavailable = True
+        if unavailable:
+            pooled.invalidate()
+        return unavailable
 
     def _drive(self, cursor: Any, flow: Flow[T], first: Stmt, after_statement: Callable[[str], None] | None) -> T:
         stmt = first
