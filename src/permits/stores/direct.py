@@ -59,7 +59,7 @@ class DirectTransactions:
         finally:
             # A connection left in a transaction would hold SQLite's write lock while it sits in the pool
             # (nothing resets it on return): if the rollback could not end it, it is dropped instead.
-            if not dropped and driver.in_transaction:
+            if not dropped and _left_open(driver):
                 pooled.invalidate()
             pooled.close()
 
@@ -98,29 +98,27 @@ class DirectTransactions:
             return value
 
     def _send(self, cursor: Any, stmt: Stmt) -> Result:
+        result: Result = self._call(self._execute, cursor, stmt)
+        return result
+
+    def _execute(self, cursor: Any, stmt: Stmt) -> Result:
         sql, order, compiled = self._statement(stmt.name)
-        try:
-            if isinstance(stmt.params, Mapping):
-                if compiled is not None:
-                    # A list parameter (``IN :names``) becomes one placeholder per item, as SQLAlchemy does.
-                    expanded = compiled.construct_expanded_state(dict(stmt.params))  # type: ignore[attr-defined]
-                    cursor.execute(expanded.statement, expanded.positional_parameters)
-                else:
-                    given = stmt.params
-                    cursor.execute(sql, tuple([given[name] for name in order]))
-            elif stmt.params:  # a list of params: once per item
-                cursor.executemany(sql, [tuple([p[name] for name in order]) for p in stmt.params])
+        if isinstance(stmt.params, Mapping):
+            if compiled is not None:
+                # A list parameter (``IN :names``) becomes one placeholder per item, as SQLAlchemy does.
+                expanded = compiled.construct_expanded_state(dict(stmt.params))  # type: ignore[attr-defined]
+                cursor.execute(expanded.statement, expanded.positional_parameters)
             else:
-                return Result([], 0)
-            if cursor.description is not None:
-                found = cursor.fetchall()
-                return Result(found, len(found))
-            return Result([], int(cursor.rowcount))
-        except Exception as exc:
-            wrapped = driver_error(self._engine, exc)
-            if wrapped is None:
-                raise
-            raise wrapped from exc
+                given = stmt.params
+                cursor.execute(sql, tuple([given[name] for name in order]))
+        elif stmt.params:  # a list of params: once per item
+            cursor.executemany(sql, [tuple([p[name] for name in order]) for p in stmt.params])
+        else:
+            return Result([], 0)
+        if cursor.description is not None:
+            found = cursor.fetchall()
+            return Result(found, len(found))
+        return Result([], int(cursor.rowcount))
 
     def _statement(self, name: str) -> tuple[str, tuple[str, ...], Compiled | None]:
         """A statement compiled for sqlite3: its SQL, its parameters' names in placeholder order, and, for
@@ -141,3 +139,11 @@ class DirectTransactions:
             if wrapped is None:
                 raise
             raise wrapped from exc
+
+
+def _left_open(driver: Any) -> bool:
+    """Whether a connection is still in a transaction; a connection that cannot even say is unusable."""
+    try:
+        return bool(driver.in_transaction)
+    except Exception:
+        return True
