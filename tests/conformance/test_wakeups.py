@@ -14,6 +14,20 @@ import pytest
 import permits
 
 
+def _start_waiting(waiter: permits.Client, name: str) -> tuple[threading.Thread, list[float]]:
+    """A thread that waits for one permit of ``name``, notes when it was granted, and releases it."""
+    granted: list[float] = []
+
+    def wait() -> None:
+        lease = waiter.acquire(name, ttl=30, timeout=20)
+        granted.append(time.monotonic())
+        waiter.release(lease)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    return thread, granted
+
+
 @pytest.fixture
 def pg_url(servers: Any) -> str:
     return str(servers.url_for("postgresql").render_as_string(hide_password=False))
@@ -23,15 +37,7 @@ def test_a_sync_waiter_hears_the_release(pg_url: str, ns: str) -> None:
     with permits.connect(pg_url, owner=f"{ns}h") as holder, permits.connect(pg_url, owner=f"{ns}w") as waiter:
         holder.create_semaphore(f"{ns}s", 1)
         held = holder.acquire(f"{ns}s", ttl=30)
-        granted: list[float] = []
-
-        def wait() -> None:
-            lease = waiter.acquire(f"{ns}s", ttl=30, timeout=20)
-            granted.append(time.monotonic())
-            waiter.release(lease)
-
-        thread = threading.Thread(target=wait)
-        thread.start()
+        thread, granted = _start_waiting(waiter, f"{ns}s")
         time.sleep(2.5)  # the waiter's backoff is at its cap by now
         released = time.monotonic()
         holder.release(held)
@@ -59,7 +65,9 @@ def test_an_asyncio_waiter_hears_a_capacity_raise(pg_url: str, ns: str) -> None:
 
 def test_each_semaphore_notifies_its_own_channel_whatever_its_name(pg_url: str, ns: str) -> None:
     """The channel is the md5 of the name, computed alike by the SQL and by the listener, so a name in
-    any script reaches its waiters, and a process listens only to its waiters' semaphores."""
+    any script reaches its waiters, and a process listens only to its waiters' semaphores. A semaphore
+    nobody waits for is not notified at all, even if some connection LISTENs to its channel: only a
+    permits listener marks it as listened to."""
     import psycopg
 
     from permits._async.listener import channel_for
@@ -71,15 +79,7 @@ def test_each_semaphore_notifies_its_own_channel_whatever_its_name(pg_url: str, 
         holder.create_semaphore(wanted, 1)
         holder.create_semaphore(other, 5)
         held = holder.acquire(wanted, ttl=30)
-        granted: list[float] = []
-
-        def wait() -> None:
-            lease = waiter.acquire(wanted, ttl=30, timeout=20)
-            granted.append(time.monotonic())
-            waiter.release(lease)
-
-        thread = threading.Thread(target=wait)
-        thread.start()
+        thread, granted = _start_waiting(waiter, wanted)
         time.sleep(2.5)
         holder.release(holder.acquire(other, ttl=30))
         listener = waiter._store._listener  # type: ignore[attr-defined]
@@ -90,8 +90,63 @@ def test_each_semaphore_notifies_its_own_channel_whatever_its_name(pg_url: str, 
         assert granted and granted[0] - released < 0.2, granted[0] - released
     notes = [(n.channel, n.payload) for n in observer.notifies(timeout=1.0)]
     observer.close()
-    assert (channel_for(other), other) in notes
+    assert (channel_for(other), other) not in notes
     assert (channel_for(wanted), wanted) in notes
+
+
+def _listened_until(pg_url: str, name: str) -> tuple[int, int]:
+    """The semaphore's mark and the database's clock, in ms."""
+    import psycopg
+
+    with psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT listened_until_ms, CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)"
+            " FROM permits_semaphore WHERE name = %s",
+            (name,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def test_releases_notify_only_while_a_listener_marks_the_semaphore(
+    pg_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NOTIFY makes its commit wait for every other notifying commit in the database, so a release
+    notifies only while some listener marks its semaphore as listened to. The mark is set as soon as a
+    waiter listens, renewed for as long as it waits (here through several mark lifetimes), and runs out
+    after the listener stops listening."""
+    import psycopg
+
+    from permits._async.listener import channel_for
+    from permits._sync import listener as sync_listener
+
+    monkeypatch.setattr(sync_listener, "MARK_SECONDS", 1.0)
+    name = f"{ns}s"
+    observer = psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True)
+    observer.execute(f"LISTEN {channel_for(name)}")
+    with permits.connect(pg_url, owner=f"{ns}h") as holder, permits.connect(pg_url, owner=f"{ns}w") as waiter:
+        holder.create_semaphore(name, 1)
+        holder.release(holder.acquire(name, ttl=30))
+        assert not list(observer.notifies(timeout=0.5))  # nobody marked it: no notification
+        held = holder.acquire(name, ttl=30)
+        thread, granted = _start_waiting(waiter, name)
+        time.sleep(3.5)  # three and a half mark lifetimes: the mark must have been renewed
+        until, now = _listened_until(pg_url, name)
+        assert until > now
+        released = time.monotonic()
+        holder.release(held)
+        thread.join(30)
+        assert granted and granted[0] - released < 0.2, granted[0] - released
+        assert [n.payload for n in observer.notifies(timeout=0.5)][:1] == [name]
+        # The listener stops listening LINGER after its last waiter; its mark runs out a second later.
+        time.sleep(sync_listener.LINGER + 1.5)
+        assert not waiter._store._listener._subscribed  # type: ignore[attr-defined]
+        until, now = _listened_until(pg_url, name)
+        assert until <= now
+        list(observer.notifies(timeout=0.1))  # drain
+        holder.release(holder.acquire(name, ttl=30))
+        assert not list(observer.notifies(timeout=0.5))
+    observer.close()
 
 
 def test_a_fair_waiter_is_called_when_the_waiter_ahead_of_it_leaves(pg_url: str, ns: str) -> None:

@@ -14,8 +14,14 @@ it is, and the rest of the queue sleeps: each notification costs one process, no
 waits on the semaphore. Counting those calls per semaphore (``called``) lets a waiter read the count before
 its attempt, so that a call that arrives while the attempt runs still counts.
 
-Waiters still poll as well, so a lost notification or a broken listener costs latency, never a grant: the
-database decides every grant either way.
+A release notifies a semaphore's channel only while some listener has marked the semaphore as listened to
+(``listened_until_ms``, on the database's clock): a NOTIFY nobody hears still makes its commit wait for
+every other notifying commit in the database (see ``LISTENED_MARK`` in ``dialects/postgresql.py``). The
+listener marks each semaphore right after it LISTENs to its channel, so any release that commits after the
+mark is heard, and renews the mark for as long as it stays subscribed.
+
+Waiters still poll as well, so a lost notification, a missed mark or a broken listener costs latency,
+never a grant: the database decides every grant either way.
 """
 
 from __future__ import annotations
@@ -49,6 +55,13 @@ RETRY_AFTER = 5.0
 LINGER = 2.0
 #: How often the listener looks at which channels its waiters want, when no notification arrives.
 SUBSCRIBE_EVERY = 0.1
+#: A mark says "somebody listens" for this long; the listener renews it at least every quarter of it (the
+#: SQL writes the row only once less than half is left). A mark that outlives its listener costs the
+#: semaphore's releases their NOTIFY until it runs out.
+MARK_SECONDS = 10.0
+#: Marking waits at most this long for the semaphore row's lock, which a grant holds through its commit:
+#: meanwhile the listener delivers no notifications. A mark that timed out is tried again at the next turn.
+MARK_LOCK_TIMEOUT_MS = 250
 
 
 def channel_for(name: str) -> str:
@@ -68,8 +81,15 @@ class _Waiter:
 
 
 class AsyncRoomListener:
-    def __init__(self, conninfo: str) -> None:
+    """``mark_sql``: the dialect's ``LISTENED_MARK``, compiled for psycopg (parameters ``names`` and
+    ``mark_ms``); without it, semaphores are not marked (their releases then notify only if marked by
+    another process)."""
+
+    def __init__(self, conninfo: str, mark_sql: str | None = None) -> None:
         self._conninfo = conninfo
+        self._mark_sql = mark_sql
+        #: when each subscribed semaphore was last marked as listened to
+        self._marked_at: dict[str, float] = {}
         self._waiting: dict[str, set[_Waiter]] = {}
         #: calls heard on the wake channel, per semaphore, since this listener started
         self._called: dict[str, int] = {}
@@ -152,11 +172,13 @@ class AsyncRoomListener:
         self._failed_at = monotonic()  # also keeps a second waiter from connecting meanwhile
         try:
             connection = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True, connect_timeout=5)
+            await connection.execute(f"SET lock_timeout = {MARK_LOCK_TIMEOUT_MS}")
         except psycopg.Error as exc:
             logger.warning("cannot LISTEN for released permits (waiters poll meanwhile): %s", exc)
             return False
         self._connection = connection
         self._subscribed = set()
+        self._marked_at = {}
         self._wake_subscribed = False
         self._failed_at = -RETRY_AFTER
         self._runner = async_spawn(self._run, "permits-listener")
@@ -187,6 +209,22 @@ class AsyncRoomListener:
             with self._mutex:
                 self._subscribed = wanted
                 self._wake_subscribed = wake_wanted
+        await self._mark(wanted, now)
+
+    async def _mark(self, subscribed: set[str], now: float) -> None:
+        """Mark the subscribed semaphores as listened to: those just subscribed, and the rest once a quarter
+        of ``MARK_SECONDS``. After the LISTEN, so that a release committed after the mark is heard."""
+        for name in [n for n in self._marked_at if n not in subscribed]:
+            del self._marked_at[name]
+        due = sorted(n for n in subscribed if now - self._marked_at.get(n, -MARK_SECONDS) >= MARK_SECONDS / 4)
+        if self._mark_sql is None or not due:
+            return
+        try:
+            await self._connection.execute(self._mark_sql, {"names": due, "mark_ms": round(MARK_SECONDS * 1000)})
+        except psycopg.errors.LockNotAvailable:
+            return  # a grant held the row past the lock timeout: tried again at the next turn
+        for name in due:
+            self._marked_at[name] = now
 
     async def _run(self) -> None:
         try:

@@ -103,7 +103,7 @@ class AsyncSQLStore:
             from permits._async.listener import AsyncRoomListener  # psycopg: the postgresql extra
 
             conninfo = settings.url.set(drivername="postgresql").render_as_string(hide_password=False)
-            self._listener = AsyncRoomListener(conninfo)
+            self._listener = AsyncRoomListener(conninfo, mark_sql=self._driver_sql("LISTENED_MARK")[0])
 
     @property
     def url(self) -> str:

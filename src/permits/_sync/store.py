@@ -104,7 +104,7 @@ class SQLStore:
             from permits._sync.listener import RoomListener  # psycopg: the postgresql extra
 
             conninfo = settings.url.set(drivername="postgresql").render_as_string(hide_password=False)
-            self._listener = RoomListener(conninfo)
+            self._listener = RoomListener(conninfo, mark_sql=self._driver_sql("LISTENED_MARK")[0])
 
     @property
     def url(self) -> str:

@@ -63,8 +63,10 @@ class PostgreSQL(Dialect):
         # Release in one statement: the CTE ends the lease and the outer UPDATE gives back the permits of
         # each of its semaphores (one permit row per semaphore, so each semaphore row is matched once).
         # Waiters LISTEN on their semaphores' channels (see _async/listener.py): each statement that gives
-        # permits back notifies the semaphore's channel, and calls the waiters in fair queues that fit now
-        # on their own channels; PostgreSQL sends the notifications at commit.
+        # permits back notifies the semaphore's channel while a listener has marked it as listened to
+        # (listened_until_ms, migration 0006), and calls the waiters in fair queues that fit now on their
+        # own channels; PostgreSQL sends the notifications at commit. An unheard NOTIFY is not free: its
+        # commit waits for every other notifying commit in the database (see LISTENED_MARK).
         # -> at least one row per semaphore given back (none: nothing was held under this key)
         "RELEASE": """
             WITH ended AS (
@@ -75,14 +77,16 @@ class PostgreSQL(Dialect):
                 UPDATE permits_semaphore s SET used = s.used - p.count, updated_at_ms = {now}
                 FROM permits_permit p, ended e
                 WHERE p.lease_id = e.id AND s.id = p.semaphore_id
-                RETURNING s.id, s.name, s.capacity - s.used AS room, s.fair)
-            SELECT pg_notify('permits_room_' || md5(name), name) FROM given"""
+                RETURNING s.id, s.name, s.capacity - s.used AS room, s.fair, s.listened_until_ms)
+            SELECT CASE WHEN listened_until_ms > {now} THEN pg_notify('permits_room_' || md5(name), name) END
+            FROM given"""
         + _call_fitting("given"),
         "SEM_GIVE_BACK": """
             WITH given AS (
                 UPDATE permits_semaphore SET used = used - :count, updated_at_ms = {now} WHERE id = :id
-                RETURNING id, name, capacity - used AS room, fair)
-            SELECT pg_notify('permits_room_' || md5(name), name) FROM given"""
+                RETURNING id, name, capacity - used AS room, fair, listened_until_ms)
+            SELECT CASE WHEN listened_until_ms > {now} THEN pg_notify('permits_room_' || md5(name), name) END
+            FROM given"""
         + _call_fitting("given"),
         "SEM_SET_CAPACITY": """
             WITH changed AS (
@@ -154,6 +158,15 @@ class PostgreSQL(Dialect):
                 SELECT SUM(w.count) FROM permits_waiter w
                 WHERE w.semaphore_id = m.semaphore_id AND w.ticket < m.ticket AND w.expires_at_ms > {now}), 0)
             FROM mine m JOIN permits_semaphore s ON s.id = m.semaphore_id""",
+        # A listener marks the semaphores it LISTENs for, so that their releases notify: a NOTIFY takes
+        # PostgreSQL's one notification-queue lock before its transaction commits and keeps it till after,
+        # so notifying commits reach the disk one at a time; a release nobody hears should not pay that.
+        # A mark lasts mark_ms and is renewed only once less than half of it is left, so the many
+        # listeners of a hot semaphore write its row about once per half mark between them; a row whose
+        # mark is fresh is skipped without waiting for its lock. params: names, mark_ms
+        "LISTENED_MARK": """
+            UPDATE permits_semaphore SET listened_until_ms = {now} + :mark_ms
+            WHERE name = ANY(:names) AND deleted = 0 AND listened_until_ms < {now} + :mark_ms / 2""",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }
