@@ -472,17 +472,39 @@ class AsyncSQLStore:
             return done
         if self._direct is not None:
             return self._direct.run(flow, first, readonly, self.after_statement)
+        alone = first.alone and (self._dialect.free_autocommit or self._dialect.self_committing)
+        if alone and not IS_ASYNC:
+            return await self._drive_alone_pooled(flow, first)
         async with self._engine.connect() as conn:
-            if first.alone and (self._dialect.free_autocommit or self._dialect.self_committing):
-                return await self._drive_alone(conn, flow, first)
+            if alone:
+                return await self._drive_alone(conn, await async_driver_connection(conn), flow, first)
             if readonly:
                 await conn.execution_options(**{READONLY: True})
             async with conn.begin():
                 return await self._drive(conn, flow, first)
 
-    async def _drive_alone(self, conn: AsyncConnection, flow: Flow[T], stmt: Stmt) -> T:
+    async def _drive_alone_pooled(self, flow: Flow[T], first: Stmt) -> T:
+        """The sync store sends a statement that runs alone on a connection checked out of the pool with no
+        SQLAlchemy Connection around it: setting one up and closing it cost about a fifth of a PostgreSQL
+        client's CPU per grant (docs/benchmarks.md). The asyncio store keeps the Connection, because its
+        pool returns a connection within SQLAlchemy's own async context."""
         try:
-            result = await self._send_alone(conn, stmt)
+            pooled = await self._engine.raw_connection()
+        except Exception as exc:  # not wrapped by SQLAlchemy outside a Connection: wrapped here, so retried
+            error = driver_error(self._engine, exc)
+            if error is None:
+                raise
+            raise error from exc
+        try:
+            return await self._drive_alone(pooled, pooled.driver_connection, flow, first)
+        finally:
+            pooled.close()
+
+    async def _drive_alone(self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt) -> T:
+        """``conn``: a checked-out AsyncConnection, or in the sync store a pooled connection; ``driver``: the
+        driver's connection under it."""
+        try:
+            result = await self._send_alone(conn, driver, stmt)
         except DBAPIError as exc:
             if self._dialect.classify(exc) is not Fault.DUPLICATE:
                 raise
@@ -495,7 +517,7 @@ class AsyncSQLStore:
             return value
         raise RuntimeError("a flow went on after a statement that runs alone")
 
-    async def _send_alone(self, conn: AsyncConnection, stmt: Stmt) -> Result:
+    async def _send_alone(self, conn: Any, driver: Any, stmt: Stmt) -> Result:
         """Send a statement that is a whole transaction by itself (a grant, a release) as one request, on
         the driver's own connection. SQLAlchemy never opens a transaction on ``conn``, so it adds no COMMIT
         of its own (PyMySQL sends one even when there is nothing to commit) and none of its per-statement
@@ -503,7 +525,6 @@ class AsyncSQLStore:
         sql, names = self._driver_sql(stmt.name)
         given = dict(stmt.params)  # type: ignore[arg-type]
         params = given if names is None else tuple(given[n] for n in names)
-        driver = await async_driver_connection(conn)
         try:
             if self._dialect.self_committing:
                 result = await _send_batch(driver, sql, params)
@@ -623,8 +644,9 @@ async def _send_autocommit(driver: Any, sql: str, params: Any) -> Result:
     await driver.set_autocommit(True)
     try:
         cursor = await driver.execute(sql, params, prepare=True)
-        # psycopg builds the description anew on every read of it: read it once.
-        if cursor.description is None:
+        # Whether rows came back, from the result's column count: psycopg builds ``description`` anew, a
+        # Column object per column, on every read of it.
+        if cursor.pgresult is None or not cursor.pgresult.nfields:
             return Result([], int(cursor.rowcount))
         rows = [tuple(r) for r in await cursor.fetchall()]
         return Result(rows, len(rows))

@@ -473,17 +473,39 @@ class SQLStore:
             return done
         if self._direct is not None:
             return self._direct.run(flow, first, readonly, self.after_statement)
+        alone = first.alone and (self._dialect.free_autocommit or self._dialect.self_committing)
+        if alone and not IS_ASYNC:
+            return self._drive_alone_pooled(flow, first)
         with self._engine.connect() as conn:
-            if first.alone and (self._dialect.free_autocommit or self._dialect.self_committing):
-                return self._drive_alone(conn, flow, first)
+            if alone:
+                return self._drive_alone(conn, sync_driver_connection(conn), flow, first)
             if readonly:
                 conn.execution_options(**{READONLY: True})
             with conn.begin():
                 return self._drive(conn, flow, first)
 
-    def _drive_alone(self, conn: Connection, flow: Flow[T], stmt: Stmt) -> T:
+    def _drive_alone_pooled(self, flow: Flow[T], first: Stmt) -> T:
+        """The sync store sends a statement that runs alone on a connection checked out of the pool with no
+        SQLAlchemy Connection around it: setting one up and closing it cost about a fifth of a PostgreSQL
+        client's CPU per grant (docs/benchmarks.md). The asyncio store keeps the Connection, because its
+        pool returns a connection within SQLAlchemy's own async context."""
         try:
-            result = self._send_alone(conn, stmt)
+            pooled = self._engine.raw_connection()
+        except Exception as exc:  # not wrapped by SQLAlchemy outside a Connection: wrapped here, so retried
+            error = driver_error(self._engine, exc)
+            if error is None:
+                raise
+            raise error from exc
+        try:
+            return self._drive_alone(pooled, pooled.driver_connection, flow, first)
+        finally:
+            pooled.close()
+
+    def _drive_alone(self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt) -> T:
+        """``conn``: a checked-out Connection, or in the sync store a pooled connection; ``driver``: the
+        driver's connection under it."""
+        try:
+            result = self._send_alone(conn, driver, stmt)
         except DBAPIError as exc:
             if self._dialect.classify(exc) is not Fault.DUPLICATE:
                 raise
@@ -496,7 +518,7 @@ class SQLStore:
             return value
         raise RuntimeError("a flow went on after a statement that runs alone")
 
-    def _send_alone(self, conn: Connection, stmt: Stmt) -> Result:
+    def _send_alone(self, conn: Any, driver: Any, stmt: Stmt) -> Result:
         """Send a statement that is a whole transaction by itself (a grant, a release) as one request, on
         the driver's own connection. SQLAlchemy never opens a transaction on ``conn``, so it adds no COMMIT
         of its own (PyMySQL sends one even when there is nothing to commit) and none of its per-statement
@@ -504,7 +526,6 @@ class SQLStore:
         sql, names = self._driver_sql(stmt.name)
         given = dict(stmt.params)  # type: ignore[arg-type]
         params = given if names is None else tuple(given[n] for n in names)
-        driver = sync_driver_connection(conn)
         try:
             if self._dialect.self_committing:
                 result = _send_batch(driver, sql, params)
@@ -624,8 +645,9 @@ def _send_autocommit(driver: Any, sql: str, params: Any) -> Result:
     driver.set_autocommit(True)
     try:
         cursor = driver.execute(sql, params, prepare=True)
-        # psycopg builds the description anew on every read of it: read it once.
-        if cursor.description is None:
+        # Whether rows came back, from the result's column count: psycopg builds ``description`` anew, a
+        # Column object per column, on every read of it.
+        if cursor.pgresult is None or not cursor.pgresult.nfields:
             return Result([], int(cursor.rowcount))
         rows = [tuple(r) for r in cursor.fetchall()]
         return Result(rows, len(rows))
