@@ -16,7 +16,7 @@ its attempt, so that a call that arrives while the attempt runs still counts.
 
 A release notifies a semaphore's channel only while some listener has marked the semaphore as listened to
 (``listened_until_ms``, on the database's clock): a NOTIFY nobody hears still makes its commit wait for
-every other notifying commit in the database (see ``LISTENED_MARK`` in ``dialects/postgresql.py``). The
+every other notifying commit on the server (see ``LISTENED_MARK`` in ``dialects/postgresql.py``). The
 listener marks each semaphore right after it LISTENs to its channel, so any release that commits after the
 mark is heard, and renews the mark for as long as it stays subscribed.
 

@@ -66,7 +66,7 @@ class PostgreSQL(Dialect):
         # permits back notifies the semaphore's channel while a listener has marked it as listened to
         # (listened_until_ms, migration 0006), and calls the waiters in fair queues that fit now on their
         # own channels; PostgreSQL sends the notifications at commit. An unheard NOTIFY is not free: its
-        # commit waits for every other notifying commit in the database (see LISTENED_MARK).
+        # commit waits for every other notifying commit on the server (see LISTENED_MARK).
         # -> at least one row per semaphore given back (none: nothing was held under this key)
         "RELEASE": """
             WITH ended AS (

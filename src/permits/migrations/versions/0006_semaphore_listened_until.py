@@ -4,7 +4,7 @@
 the semaphore's channel (PostgreSQL). A listener sets it while it is subscribed, and a release or a
 give-back calls ``pg_notify`` only before it. A NOTIFY is not free even when nobody hears it: the
 transaction that sends it holds PostgreSQL's one notification-queue lock from before its commit to after
-it, so every notifying commit in the database waits for the one before to reach the disk
+it, so every notifying commit on the server (in any database) waits for the one before to reach the disk
 (docs/benchmarks.md). Other engines leave the column at 0.
 
 Revision ID: 0006
