@@ -206,3 +206,35 @@ def test_a_listener_stops_listening_once_its_waiters_are_gone(pg_url: str, ns: s
         time.sleep(LINGER + 3 * SUBSCRIBE_EVERY)
         assert listener.wake_channel is None
         assert not listener._subscribed
+
+
+def test_a_mark_that_waits_too_long_for_the_row_is_tried_again(pg_url: str, ns: str) -> None:
+    """Marking writes the semaphore row, which a transaction may hold locked. The listener waits for it
+    only ``MARK_LOCK_TIMEOUT_MS``, delivering nothing meanwhile, and then tries again at its next turn:
+    the lock is not taken for a broken connection, and the mark lands once the row is free."""
+    import psycopg
+
+    name = f"{ns}s"
+    raw_url = pg_url.replace("postgresql+psycopg://", "postgresql://")
+    with permits.connect(pg_url, owner=f"{ns}h") as holder, permits.connect(pg_url, owner=f"{ns}w") as waiter:
+        holder.create_semaphore(name, 1)
+        held = holder.acquire(name, ttl=30)
+        with psycopg.connect(raw_url) as locker:
+            locker.execute("SELECT 1 FROM permits_semaphore WHERE name = %s FOR UPDATE", (name,))
+            thread, granted = _start_waiting(waiter, name)
+            time.sleep(1.5)  # several marks time out meanwhile
+            listener = waiter._store._listener  # type: ignore[attr-defined]
+            assert listener._runner is not None  # still connected
+            until, now = _listened_until(pg_url, name)
+            assert until <= now
+            locker.rollback()
+        deadline = time.monotonic() + 3
+        while _listened_until(pg_url, name)[0] <= _listened_until(pg_url, name)[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        until, now = _listened_until(pg_url, name)
+        assert until > now
+        time.sleep(1.5)  # the waiter's backoff is at its cap by now
+        released = time.monotonic()
+        holder.release(held)
+        thread.join(30)
+        assert granted and granted[0] - released < 0.2, granted[0] - released

@@ -221,8 +221,8 @@ class AsyncRoomListener:
             return
         try:
             await self._connection.execute(self._mark_sql, {"names": due, "mark_ms": round(MARK_SECONDS * 1000)})
-        except psycopg.errors.LockNotAvailable:
-            return  # a grant held the row past the lock timeout: tried again at the next turn
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
+            return  # a transaction held a row past the lock timeout: tried again at the next turn
         for name in due:
             self._marked_at[name] = now
 

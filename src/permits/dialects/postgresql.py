@@ -163,10 +163,15 @@ class PostgreSQL(Dialect):
         # so notifying commits reach the disk one at a time; a release nobody hears should not pay that.
         # A mark lasts mark_ms and is renewed only once less than half of it is left, so the many
         # listeners of a hot semaphore write its row about once per half mark between them; a row whose
-        # mark is fresh is skipped without waiting for its lock. params: names, mark_ms
+        # mark is fresh is skipped without waiting for its lock. The rows are locked in name order, as a
+        # multi-semaphore acquire locks them (SEMS_LOCK), so the two never wait for each other in a cycle.
+        # params: names, mark_ms
         "LISTENED_MARK": """
             UPDATE permits_semaphore SET listened_until_ms = {now} + :mark_ms
-            WHERE name = ANY(:names) AND deleted = 0 AND listened_until_ms < {now} + :mark_ms / 2""",
+            WHERE id IN (
+                SELECT id FROM permits_semaphore
+                WHERE name = ANY(:names) AND deleted = 0 AND listened_until_ms < {now} + :mark_ms / 2
+                ORDER BY name FOR UPDATE)""",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }
