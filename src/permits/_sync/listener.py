@@ -2,10 +2,11 @@
 """Wake-ups on PostgreSQL: LISTEN for the permits that come back, instead of only polling.
 
 Every statement that gives permits back on PostgreSQL (a release, the return of an ended lease's
-permits, a capacity change) ends with ``pg_notify(<the semaphore's channel>, <its name>)``; notifications
-are sent at commit. Each semaphore has a channel of its own (``channel_for``), so a process hears only of
-the semaphores its waiters wait for, not of every release on the server. One listener connection per
-store subscribes to those channels and wakes the waiters of a semaphore at once.
+permits, a capacity change) ends with ``pg_notify(<the semaphore's channel>, <its name>)``, a release and
+a return only while the semaphore is marked as listened to (below); notifications are sent at commit.
+Each semaphore has a channel of its own (``channel_for``), so a process hears only of the semaphores its
+waiters wait for, not of every release on the server. One listener connection per store subscribes to
+those channels and wakes the waiters of a semaphore at once.
 
 A waiter in a fair queue hears no such broadcast. Its listener also LISTENs on a channel of its own (the
 store's ``wake_channel``), which the waiter's place in the queue records; every statement that gives
@@ -56,13 +57,13 @@ RETRY_AFTER = 5.0
 LINGER = 2.0
 #: How often the listener looks at which channels its waiters want, when no notification arrives.
 SUBSCRIBE_EVERY = 0.1
-#: A mark says "somebody listens" for this long; the listener renews it at least every quarter of it (the
-#: SQL writes the row only once less than half is left). A mark that outlives its listener costs the
-#: semaphore's releases their NOTIFY until it runs out.
+#: A mark says "somebody listens" for this long. The listener asks to renew it once a quarter of it has
+#: passed since its last mark, and the SQL writes the row only once less than half is left. A mark that
+#: outlives its listener costs the semaphore's releases their NOTIFY until it runs out.
 MARK_SECONDS = 10.0
-#: Marking waits at most this long for the semaphore row's lock, which a grant holds through its commit:
-#: meanwhile the listener delivers no notifications. A mark that timed out is tried again at the next turn.
-MARK_LOCK_TIMEOUT_MS = 250
+#: After a mark failed other than on a locked row (a timeout the server imposes, say), wait this long
+#: before marking again: meanwhile releases may go unheard, and waiters poll.
+MARK_RETRY_SECONDS = 1.0
 
 
 def channel_for(name: str) -> str:
@@ -91,6 +92,7 @@ class RoomListener:
         self._mark_sql = mark_sql
         #: when each subscribed semaphore was last marked as listened to
         self._marked_at: dict[str, float] = {}
+        self._mark_failed_at = -MARK_RETRY_SECONDS
         self._waiting: dict[str, set[_Waiter]] = {}
         #: calls heard on the wake channel, per semaphore, since this listener started
         self._called: dict[str, int] = {}
@@ -173,9 +175,17 @@ class RoomListener:
         self._failed_at = monotonic()  # also keeps a second waiter from connecting meanwhile
         try:
             connection = psycopg.Connection.connect(self._conninfo, autocommit=True, connect_timeout=5)
-            connection.execute(f"SET lock_timeout = {MARK_LOCK_TIMEOUT_MS}")
         except psycopg.Error as exc:
             logger.warning("cannot LISTEN for released permits (waiters poll meanwhile): %s", exc)
+            return False
+        try:
+            # A mark is one short write: at a stricter default isolation, a row written by a grant since the
+            # statement's snapshot would fail it with a serialization error instead of being marked.
+            connection.execute("SET default_transaction_isolation = 'read committed'")
+        except psycopg.Error as exc:
+            logger.warning("cannot LISTEN for released permits (waiters poll meanwhile): %s", exc)
+            with contextlib.suppress(psycopg.Error):
+                connection.close()
             return False
         self._connection = connection
         self._subscribed = set()
@@ -218,14 +228,23 @@ class RoomListener:
         for name in [n for n in self._marked_at if n not in subscribed]:
             del self._marked_at[name]
         due = sorted(n for n in subscribed if now - self._marked_at.get(n, -MARK_SECONDS) >= MARK_SECONDS / 4)
-        if self._mark_sql is None or not due:
+        if self._mark_sql is None or not due or now - self._mark_failed_at < MARK_RETRY_SECONDS:
             return
         try:
-            self._connection.execute(self._mark_sql, {"names": due, "mark_ms": round(MARK_SECONDS * 1000)})
-        except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
-            return  # a transaction held a row past the lock timeout: tried again at the next turn
+            cursor = self._connection.execute(
+                self._mark_sql, {"names": due, "mark_ms": round(MARK_SECONDS * 1000)}
+            )
+            # The names whose row was locked by another transaction: still due, tried again next turn.
+            skipped = {row[0] for row in cursor.fetchall()}
+        except psycopg.Error as exc:
+            if self._connection.broken:
+                raise  # the connection is gone: the listener reconnects
+            logger.warning("cannot mark semaphores as listened to (their releases may go unheard): %s", exc)
+            self._mark_failed_at = now
+            return
         for name in due:
-            self._marked_at[name] = now
+            if name not in skipped:
+                self._marked_at[name] = now
 
     def _run(self) -> None:
         try:

@@ -487,8 +487,9 @@ class SQLStore:
     def _drive_alone_pooled(self, flow: Flow[T], first: Stmt) -> T:
         """The sync store sends a statement that runs alone on a connection checked out of the pool with no
         SQLAlchemy Connection around it: setting one up and closing it cost about a fifth of a PostgreSQL
-        client's CPU per grant (docs/benchmarks.md). The asyncio store keeps the Connection, because its
-        pool returns a connection within SQLAlchemy's own async context."""
+        client's CPU per grant (docs/benchmarks.md). Sync only: the asyncio store keeps the Connection,
+        because its pool takes a connection back within SQLAlchemy's own async context."""
+        assert not IS_ASYNC, "the asyncio store sends these on a Connection (_attempt)"
         try:
             pooled = self._engine.raw_connection()
         except Exception as exc:  # not wrapped by SQLAlchemy outside a Connection: wrapped here, so retried

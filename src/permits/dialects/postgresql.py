@@ -119,15 +119,17 @@ class PostgreSQL(Dialect):
         # REFUSAL_READ with the names as one array parameter: the statement then goes to the driver as it
         # is, alone (see Stmt.alone), rather than through SQLAlchemy's expansion of ``IN :names``.
         "REFUSAL_READ": PORTABLE_SQL["REFUSAL_READ"].replace("IN :names", "= ANY(:names)"),
-        # A waiter that gives up its place (its wait timed out) may leave room for the ones behind it.
+        # A waiter that gives up its place (its wait timed out) may leave room for the ones behind it: call
+        # those that fit now, and notify the semaphore's channel while it is listened to (as RELEASE does).
         # params: owner, key -> one row per semaphore whose queue it left
         "WAITERS_DELETE": """
             WITH gone AS (
                 DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key RETURNING semaphore_id),
             left_behind AS (
-                SELECT id, name, capacity - used AS room, fair FROM permits_semaphore
+                SELECT id, name, capacity - used AS room, fair, listened_until_ms FROM permits_semaphore
                 WHERE id IN (SELECT semaphore_id FROM gone))
-            SELECT pg_notify('permits_room_' || md5(name), name) FROM left_behind"""
+            SELECT CASE WHEN listened_until_ms > {now} THEN pg_notify('permits_room_' || md5(name), name) END
+            FROM left_behind"""
         + _call_fitting("left_behind", " AND NOT (q.owner = :owner AND q.lease_key = :key)"),
         # A fair queue's ticket from a sequence (migration 0005), one per request for all its queues:
         # nextval locks no row, so an arriving waiter does not hold the semaphore row, which every grant
@@ -162,16 +164,23 @@ class PostgreSQL(Dialect):
         # PostgreSQL's one notification-queue lock before its transaction commits and keeps it till after,
         # so notifying commits reach the disk one at a time; a release nobody hears should not pay that.
         # A mark lasts mark_ms and is renewed only once less than half of it is left, so the many
-        # listeners of a hot semaphore write its row about once per half mark between them; a row whose
-        # mark is fresh is skipped without waiting for its lock. The rows are locked in name order, as a
-        # multi-semaphore acquire locks them (SEMS_LOCK), so the two never wait for each other in a cycle.
-        # params: names, mark_ms
+        # listeners of a hot semaphore write its row about once per half mark between them. A row that
+        # another transaction holds (a grant committing, a multi-semaphore acquire, a frozen client) is
+        # skipped rather than waited for: the listener delivers nothing while it waits, and a wait here
+        # could hold up that transaction in turn. params: names, mark_ms
+        # -> the names still due: marked too long ago, and skipped because their row was locked
         "LISTENED_MARK": """
-            UPDATE permits_semaphore SET listened_until_ms = {now} + :mark_ms
-            WHERE id IN (
-                SELECT id FROM permits_semaphore
-                WHERE name = ANY(:names) AND deleted = 0 AND listened_until_ms < {now} + :mark_ms / 2
-                ORDER BY name FOR UPDATE)""",
+            WITH stale AS (
+                SELECT id, name FROM permits_semaphore
+                WHERE name = ANY(:names) AND deleted = 0 AND listened_until_ms < {now} + :mark_ms / 2),
+            free AS (
+                SELECT id FROM permits_semaphore WHERE id IN (SELECT id FROM stale)
+                FOR NO KEY UPDATE SKIP LOCKED),
+            marked AS (
+                UPDATE permits_semaphore SET listened_until_ms = {now} + :mark_ms
+                WHERE id IN (SELECT id FROM free)
+                RETURNING id)
+            SELECT name FROM stale WHERE id NOT IN (SELECT id FROM marked)""",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }
