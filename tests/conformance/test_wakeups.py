@@ -63,6 +63,27 @@ def test_an_asyncio_waiter_hears_a_capacity_raise(pg_url: str, ns: str) -> None:
     assert asyncio.run(scenario()) < 0.2
 
 
+def test_an_asyncio_waiter_hears_the_release(pg_url: str, ns: str) -> None:
+    """A release notifies only a semaphore that a listener has marked as listened to: the asyncio client's
+    listener marks it too."""
+
+    async def scenario() -> float:
+        async with (
+            permits.connect_async(pg_url, owner=f"{ns}h") as holder,
+            permits.connect_async(pg_url, owner=f"{ns}w") as waiter,
+        ):
+            await holder.create_semaphore(f"{ns}s", 1)
+            held = await holder.acquire(f"{ns}s", ttl=30)
+            task = asyncio.create_task(waiter.acquire(f"{ns}s", ttl=30, timeout=20))
+            await asyncio.sleep(2.5)  # the waiter's backoff is at its cap by now
+            released = time.monotonic()
+            await holder.release(held)
+            await task
+            return time.monotonic() - released
+
+    assert asyncio.run(scenario()) < 0.2
+
+
 def test_each_semaphore_notifies_its_own_channel_whatever_its_name(pg_url: str, ns: str) -> None:
     """The channel is the md5 of the name, computed alike by the SQL and by the listener, so a name in
     any script reaches its waiters, and a process listens only to its waiters' semaphores. A semaphore
