@@ -26,6 +26,16 @@ _DUPLICATE = {"23505"}  # unique_violation
 _SCHEMA = {"42P01"}  # undefined_table
 
 
+def _notify_while_listened(rows: str) -> str:
+    """The first half of a statement that makes room: one row per semaphore in ``rows`` (a CTE with its
+    name and listened_until_ms), which notifies the semaphore's channel only while a listener marks it as
+    listened to (see LISTENED_MARK). The row comes back either way: RELEASE's rows say what it gave back."""
+    return (
+        "SELECT CASE WHEN listened_until_ms > {now} THEN pg_notify('permits_room_' || md5(name), name) END"
+        f" FROM {rows}"
+    )
+
+
 def _call_fitting(rows: str, leaving: str = "") -> str:
     """The second half of a statement that makes room: notify the wake channel of each waiter in a fair
     queue that fits now, given ``rows`` (a CTE with the semaphores' id, name, room and fair). A waiter fits
@@ -78,15 +88,15 @@ class PostgreSQL(Dialect):
                 FROM permits_permit p, ended e
                 WHERE p.lease_id = e.id AND s.id = p.semaphore_id
                 RETURNING s.id, s.name, s.capacity - s.used AS room, s.fair, s.listened_until_ms)
-            SELECT CASE WHEN listened_until_ms > {now} THEN pg_notify('permits_room_' || md5(name), name) END
-            FROM given"""
+            """
+        + _notify_while_listened("given")
         + _call_fitting("given"),
         "SEM_GIVE_BACK": """
             WITH given AS (
                 UPDATE permits_semaphore SET used = used - :count, updated_at_ms = {now} WHERE id = :id
                 RETURNING id, name, capacity - used AS room, fair, listened_until_ms)
-            SELECT CASE WHEN listened_until_ms > {now} THEN pg_notify('permits_room_' || md5(name), name) END
-            FROM given"""
+            """
+        + _notify_while_listened("given")
         + _call_fitting("given"),
         "SEM_SET_CAPACITY": """
             WITH changed AS (
@@ -128,8 +138,8 @@ class PostgreSQL(Dialect):
             left_behind AS (
                 SELECT id, name, capacity - used AS room, fair, listened_until_ms FROM permits_semaphore
                 WHERE id IN (SELECT semaphore_id FROM gone))
-            SELECT CASE WHEN listened_until_ms > {now} THEN pg_notify('permits_room_' || md5(name), name) END
-            FROM left_behind"""
+            """
+        + _notify_while_listened("left_behind")
         + _call_fitting("left_behind", " AND NOT (q.owner = :owner AND q.lease_key = :key)"),
         # A fair queue's ticket from a sequence (migration 0005), one per request for all its queues:
         # nextval locks no row, so an arriving waiter does not hold the semaphore row, which every grant

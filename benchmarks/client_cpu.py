@@ -1,0 +1,49 @@
+"""Client CPU per acquire+release cycle, in one process: what the library itself costs on top of the
+database's round trips.
+
+    python benchmarks/client_cpu.py postgresql://postgres@127.0.0.1:5432/permits_bench --cycles 3000
+
+One client, one semaphore of capacity 10, ``acquire`` then ``release`` in a loop after as many uncounted
+cycles of warm-up. Prints cycles/s, the process's user+system CPU per cycle (``resource.getrusage``) and
+the wall time per cycle. Comparing two versions: run it with ``PYTHONPATH`` pointing at each one's
+``src``, alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import permits
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("url", help="a permits database URL (sqlite:///..., mysql://..., postgresql://...)")
+    parser.add_argument("--cycles", type=int, default=3000, help="measured cycles (as many again to warm up)")
+    args = parser.parse_args()
+    with permits.connect(args.url, auto_upgrade=True) as client:
+        client.create_semaphore("client-cpu", 10, exist_ok=True)
+
+        def cycles(count: int) -> None:
+            for _ in range(count):
+                client.release(client.acquire("client-cpu", ttl=30, timeout=5))
+
+        cycles(args.cycles)
+        cpu, wall = _cpu_seconds(), time.perf_counter()
+        cycles(args.cycles)
+        cpu, wall = _cpu_seconds() - cpu, time.perf_counter() - wall
+    print(
+        f"{args.cycles / wall:.0f} cycles/s, client CPU {cpu / args.cycles * 1000:.3f} ms/cycle,"
+        f" wall {wall / args.cycles * 1000:.3f} ms/cycle"
+    )
+
+
+if __name__ == "__main__":
+    main()
