@@ -133,5 +133,21 @@ class PermitsClient:
         self._client.close()
 
 
+class WithoutLeaseIndexesSystem(PermitsSystem):
+    """An experiment, not a way to run permits: the library on a schema without the lease table's two
+    secondary indexes (the sweep's and cleanup's), so that on PostgreSQL a release changes no indexed
+    column and is a HOT update. It measures what those indexes cost a cycle (docs/benchmarks.md)."""
+
+    def setup(self, backend_url: str, scenario: Scenario) -> None:
+        super().setup(backend_url, scenario)
+        conn = connect(backend_url)
+        cur = conn.cursor()
+        on_table = " ON permits_lease" if backend_of(backend_url) == "mariadb" else ""
+        for index in ("ix_permits_lease_ended", "ix_permits_lease_state_expires"):
+            cur.execute(f"DROP INDEX {index}{on_table}")
+        conn.close()
+
+
 PERMITS = PermitsSystem()
 PERMITS_FAIR = PermitsSystem(fair=True)
+PERMITS_WITHOUT_LEASE_INDEXES = WithoutLeaseIndexesSystem()

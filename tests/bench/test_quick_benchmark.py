@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from peers import PEERS  # noqa: E402 - benchmarks/ is not a package
+from harness import default_url  # noqa: E402 - benchmarks/ is not a package
+from peers import PEERS  # noqa: E402
 
 from tests.conftest import SERVER_URLS  # noqa: E402
 
@@ -67,3 +68,36 @@ def test_the_notify_cost_measurement_runs() -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert len([line for line in done.stdout.splitlines() if line.endswith(" ms")]) == 2, done.stdout
+
+
+def _run_script(*args: str) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_statement_and_client_cost_measurements_run() -> None:
+    """benchmarks/statement_cost.py and client_cpu.py, behind the single-client figures in
+    docs/benchmarks.md. They run on the benchmark's own database, whose tables statement_cost.py drops."""
+    url = default_url("postgresql")
+    out = _run_script("statement_cost.py", url, "--cycles", "40", "--rounds", "1")
+    assert [line.split("  ")[0] for line in out.splitlines()] == ["floor", "permits statements"], out
+    assert all(line.endswith(" ms/cycle") for line in out.splitlines()), out
+    out = _run_script("client_cpu.py", url, "--cycles", "40")
+    assert "client CPU" in out and out.rstrip().endswith("ms/cycle"), out
+
+
+@pytest.mark.parametrize("backend", ["mariadb", "postgresql"])
+def test_the_lease_index_experiment_runs(backend: str) -> None:
+    """systems:PERMITS_WITHOUT_LEASE_INDEXES (docs/benchmarks.md, the non-HOT release) sets up, cycles
+    and leaves no drift, on the servers whose index names it drops."""
+    out = _run_script(
+        "harness.py",
+        *("--system", "systems:PERMITS_WITHOUT_LEASE_INDEXES", "--backend", backend, "--scenario", "hot"),
+        *("--clients", "1", "--seconds", "0.5", "--warmup", "0", "--no-machine"),
+    )
+    rows = [line.split() for line in out.splitlines() if line.startswith("systems:PERMITS_WITHOUT")]
+    assert len(rows) == 1, out
+    # system backend scenario clients cycles/s refused p50 p99 max jain errors history load
+    cycles, errors = float(rows[0][4]), rows[0][-3]
+    assert errors == "0" and cycles > 0, out

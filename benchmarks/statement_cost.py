@@ -1,0 +1,80 @@
+"""What permits' own SQL costs on PostgreSQL, without the library: its one-statement grant and release
+(``ACQUIRE_ONE``, ``RELEASE``) sent on one psycopg connection in autocommit, beside the floor's two
+conditional UPDATEs on the same connection.
+
+    python benchmarks/statement_cost.py postgresql://postgres@127.0.0.1:5432/permits_bench --cycles 3000
+
+The gap between the two lines is what the statements themselves cost (the lease and permit rows, their
+indexes, the larger commit); the gap between the permits line and ``client_cpu.py``'s wall time per cycle
+is what the library adds. Each variant runs ``--rounds`` times, alternating, after an uncounted warm-up.
+The tables are dropped and created again first, on the database the URL names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+import uuid
+from collections.abc import Callable
+
+import psycopg
+from systems import _reset
+
+import permits
+from permits.dialects.postgresql import PostgreSQL
+
+FLOOR_TAKE = "UPDATE permits_semaphore SET used = used + 1 WHERE name = 'floor' AND used + 1 <= capacity"
+FLOOR_GIVE = "UPDATE permits_semaphore SET used = used - 1 WHERE name = 'floor'"
+
+
+def _psycopg_params(sql: str) -> str:
+    """``:name`` placeholders (SQLAlchemy's text()) as psycopg's ``%(name)s``."""
+    return re.sub(r"(?<!:):(\w+)", r"%(\1)s", sql)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("url", help="a PostgreSQL URL (postgresql://user@host:port/database)")
+    parser.add_argument("--cycles", type=int, default=3000, help="cycles per measurement")
+    parser.add_argument("--rounds", type=int, default=2, help="measurements per variant, alternating")
+    args = parser.parse_args()
+    _reset(args.url)
+    with permits.connect(args.url, auto_upgrade=True) as client:
+        client.create_semaphore("permits", 10)
+        client.create_semaphore("floor", 10)
+    dialect = PostgreSQL()
+    acquire, release = (_psycopg_params(dialect.sql(name)) for name in ("ACQUIRE_ONE", "RELEASE"))
+    # prepare_threshold=0: every statement is prepared on the server from its first use, as psycopg does
+    # for the library's statements after five.
+    libpq = args.url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(libpq, autocommit=True, prepare_threshold=0) as conn:
+        cur = conn.cursor()
+
+        def floor_cycle() -> None:
+            cur.execute(FLOOR_TAKE)
+            cur.execute(FLOOR_GIVE)
+
+        def permits_cycle() -> None:
+            key = uuid.uuid4().hex
+            cur.execute(acquire, {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000})
+            if len(cur.fetchall()) != 1:
+                raise SystemExit("ACQUIRE_ONE granted nothing: is another client using this database?")
+            cur.execute(release, {"owner": "cost", "key": key})
+            cur.fetchall()
+
+        variants: dict[str, Callable[[], None]] = {"floor": floor_cycle, "permits statements": permits_cycle}
+        for cycle in variants.values():
+            for _ in range(args.cycles // 4):
+                cycle()
+        for _ in range(args.rounds):
+            for label, cycle in variants.items():
+                started = time.perf_counter()
+                for _ in range(args.cycles):
+                    cycle()
+                elapsed = time.perf_counter() - started
+                print(f"{label:20s} {elapsed / args.cycles * 1000:.3f} ms/cycle")
+
+
+if __name__ == "__main__":
+    main()
