@@ -13,7 +13,11 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import ResolutionError
+from alembic.util import CommandError
 from sqlalchemy import Connection, text
+
+from permits._exceptions import SchemaMismatch
 
 VERSION_TABLE = "permits_alembic_version"
 _MIGRATIONS = Path(__file__).with_name("migrations")
@@ -34,6 +38,27 @@ def head() -> str:
     return revision
 
 
+def newer_than_this_code(revision: str | None) -> bool:
+    """The database is at a revision this version of permits does not know: a newer permits upgraded it.
+    Neither this version's statements nor its migrations can be used on it."""
+    if revision is None:
+        return False
+    try:
+        return ScriptDirectory.from_config(_config()).get_revision(revision) is None
+    except (ResolutionError, CommandError):  # Alembic wraps the first in the second
+        return True
+
+
+def newer_schema(where: str, revision: str) -> SchemaMismatch:
+    return SchemaMismatch(
+        f"the permits schema at {where} is at revision {revision}, newer than this version of permits knows"
+        f" (its newest is {head()}): upgrade permits here",
+        url=where,
+        revision=revision,
+        head=head(),
+    )
+
+
 def current(connection: Connection) -> str | None:
     """The revision the database is at, or None for a database permits has never touched."""
     context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
@@ -41,14 +66,21 @@ def current(connection: Connection) -> str | None:
 
 
 def upgrade(connection: Connection) -> str:
-    """Bring the schema to the head revision; safe to run from several processes at once."""
+    """Bring the schema to the head revision; safe to run from several processes at once. Raises
+    SchemaMismatch for a schema newer than this code."""
     backend = connection.dialect.name
     if backend == "postgresql":
         connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _LOCK_ID})
     elif backend == "mysql":
         connection.execute(text("SELECT GET_LOCK('permits_schema_upgrade', 60)"))
     try:
-        if current(connection) != head():
+        revision = current(connection)
+        if newer_than_this_code(revision):
+            # Alembic would fail to find the revision; downgrading a schema that newer clients use is not
+            # ours to do either.
+            assert revision is not None
+            raise newer_schema(connection.engine.url.render_as_string(hide_password=True), revision)
+        if revision != head():
             command.upgrade(_config(connection), "head")
     finally:
         if backend == "mysql":

@@ -4,6 +4,8 @@ file), since it moves the schema under everything else."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,3 +102,34 @@ def test_upgrading_keeps_places_in_fair_queues_ahead_and_downgrading_keeps_ticke
     _migrate(fresh_url, "head")  # and up again
     with permits.connect(fresh_url) as client:
         assert client.get_semaphore("q").fair
+
+
+def test_a_schema_newer_than_this_code_is_refused_by_name_and_left_alone(fresh_url: str, backend: str) -> None:
+    """A rolling upgrade: a newer permits moved the schema on while this one still runs. Opening it, with
+    or without auto_upgrade, and `permits db upgrade` must say so (SchemaMismatch, "upgrade permits"),
+    not fail inside Alembic on a revision it cannot find, and must not touch the schema."""
+    _migrate(fresh_url, "head")
+    engine = create_engine(make_url(fresh_url))
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE permits_alembic_version SET version_num = '0999'"))
+    for auto_upgrade in (True, False):
+        # The embedded default opens (and would upgrade) at connect(); a server's, at first use.
+        with (
+            pytest.raises(permits.SchemaMismatch, match="newer than this version of permits") as caught,
+            permits.connect(fresh_url, auto_upgrade=auto_upgrade) as client,
+        ):
+            client.try_acquire("x")
+        assert caught.value.code == "schema_mismatch" and "upgrade permits here" in str(caught.value)
+    with engine.begin() as conn, pytest.raises(permits.SchemaMismatch, match="upgrade permits"):
+        _schema.upgrade(conn)
+    done = subprocess.run(
+        [sys.executable, "-m", "permits", "db", "upgrade", "--db", fresh_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "schema_mismatch" in done.stderr and "0999" in done.stderr, done.stderr
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT version_num FROM permits_alembic_version")).scalar_one() == "0999"
+    engine.dispose()

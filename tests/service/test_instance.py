@@ -16,7 +16,9 @@ import pytest
 
 import permits
 from permits import EndReason
-from permits.server.config import LivenessCheck, Maintenance, ServerConfig
+from permits._core import observe
+from permits._core.flows import Flow
+from permits.server.config import Dashboard, LivenessCheck, Maintenance, ServerConfig
 from permits.server.maintenance import Maintainer, Task
 from permits.server.state import ServiceState
 
@@ -375,6 +377,7 @@ def test_cleanup_deletes_old_ended_leases_and_history_in_batches(db_url: str, ns
         config = ServerConfig(
             database_url=db_url,
             maintenance=Maintenance(keep_ended_leases=0.2, keep_capacity_history=0.2, cleanup_batch=2),
+            dashboard=Dashboard(enabled=False),
         )
         state = ServiceState.build(config)
         async with state.client as client:
@@ -384,10 +387,19 @@ def test_cleanup_deletes_old_ended_leases_and_history_in_batches(db_url: str, ns
                 await client.release(lease, owner=f"{ns}w")
             held = await client.acquire(f"{ns}s", ttl=60, owner=f"{ns}w")
             await client.set_capacity(f"{ns}s", 11, reason="more")
+
+            def an_admin_action() -> Flow[None]:
+                yield observe.log_admin("tester", "set_capacity", f"{ns}s", "more")
+
+            await state.sql_store.run_flow(an_admin_action)
             await asyncio.sleep(0.4)
             maintainer = Maintainer(state)
             summary = await maintainer.cleanup()
             assert summary["leases_deleted"] >= 5 and summary["history_deleted"] >= 2
+            # The admin log goes with the capacity history, with the dashboard (and its stats task) off.
+            assert summary["admin_log_deleted"] >= 1
+            log = await state.sql_store.run_flow(lambda: observe.admin_log(f"{ns}s", 10), readonly=True)
+            assert log == []
             for lease in ended:
                 with pytest.raises(permits.LeaseNotFound):
                     await client.get_lease(lease.key, owner=f"{ns}w")

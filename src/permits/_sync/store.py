@@ -140,6 +140,8 @@ class SQLStore:
             self._dialect = mysql_family_dialect(getattr(self._engine.dialect, "is_mariadb", True), multi_primary)
         head = _schema.head()
         if revision != head:
+            if _schema.newer_than_this_code(revision):
+                raise _schema.newer_schema(self.url, revision)
             if self._settings.auto_upgrade:
                 self._with_retries(self._upgrade)
             elif revision is None:

@@ -79,7 +79,10 @@ _STORAGE_MESSAGES: dict[str, str] = {
     StorageUnavailable.code: "the database is unavailable; try again shortly",
     StorageConflict.code: "the database kept reporting lock conflicts; try again shortly",
     StorageReadOnly.code: "the service's database refused a write: it is a read-only replica",
-    SchemaMismatch.code: "the service's database schema does not match this version; run `permits db upgrade`",
+    SchemaMismatch.code: (
+        "the service's database schema does not match this version of permits: upgrade the schema"
+        " (`permits db upgrade`) or permits, as the service log says"
+    ),
     StorageError.code: "the database failed; see the service log",
 }
 

@@ -163,18 +163,24 @@ class Maintainer:
         history = await store.delete_capacity_history(
             round(self.config.keep_capacity_history * 1000), self.config.cleanup_batch
         )
+        # Admin log entries are kept as long as the capacity history. Administrators act through the
+        # service whether or not the dashboard is on, so this is cleanup's job, not the stats task's.
+        admin_log = await store.run_flow(
+            lambda: observe.prune_admin_log(round(self.config.keep_capacity_history * 1000))
+        )
         # Places in fair queues that expired a minute ago or more: their waiters gave up or died.
         places = await store.purge_waiters(60_000)
-        return {"leases_deleted": leases, "history_deleted": history, "places_deleted": places}
+        return {
+            "leases_deleted": leases,
+            "history_deleted": history,
+            "admin_log_deleted": admin_log,
+            "places_deleted": places,
+        }
 
     async def sample(self) -> dict[str, Any]:
         dashboard = self.state.config.dashboard
         step_ms, keep_ms = round(dashboard.step * 1000), round(dashboard.keep_stats * 1000)
         rows = await self.state.sql_store.run_flow(lambda: observe.take_sample(step_ms, keep_ms))
-        # Admin log entries are kept as long as the capacity history.
-        await self.state.sql_store.run_flow(
-            lambda: observe.prune_admin_log(round(self.config.keep_capacity_history * 1000))
-        )
         # A string, not a count: a routine sample every step is logged at DEBUG, not INFO (see run_once).
         return {"samples": str(rows)}
 
