@@ -166,7 +166,15 @@ def test_an_admin_can_act_with_the_keyboard_alone(browser: Any, service: Service
     page.keyboard.type("typed, not clicked")
     page.keyboard.press("Tab")
     page.keyboard.press("Enter")
-    sync_api.expect(page.locator("#capacity-history")).to_contain_text("typed, not clicked", timeout=10_000)
+    # The dialog closes once the change is made; if it stays open, say what it shows and where the focus
+    # went, so that a failure on a loaded machine explains itself.
+    try:
+        sync_api.expect(page.locator("#capacity-dialog")).to_be_hidden(timeout=20_000)
+    except AssertionError as exc:
+        shown = page.locator("#capacity-dialog .dlg-error").text_content()
+        focus = page.evaluate("document.activeElement.outerHTML")[:200]
+        raise AssertionError(f"the capacity dialog stayed open, showing {shown!r}; focus on {focus}") from exc
+    sync_api.expect(page.locator("#capacity-history")).to_contain_text("typed, not clicked", timeout=20_000)
 
 
 def test_a_client_token_sees_no_admin_actions(browser: Any, service: Service, api: httpx.Client) -> None:
