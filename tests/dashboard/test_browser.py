@@ -177,6 +177,30 @@ def test_an_admin_can_act_with_the_keyboard_alone(browser: Any, service: Service
     sync_api.expect(page.locator("#capacity-history")).to_contain_text("typed, not clicked", timeout=20_000)
 
 
+def test_a_dialog_closed_and_opened_again_at_once_keeps_what_it_acts_on(
+    browser: Any, service: Service, api: httpx.Client
+) -> None:
+    """A dialog's close event is queued. Closed and opened again within one task (Esc, then Enter on its
+    button, on a busy machine), the late close event used to wipe the new opening's context, and the
+    change then failed with a script error. Here both happen in one task, so the race is certain."""
+    name = f"reopen-{uuid.uuid4().hex[:4]}"
+    _semaphores(api, name, 2, 0)
+    page = _open(browser, service, ADMIN, f"/#/s/{name}")
+    page.locator("#change-capacity").click()
+    sync_api.expect(page.locator("#capacity-dialog")).to_be_visible()
+    page.evaluate(
+        "document.getElementById('capacity-dialog').close(); document.getElementById('change-capacity').click()"
+    )
+    sync_api.expect(page.locator("#capacity-dialog")).to_be_visible()
+    page.locator('#capacity-dialog input[name="capacity"]').fill("5")
+    page.locator("#capacity-dialog textarea").fill("reopened at once")
+    page.locator('#capacity-dialog button[type="submit"]').click()
+    sync_api.expect(page.locator("#capacity-dialog")).to_be_hidden()
+    sync_api.expect(page.locator("#capacity-history")).to_contain_text("reopened at once")
+    assert api.get(f"/v1/semaphores/{name}").json()["capacity"] == 5
+    _no_errors(page)
+
+
 def test_a_client_token_sees_no_admin_actions(browser: Any, service: Service, api: httpx.Client) -> None:
     name = f"shared-{uuid.uuid4().hex[:4]}"
     _semaphores(api, name, 2, 1)  # held by the admin identity: alice must not see its key

@@ -710,6 +710,9 @@ function bindDialog(id) {
   });
   d.querySelector('.cancel').addEventListener('click', () => d.close());
   d.addEventListener('close', () => {
+    // The close event is queued: a dialog closed and opened again at once (Esc, then Enter on its
+    // button) is open again by the time this runs, and the context belongs to the new opening.
+    if (d.open) return;
     // The opener may have been re-rendered by a refresh while the dialog was open.
     const o = dlg?.opener?.isConnected ? dlg.opener : dlg?.fk && findFk(dlg.fk, $('view'));
     o?.focus();
