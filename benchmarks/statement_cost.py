@@ -13,12 +13,12 @@ The tables are dropped and created again first, on the database the URL names.
 from __future__ import annotations
 
 import argparse
-import re
 import time
 import uuid
 from collections.abc import Callable
 
 import psycopg
+from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from systems import _reset
 
 import permits
@@ -28,9 +28,10 @@ FLOOR_TAKE = "UPDATE permits_semaphore SET used = used + 1 WHERE name = 'floor' 
 FLOOR_GIVE = "UPDATE permits_semaphore SET used = used - 1 WHERE name = 'floor'"
 
 
-def _psycopg_params(sql: str) -> str:
-    """``:name`` placeholders (SQLAlchemy's text()) as psycopg's ``%(name)s``."""
-    return re.sub(r"(?<!:):(\w+)", r"%(\1)s", sql)
+def _as_sent(dialect: PostgreSQL, name: str) -> str:
+    """A statement compiled for psycopg as the store compiles it (``_driver_sql``): the exact text the
+    library sends."""
+    return str(dialect.clause(name).compile(dialect=psycopg_dialect()))
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
         client.create_semaphore("permits", 10)
         client.create_semaphore("floor", 10)
     dialect = PostgreSQL()
-    acquire, release = (_psycopg_params(dialect.sql(name)) for name in ("ACQUIRE_ONE", "RELEASE"))
+    acquire, release = (_as_sent(dialect, name) for name in ("ACQUIRE_ONE", "RELEASE"))
     # prepare_threshold=0: every statement is prepared on the server from its first use, as psycopg does
     # for the library's statements after five.
     libpq = args.url.replace("postgresql+psycopg://", "postgresql://")
