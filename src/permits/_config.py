@@ -20,6 +20,9 @@ DEFAULT_LOCK_WAIT_TIMEOUT = 5.0
 DEFAULT_RETRIES = 5
 
 _SCHEME_ALIASES = {"postgres": "postgresql", "pg": "postgresql"}
+#: What the ``pooler`` parameter of a PostgreSQL URL may say: which kind of connection pooler (PgBouncer,
+#: pgcat, Supavisor, RDS Proxy...) stands between permits and the server (docs/deployment.md, "Poolers").
+POOLERS = ("session", "transaction")
 
 
 def default_owner() -> str:
@@ -69,6 +72,8 @@ class Settings:
     auto_upgrade: bool = False
     #: the bearer token for a permits service (http:// and https:// URLs); ``$PERMITS_TOKEN`` by default
     token: str | None = None
+    #: the pooler in front of PostgreSQL, from the URL's ``pooler`` parameter (which ``url`` no longer has)
+    pooler: str | None = None
 
     @classmethod
     def build(
@@ -82,7 +87,7 @@ class Settings:
         auto_upgrade: bool | None,
         token: str | None = None,
     ) -> Settings:
-        parsed = parse_url(url)
+        parsed, pooler = _take_pooler(parse_url(url))
         wait = _validate.timeout(lock_wait_timeout)
         if wait is None or wait <= 0:
             raise InvalidArgument("lock_wait_timeout must be a positive number of seconds", field="lock_wait_timeout")
@@ -96,7 +101,26 @@ class Settings:
             retries=retries,
             auto_upgrade=parsed.get_backend_name() == "sqlite" if auto_upgrade is None else auto_upgrade,
             token=_token(token),
+            pooler=pooler,
         )
+
+
+def _take_pooler(url: URL) -> tuple[URL, str | None]:
+    """The URL without permits' own ``pooler`` parameter, which the driver would refuse, and its value."""
+    value = url.query.get("pooler")
+    if value is None:
+        return url, None
+    if url.get_backend_name() != "postgresql":
+        raise ConfigurationError(
+            "the URL parameter pooler= applies to PostgreSQL URLs only", field="pooler", backend=url.get_backend_name()
+        )
+    if not isinstance(value, str) or value not in POOLERS:
+        raise ConfigurationError(
+            f"pooler= must be one of {', '.join(POOLERS)} (how the pooler in front of PostgreSQL hands out"
+            f" server connections), not {value!r}",
+            field="pooler",
+        )
+    return url.difference_update_query(["pooler"]), value
 
 
 def _token(token: str | None) -> str | None:

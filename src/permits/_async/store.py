@@ -66,6 +66,9 @@ PERSIST_SECONDS = 30.0
 #: every second (the wait backoff's cap), so a live waiter never loses its place; a dead one frees it
 #: within this many milliseconds.
 PLACE_MS = 5000
+#: The session settings that must come from the server behind a transaction pooler, and what permits
+#: would set them to (as for PostgreSQL's lock_wait_timeout default and IDLE_IN_TRANSACTION_SECONDS).
+POOLED_TIMEOUTS = {"lock_timeout": "5s", "idle_in_transaction_session_timeout": "30s"}
 #: At most this many queued requests are remembered for a later dequeue; older ones just expire.
 MAX_REMEMBERED_PLACES = 100_000
 
@@ -97,9 +100,13 @@ class AsyncSQLStore:
         #: requests this store put in a fair queue and that were not granted yet (insertion-ordered)
         #: each with its shortfall (see ``queue_short``), and whether its place records the wake channel
         self._queued: OrderedDict[tuple[str, str], tuple[int | None, bool]] = OrderedDict()
-        # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling.
+        # Server-side prepared statements on PostgreSQL's hot path, except behind a transaction pooler: the
+        # next transaction may run on another server connection, which has never seen the statement.
+        self._prepare = settings.pooler != "transaction"
+        # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling. Not through
+        # a transaction pooler, which hands the LISTENing server connection on to other clients.
         self._listener: AsyncRoomListener | None = None
-        if self._dialect.name == "postgresql":
+        if self._dialect.name == "postgresql" and settings.pooler != "transaction":
             from permits._async.listener import AsyncRoomListener  # psycopg: the postgresql extra
 
             conninfo = settings.url.set(drivername="postgresql").render_as_string(hide_password=False)
@@ -125,6 +132,8 @@ class AsyncSQLStore:
         if self._opened:
             return
         revision = await self._with_retries(self._schema_revision)
+        if self._settings.pooler == "transaction":
+            await self._with_retries(self._check_pooled_timeouts)
         if self._dialect.name == "mysql":
             # Which server the URL reached decides the statements: MySQL lacks INSERT ... RETURNING, and
             # a node of a multi-primary cluster must get one statement per request (dialects/mysql.py).
@@ -175,6 +184,29 @@ class AsyncSQLStore:
             async with conn.begin():
                 revision: str | None = await async_run_sync(conn, _schema.current)
                 return revision
+
+    async def _check_pooled_timeouts(self) -> None:
+        """Behind a transaction pooler the session settings permits makes elsewhere must come from the
+        server (``ALTER ROLE``): say so when they do not. Without them a transaction frozen while it holds a
+        semaphore's row (a client stopped half-way through a multi-semaphore acquire) holds up every grant
+        on that semaphore until the pooler or TCP ends it, instead of for 30 s at most."""
+        async with self._engine.connect() as conn:
+            *values, role = (await conn.execute(self._dialect.clause("SESSION_TIMEOUTS"))).one()
+            await conn.rollback()
+        unset = [name for name, value in zip(POOLED_TIMEOUTS, values, strict=True) if str(value) == "0"]
+        if unset:
+            fixes = " ".join(f"ALTER ROLE {role} SET {name} = '{POOLED_TIMEOUTS[name]}';" for name in unset)
+            logger.warning(
+                "%s %s not set for this role at %s, and through a transaction pooler permits cannot set %s per"
+                " session: a transaction frozen while it holds a semaphore's row would hold up the semaphore"
+                " until the pooler or TCP ends it. Set %s on the server: %s (docs/deployment.md, Poolers)",
+                " and ".join(unset),
+                "is" if len(unset) == 1 else "are",
+                self.url,
+                "it" if len(unset) == 1 else "them",
+                "it" if len(unset) == 1 else "them",
+                fixes,
+            )
 
     async def _probe_replication(self) -> list[tuple[str, str]]:
         async with self._engine.connect() as conn:
@@ -532,7 +564,7 @@ class AsyncSQLStore:
             if self._dialect.self_committing:
                 result = await _send_batch(driver, sql, params)
             else:
-                result = await _send_autocommit(driver, sql, params)
+                result = await _send_autocommit(driver, sql, params, self._prepare)
         except BaseException as exc:
             error = driver_error(self._engine, exc)
             if error is None or self._dialect.classify(error) is Fault.UNAVAILABLE:
@@ -641,12 +673,12 @@ async def _send_batch(driver: Any, sql: str, params: Any) -> Result:
     return result
 
 
-async def _send_autocommit(driver: Any, sql: str, params: Any) -> Result:
+async def _send_autocommit(driver: Any, sql: str, params: Any, prepare: bool) -> Result:
     """One statement in autocommit (PostgreSQL), on a psycopg connection, which is left as it was found:
     with autocommit off, idle. psycopg switches autocommit on the client side, at no round trip."""
     await driver.set_autocommit(True)
     try:
-        cursor = await driver.execute(sql, params, prepare=True)
+        cursor = await driver.execute(sql, params, prepare=prepare)
         # Whether rows came back, from the result's column count: psycopg builds ``description`` anew, a
         # Column object per column, on every read of it.
         if cursor.pgresult is None or not cursor.pgresult.nfields:

@@ -406,8 +406,14 @@ class Dialect:
         driver = self.async_driver if asynchronous else self.sync_driver
         return url.set(drivername=f"{url.get_backend_name()}+{driver}")
 
-    def engine_options(self, lock_wait_timeout: float) -> dict[str, Any]:
+    def engine_options(self, lock_wait_timeout: float, pooler: str | None = None) -> dict[str, Any]:
+        """SQLAlchemy ``create_engine`` options; ``pooler``: see ``Settings.pooler`` (PostgreSQL only)."""
         return {}
+
+    def on_connect_sql(self, lock_wait_timeout: float, pooler: str | None = None) -> str | None:
+        """A statement to run on each new connection, for session settings that cannot go with the
+        connection request itself (None: nothing to run)."""
+        return None
 
     def check_driver(self, asynchronous: bool) -> None:
         """Raise ConfigurationError naming the extra to install when the driver is missing."""

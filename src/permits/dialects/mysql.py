@@ -122,7 +122,7 @@ class MariaDB(Dialect):
     def taken_fair(self, result: Result) -> bool | None:
         return None  # SEM_TAKE answers with the token alone (there is no UPDATE ... RETURNING)
 
-    def engine_options(self, lock_wait_timeout: float) -> dict[str, Any]:
+    def engine_options(self, lock_wait_timeout: float, pooler: str | None = None) -> dict[str, Any]:
         # Waiting long on a row lock only holds a connection: fail fast and let the retry loop back off.
         seconds = max(1, round(lock_wait_timeout))
         # A client frozen or cut off inside a transaction would keep its row locks until wait_timeout (8

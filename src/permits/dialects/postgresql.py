@@ -58,6 +58,17 @@ def _call_fitting(rows: str, leaving: str = "") -> str:
     )
 
 
+def _session_settings(lock_wait_timeout: float) -> list[tuple[str, str]]:
+    """What every session of permits sets. A client frozen or cut off inside a transaction would keep its
+    row locks until TCP gives up: the server ends such a session after IDLE_IN_TRANSACTION_SECONDS
+    instead, and a wait for a row lock fails after ``lock_wait_timeout`` into the retry loop."""
+    return [
+        ("lock_timeout", str(max(1, round(lock_wait_timeout * 1000)))),
+        ("idle_in_transaction_session_timeout", str(IDLE_IN_TRANSACTION_SECONDS * 1000)),
+        ("timezone", "UTC"),
+    ]
+
+
 class PostgreSQL(Dialect):
     name = "postgresql"
     # statement_timestamp(): the time the statement started, the same everywhere in one statement.
@@ -191,17 +202,39 @@ class PostgreSQL(Dialect):
                 WHERE id IN (SELECT id FROM free)
                 RETURNING id)
             SELECT name FROM stale WHERE id NOT IN (SELECT id FROM marked)""",
+        # Behind a transaction pooler permits cannot make its session settings (see engine_options): the
+        # role's or the database's own must do. -> lock_timeout, idle_in_transaction_session_timeout, as
+        # the server shows them ('0': none), and the role, quoted as an identifier
+        "SESSION_TIMEOUTS": """
+            SELECT current_setting('lock_timeout'), current_setting('idle_in_transaction_session_timeout'),
+                   quote_ident(current_user)""",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }
 
-    def engine_options(self, lock_wait_timeout: float) -> dict[str, Any]:
-        ms = max(1, round(lock_wait_timeout * 1000))
-        # A client frozen or cut off inside a transaction would keep its row locks until TCP gives up: the
-        # server ends such a session after IDLE_IN_TRANSACTION_SECONDS instead.
-        idle_ms = IDLE_IN_TRANSACTION_SECONDS * 1000
-        options = f"-c lock_timeout={ms} -c idle_in_transaction_session_timeout={idle_ms} -c timezone=UTC"
-        return {"connect_args": {"options": options, "connect_timeout": 5}}
+    def engine_options(self, lock_wait_timeout: float, pooler: str | None = None) -> dict[str, Any]:
+        if pooler is None:
+            options = " ".join(f"-c {name}={value}" for name, value in _session_settings(lock_wait_timeout))
+            return {"connect_args": {"options": options, "connect_timeout": 5}}
+        # Behind a pooler the settings cannot ride in the startup packet: PgBouncer before 1.20 refuses
+        # ``options`` there. A session pooler gets them at connect (on_connect_sql); behind a transaction
+        # pooler only the role's own settings apply (the store checks them when it opens).
+        connect_args: dict[str, Any] = {"connect_timeout": 5}
+        if pooler == "transaction":
+            # psycopg prepares a statement on the server after 5 runs by default; the pooler may send the next
+            # run to another server connection, which does not know it ("prepared statement does not exist").
+            connect_args["prepare_threshold"] = None
+        return {"connect_args": connect_args}
+
+    def on_connect_sql(self, lock_wait_timeout: float, pooler: str | None = None) -> str | None:
+        if pooler != "session":
+            return None
+        # A session pooler keeps the server connection for this client connection's life, and resets it
+        # (DISCARD ALL) before the next client gets it, so the settings are this connection's alone.
+        settings = ", ".join(
+            f"set_config('{name}', '{value}', false)" for name, value in _session_settings(lock_wait_timeout)
+        )
+        return f"SELECT {settings}"
 
     def check_driver(self, asynchronous: bool) -> None:
         require_module("psycopg", self.extra)

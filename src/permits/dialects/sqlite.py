@@ -37,7 +37,7 @@ class SQLite(Dialect):
     sync_driver = "pysqlite"
     async_driver = "aiosqlite"
 
-    def engine_options(self, lock_wait_timeout: float) -> dict[str, Any]:
+    def engine_options(self, lock_wait_timeout: float, pooler: str | None = None) -> dict[str, Any]:
         # The driver's own transaction handling is turned off (isolation_level=None) so that the store
         # can issue BEGIN IMMEDIATE itself; see stores/direct.py.
         return {"connect_args": {"timeout": lock_wait_timeout, "isolation_level": None}}

@@ -26,7 +26,7 @@ READONLY = "permits_readonly"
 
 def engine_args(dialect: Dialect, settings: Settings, asynchronous: bool) -> tuple[URL, dict[str, Any]]:
     dialect.check_driver(asynchronous)
-    options = dialect.engine_options(settings.lock_wait_timeout)
+    options = dialect.engine_options(settings.lock_wait_timeout, settings.pooler)
     # The store ends every transaction itself (commit, or rollback on error), so the pool's ROLLBACK on
     # every return would only add a round trip per operation (PyMySQL always sends it).
     options.setdefault("pool_reset_on_return", None)
@@ -36,6 +36,16 @@ def engine_args(dialect: Dialect, settings: Settings, asynchronous: bool) -> tup
 def install_events(engine: Engine, dialect: Dialect, settings: Settings) -> None:
     """Per-connection settings that cannot go through connect_args."""
     from permits.dialects.sqlite import SQLite
+
+    on_connect = dialect.on_connect_sql(settings.lock_wait_timeout, settings.pooler)
+    if on_connect is not None:
+
+        @event.listens_for(engine, "connect")
+        def _set_session(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute(on_connect)
+            cursor.close()
+            dbapi_connection.commit()
 
     if not isinstance(dialect, SQLite):
         return

@@ -1,0 +1,127 @@
+"""A real PgBouncer in front of the shared PostgreSQL, started by a test on a free loopback port.
+
+    with PgBouncer("transaction", pool_size=2) as bouncer:
+        url = bouncer.url_for("permits_pool_x")     # postgresql://postgres@127.0.0.1:<port>/permits_pool_x
+        ...
+
+``pool_size`` server connections per database and user, however many clients connect: with fewer than
+there are clients, consecutive transactions of one client run on different server connections, which
+is what breaks prepared statements and session settings behind a transaction pooler. The binary is
+Debian's ``pgbouncer`` (scripts/test installs it); PgBouncer refuses to run as root, so it runs as the
+``postgres`` user when the tests run as root.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+import pytest
+
+from tests._private_db import free_port
+from tests.conftest import IN_CI, SERVER_URLS
+
+PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+
+
+def pgbouncer_version() -> tuple[int, ...]:
+    """The installed PgBouncer's version, e.g. (1, 18, 0); skips (fails in CI) when there is none."""
+    if not Path(PGBOUNCER).exists():
+        message = "no pgbouncer binary (apt-get install pgbouncer; scripts/test installs it as root)"
+        if IN_CI:
+            pytest.fail(message + " (CI=true: a missing pooler is a failure)", pytrace=False)
+        pytest.skip(message)
+    out = subprocess.run([PGBOUNCER, "--version"], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"PgBouncer (\d+)\.(\d+)\.(\d+)", out)
+    assert found, out
+    return tuple(int(part) for part in found.groups())
+
+
+class PgBouncer:
+    def __init__(self, pool_mode: str, *, pool_size: int = 2) -> None:
+        pgbouncer_version()
+        target = re.search(r"@([\d.]+):(\d+)/", SERVER_URLS["postgresql"])
+        assert target, SERVER_URLS["postgresql"]
+        self.pool_mode = pool_mode
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="permits-pgbouncer-"))
+        self.dir.chmod(0o755)
+        (self.dir / "users.txt").write_text('"postgres" ""\n')
+        (self.dir / "pgbouncer.ini").write_text(
+            f"""[databases]
+* = host={target.group(1)} port={target.group(2)}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {self.port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {self.dir / "users.txt"}
+pool_mode = {pool_mode}
+default_pool_size = {pool_size}
+max_client_conn = 500
+"""
+        )
+        for path in self.dir.iterdir():
+            path.chmod(0o644)
+        self.log_path = self.dir / "pgbouncer.log"
+        user = "postgres" if os.geteuid() == 0 else None
+        if user is not None:
+            pwd.getpwnam(user)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [PGBOUNCER, str(self.dir / "pgbouncer.ini")],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                user=user,
+            )
+        deadline = time.monotonic() + 20
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pgbouncer exited {self.process.returncode} at start:\n{self.log_tail()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"pgbouncer did not listen:\n{self.log_tail()}") from None
+                time.sleep(0.05)
+
+    def url_for(self, database: str, **query: str) -> str:
+        params = "&".join(f"{name}={value}" for name, value in query.items())
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}" + (f"?{params}" if params else "")
+
+    def log_tail(self) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> PgBouncer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,224 @@
+"""permits through a real PgBouncer (Debian's, 1.18), in session and in transaction mode.
+
+A pooler changes what a connection is: behind a transaction pooler, consecutive transactions of one client
+connection run on different server connections, so nothing of a session survives from one to the next
+(prepared statements, settings, LISTEN); and PgBouncer before 1.20 refuses the ``options`` startup
+parameter that carries permits' session settings. The URL's ``pooler`` parameter tells permits which kind
+stands in front (docs/deployment.md, "Poolers"). The pools here have two server connections, fewer than
+the clients, so that connections are shared as hard as they can be.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+
+import permits
+from tests._pgbouncer import PgBouncer, pgbouncer_version
+from tests._service import running
+from tests.concurrency.test_many_processes import run_and_check
+from tests.conftest import SERVER_URLS, AsyncFacade, _admin_url
+
+pytestmark = pytest.mark.usefixtures("servers")
+SESSION_POOL = 10
+
+
+@pytest.fixture(scope="module")
+def pool_db() -> Iterator[str]:
+    """A database of this module's own on the shared server (its settings are changed below), with the
+    current schema, made directly."""
+    name = f"permits_pool_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(_admin_url("postgresql"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE {name}"))
+    try:
+        with permits.connect(direct_url(name), auto_upgrade=True) as client:
+            client.list_semaphores()
+        yield name
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        admin.dispose()
+
+
+def direct_url(database: str) -> str:
+    base = SERVER_URLS["postgresql"]
+    return base[: base.rindex("/") + 1] + database
+
+
+@pytest.fixture(params=["session", "transaction"])
+def bouncer(request: pytest.FixtureRequest) -> Iterator[PgBouncer]:
+    # A session pooler gives each client connection a server connection of its own for its life: a client
+    # needs one for its pool, one more for each thread that works at once, and one for its LISTEN.
+    mode = str(request.param)
+    with PgBouncer(mode, pool_size=SESSION_POOL if mode == "session" else 2) as running_bouncer:
+        yield running_bouncer
+
+
+def _exercise(client: Any, ns: str) -> None:
+    """What a user does, through the pooler: every kind of statement permits sends."""
+    client.create_semaphore(f"{ns}plain", 2)
+    client.create_semaphore(f"{ns}fair", 1, fair=True)
+    first = client.try_acquire(f"{ns}plain", key=f"{ns}job-1")
+    assert first is not None and first.tokens == {f"{ns}plain": 1}
+    again = client.try_acquire(f"{ns}plain", key=f"{ns}job-1")  # a retry of a granted key: the same grant
+    assert again is not None and (again.tokens, again.expires_at) == (first.tokens, first.expires_at)
+    both = client.acquire({f"{ns}plain": 1, f"{ns}fair": 1}, key=f"{ns}job-2", timeout=5)
+    assert client.try_acquire(f"{ns}plain") is None
+    extended = client.extend(both, ttl=120)
+    assert extended.expires_at > both.expires_at
+    # A waiter behind a full semaphore gets the permit that another thread gives back (by polling: no
+    # LISTEN behind a transaction pooler).
+    threading.Timer(0.3, client.release, args=(first,)).start()
+    started = time.monotonic()
+    waited = client.acquire(f"{ns}plain", key=f"{ns}job-3", timeout=10)
+    assert 0.2 < time.monotonic() - started < 10
+    assert waited.tokens[f"{ns}plain"] == 3
+    # A fair queue: the waiter gets the permit when it comes back.
+    threading.Timer(0.3, client.release, args=(both,)).start()
+    assert client.acquire(f"{ns}fair", key=f"{ns}job-4", timeout=10).tokens == {f"{ns}fair": 2}
+    client.set_capacity(f"{ns}plain", 3, reason="through a pooler")
+    semaphore = client.get_semaphore(f"{ns}plain")
+    assert (semaphore.capacity, semaphore.used, semaphore.last_token) == (3, 1, 3)
+    assert [h.key for h in client.holders(f"{ns}plain")] == [f"{ns}job-3"]
+    assert {s.name for s in client.list_semaphores(prefix=ns)} == {f"{ns}plain", f"{ns}fair"}
+    assert str(client.release(waited)) == "released"
+    assert client.reconcile() == []
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_every_operation_works_through_a_pooler(bouncer: PgBouncer, pool_db: str, flavour: str, ns: str) -> None:
+    url = bouncer.url_for(pool_db, pooler=bouncer.pool_mode)
+    client: Any = permits.connect(url) if flavour == "sync" else AsyncFacade(permits.connect_async(url))
+    try:
+        assert "pooler" not in client.url  # permits' own parameter never reaches the driver
+        _exercise(client, ns)
+    finally:
+        client.shutdown() if isinstance(client, AsyncFacade) else client.close()
+
+
+@pytest.mark.slow
+def test_processes_through_a_transaction_pooler_keep_every_guarantee(pool_db: str, ns: str, tmp_path: Path) -> None:
+    """Eight processes share two server connections: capacity holds at every instant, tokens follow grant
+    order, every cycle completes (no "prepared statement does not exist"), and nothing drifts."""
+    with PgBouncer("transaction") as bouncer:
+        pooled = bouncer.url_for(pool_db, pooler="transaction")
+        run_and_check(direct_url(pool_db), ns, tmp_path, processes=8, cycles=30, child_urls=[pooled])
+
+
+def test_the_service_runs_through_a_transaction_pooler(pool_db: str, ns: str) -> None:
+    with (
+        PgBouncer("transaction") as bouncer,
+        running(bouncer.url_for(pool_db, pooler="transaction")) as service,
+        permits.connect(service.url) as client,
+    ):
+        client.create_semaphore(f"{ns}s", 1)
+        lease = client.acquire(f"{ns}s", key=f"{ns}k", timeout=5)
+        assert client.try_acquire(f"{ns}s") is None
+        assert str(client.release(lease)) == "released"
+        assert client.reconcile() == []
+
+
+def test_without_the_parameter_pgbouncer_refuses_permits_session_settings(pool_db: str) -> None:
+    """What a user sees who puts PgBouncer before 1.20 in front and does not say so: a clear refusal at
+    the first operation, not a silent loss of the settings."""
+    if pgbouncer_version() >= (1, 20):
+        pytest.skip("PgBouncer 1.20 and later may accept the options, with track_extra_parameters")
+    with (
+        PgBouncer("session", pool_size=SESSION_POOL) as bouncer,
+        pytest.raises(permits.StorageUnavailable, match="unsupported startup parameter: options"),
+        permits.connect(bouncer.url_for(pool_db), retries=0) as client,
+    ):
+        client.list_semaphores()
+
+
+def _lock_wait_is_bounded(url: str, pool_db: str, ns: str) -> None:
+    """A grant that must wait for a semaphore's row, locked by a transaction that does not end, fails after
+    the lock timeout instead of waiting for ever: the session settings are in force through the pooler."""
+    name = f"{ns}locked"
+    with permits.connect(direct_url(pool_db)) as direct:
+        direct.create_semaphore(name, 1)
+    holder = create_engine(direct_url(pool_db).replace("postgresql://", "postgresql+psycopg://"))
+    outcome: list[Any] = []
+    with holder.connect() as conn:
+        conn.execute(text("SELECT 1 FROM permits_semaphore WHERE name = :n FOR UPDATE"), {"n": name})
+
+        def attempt() -> None:
+            with permits.connect(url, lock_wait_timeout=0.3, retries=0) as client:
+                try:
+                    outcome.append(client.try_acquire(name))
+                except permits.PermitsError as exc:
+                    outcome.append(exc)
+
+        worker = threading.Thread(target=attempt, daemon=True)
+        worker.start()
+        worker.join(15)
+        waited_for_ever = worker.is_alive()
+        conn.rollback()  # lets a waiting grant through, so the thread ends either way
+    worker.join(15)
+    holder.dispose()
+    assert not waited_for_ever, "the grant waited on the locked row past 15 s: no lock timeout in force"
+    assert len(outcome) == 1 and isinstance(outcome[0], permits.StorageConflict), outcome
+
+
+def test_a_session_pooler_gets_permits_session_settings(pool_db: str, ns: str) -> None:
+    with PgBouncer("session", pool_size=SESSION_POOL) as bouncer:
+        _lock_wait_is_bounded(bouncer.url_for(pool_db, pooler="session"), pool_db, ns)
+
+
+def test_a_transaction_pooler_warns_until_the_server_sets_the_timeouts(
+    pool_db: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """permits cannot make session settings behind a transaction pooler: it says which are missing and the
+    statement that sets them; once the server sets them, it is quiet and they are in force."""
+    with (
+        PgBouncer("transaction") as bouncer,
+        caplog.at_level(logging.WARNING, logger="permits"),
+        permits.connect(bouncer.url_for(pool_db, pooler="transaction")) as client,
+    ):
+        client.list_semaphores()
+    warned = [r.getMessage() for r in caplog.records if "transaction pooler" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "lock_timeout and idle_in_transaction_session_timeout are not set" in warned[0]
+    assert "ALTER ROLE postgres SET lock_timeout = '5s';" in warned[0]
+
+    admin = create_engine(_admin_url("postgresql"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:  # the database's own settings, for every session that opens on it
+            conn.execute(text(f"ALTER DATABASE {pool_db} SET lock_timeout = '300ms'"))
+            conn.execute(text(f"ALTER DATABASE {pool_db} SET idle_in_transaction_session_timeout = '30s'"))
+        caplog.clear()
+        with PgBouncer("transaction") as bouncer, caplog.at_level(logging.WARNING, logger="permits"):
+            url = bouncer.url_for(pool_db, pooler="transaction")
+            with permits.connect(url) as client:
+                client.list_semaphores()
+            assert not [r for r in caplog.records if "transaction pooler" in r.getMessage()]
+            _lock_wait_is_bounded(url, pool_db, ns)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"ALTER DATABASE {pool_db} RESET ALL"))
+        admin.dispose()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u@h/db?pooler=statement",
+        "postgresql://u@h/db?pooler=session&pooler=transaction",
+        "mysql://u@h/db?pooler=transaction",
+        "sqlite:///permits.db?pooler=session",
+        "http://127.0.0.1:1/?pooler=transaction",
+    ],
+)
+def test_a_pooler_parameter_that_cannot_apply_is_refused_by_name(url: str) -> None:
+    with pytest.raises(permits.ConfigurationError) as raised:
+        permits.connect(url)
+    assert raised.value.details["field"] == "pooler"
