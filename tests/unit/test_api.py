@@ -97,3 +97,26 @@ def test_another_store_plugs_in_by_url_scheme() -> None:
     finally:
         _SYNC.pop("fake")
         _ASYNC.pop("fake")
+
+
+def test_the_embedded_default_needs_nothing_beyond_the_core_dependencies(tmp_path: Path) -> None:
+    """The asyncio client on SQLite runs the sync store on a worker thread (permits.stores.threaded), so it
+    needs no asyncio driver for SQLite: with aiosqlite made unimportable, both spellings of the URL work."""
+    script = """
+import asyncio, sys
+sys.modules["aiosqlite"] = None  # any import of it now fails
+import permits
+
+async def main():
+    for url in ("sqlite:///a.db", "sqlite+aiosqlite:///b.db"):
+        async with permits.connect_async(url) as client:
+            await client.create_semaphore("s", 1)
+            lease = await client.acquire("s", timeout=1)
+            assert await client.try_acquire("s") is None
+            await client.release(lease)
+    print("ok")
+
+asyncio.run(main())
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

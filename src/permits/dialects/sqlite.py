@@ -1,4 +1,5 @@
-"""SQLite, the embedded default, through the standard library's sqlite3 and aiosqlite.
+"""SQLite, the embedded default, through the standard library's sqlite3 (the asyncio client too: it runs
+the sync store on a worker thread, see ``stores/threaded.py``).
 
 SQLite has no row locks: a writing transaction starts with BEGIN IMMEDIATE, which takes the database's
 write lock up front. Then a transaction never has to upgrade a read lock to a write lock half-way, which
@@ -35,6 +36,8 @@ class SQLite(Dialect):
     # A read-only transaction starts with BEGIN, which takes no write lock (stores/direct.py).
     cheaper_readonly = True
     sync_driver = "pysqlite"
+    # Only so that a URL naming it (sqlite+aiosqlite://) is accepted: the asyncio client runs pysqlite on
+    # a worker thread, and aiosqlite need not be installed.
     async_driver = "aiosqlite"
 
     def engine_options(self, lock_wait_timeout: float, pooler: str | None = None) -> dict[str, Any]:
