@@ -148,3 +148,28 @@ def test_a_waiter_that_stops_asking_loses_its_place(client_url: str, ns: str, vi
 def test_waiters_of_an_unknown_semaphore(client_url: str, ns: str) -> None:
     with permits.connect(client_url) as client, pytest.raises(permits.SemaphoreNotFound):
         client.waiters(f"{ns}nope")
+
+
+def test_a_recreated_semaphore_starts_with_an_empty_queue(client: Any, db_url: str, ns: str) -> None:
+    """A place left on a deleted semaphore (a waiter's enqueue that read its id before the delete, made
+    here by hand) does not hold up the queue of the semaphore created again under that name."""
+    from sqlalchemy import create_engine, text
+
+    name = f"{ns}again"
+    client.create_semaphore(name, 1, fair=True)
+    client.delete_semaphore(name)
+    url = db_url.replace("mysql://", "mysql+pymysql://").replace("postgresql://", "postgresql+psycopg://")
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO permits_waiter (semaphore_id, ticket, owner, lease_key, count, enqueued_at_ms,"
+                " expires_at_ms) SELECT id, 1, 'late', 'late-key', 1, 0, 9000000000000 FROM permits_semaphore"
+                " WHERE name = :n"
+            ),
+            {"n": name},
+        )
+    engine.dispose()
+    client.create_semaphore(name, 1, fair=True)
+    assert client.waiters(name) == []
+    assert client.try_acquire(name) is not None

@@ -483,7 +483,11 @@ def create_semaphore(name: str, capacity: int, by: str, exist_ok: bool, fair: bo
     # A deleted semaphore keeps its row as a tombstone, so its fencing tokens carry on from where they
     # were: a downstream store that saw token 500 is never handed 1 again.
     revived = yield Stmt("SEM_REVIVE", {"name": name, "capacity": capacity, "fair": int(fair)})
-    if revived.rowcount == 0:
+    if revived.rowcount:
+        # A place left on the tombstone (an enqueue that read the semaphore's id before the delete) would
+        # hold up the new semaphore's fair queue until it lapses (PLACE_MS): the new queue starts empty.
+        yield Stmt("SEM_REVIVED_WAITERS_DELETE", {"name": name})
+    else:
         try:
             yield Stmt("SEM_INSERT", {"name": name, "capacity": capacity, "fair": int(fair)})
         except DuplicateKey:

@@ -248,6 +248,11 @@ PORTABLE_SQL: dict[str, str] = {
     # A deleted semaphore's queue goes with it: a name created again (which revives the row and its id)
     # starts with an empty queue, fair or not. params: id
     "SEM_WAITERS_DELETE": "DELETE FROM permits_waiter WHERE semaphore_id = :id",
+    # A revived semaphore starts with an empty queue: a waiter's enqueue that raced the delete (it read the
+    # semaphore's id before) may have left a place on the tombstone. params: name
+    "SEM_REVIVED_WAITERS_DELETE": """
+        DELETE FROM permits_waiter
+        WHERE semaphore_id IN (SELECT id FROM permits_semaphore WHERE name = :name)""",
     # Oldest expired leases first. params: limit -> id, owner, lease_key
     "EXPIRED_BATCH": """
         SELECT id, owner, lease_key FROM permits_lease
