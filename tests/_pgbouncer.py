@@ -1,14 +1,16 @@
 """A real PgBouncer in front of the shared PostgreSQL, started by a test on a free loopback port.
 
-    with PgBouncer("transaction", pool_size=2) as bouncer:
+    with PgBouncer("transaction", pool_size=3) as bouncer:
         url = bouncer.url_for("permits_pool_x")     # postgresql://postgres@127.0.0.1:<port>/permits_pool_x
         ...
 
-``pool_size`` server connections per database and user, however many clients connect: with fewer than
-there are clients, consecutive transactions of one client run on different server connections, which
-is what breaks prepared statements and session settings behind a transaction pooler. The binary is
-Debian's ``pgbouncer`` (scripts/test installs it); PgBouncer refuses to run as root, so it runs as the
-``postgres`` user when the tests run as root.
+``pool_size`` server connections per database and user, however many clients connect, all opened at
+the first ``url_for`` and handed out in turn (``server_round_robin``): consecutive transactions of one
+client connection then run on different server connections, which is what breaks prepared statements and
+session settings behind a transaction pooler. (PgBouncer's default hands a lone client the connection it
+used last, which hides both; an odd pool size keeps a client's grant and release from landing on the same
+two connections in step.) The binary is Debian's ``pgbouncer`` (scripts/test installs it); PgBouncer
+refuses to run as root, so it runs as the ``postgres`` user when the tests run as root.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from tests._private_db import free_port
 from tests.conftest import IN_CI, SERVER_URLS
@@ -46,18 +49,25 @@ def pgbouncer_version() -> tuple[int, ...]:
 
 
 class PgBouncer:
-    def __init__(self, pool_mode: str, *, pool_size: int = 2) -> None:
+    def __init__(self, pool_mode: str, *, pool_size: int = 3) -> None:
         pgbouncer_version()
-        target = re.search(r"@([\d.]+):(\d+)/", SERVER_URLS["postgresql"])
-        assert target, SERVER_URLS["postgresql"]
+        server = make_url(SERVER_URLS["postgresql"])
+        self.user = server.username or "postgres"
         self.pool_mode = pool_mode
+        self.pool_size = pool_size
+        self._warmed: set[str] = set()
         self.port = free_port()
+        #: what this PgBouncer's server connections show in pg_stat_activity
+        self.application_name = f"permits-pgbouncer-{self.port}"
         self.dir = Path(tempfile.mkdtemp(prefix="permits-pgbouncer-"))
         self.dir.chmod(0o755)
-        (self.dir / "users.txt").write_text('"postgres" ""\n')
+        # Trust between the tests and PgBouncer; PgBouncer logs in to the server as the tests' URL says.
+        (self.dir / "users.txt").write_text(f'"{self.user}" ""\n')
+        password = f" password={server.password}" if server.password else ""
+        target = f"host={server.host or '127.0.0.1'} port={server.port or 5432} user={self.user}{password}"
         (self.dir / "pgbouncer.ini").write_text(
             f"""[databases]
-* = host={target.group(1)} port={target.group(2)}
+* = {target} application_name={self.application_name}
 
 [pgbouncer]
 listen_addr = 127.0.0.1
@@ -68,6 +78,9 @@ auth_file = {self.dir / "users.txt"}
 pool_mode = {pool_mode}
 default_pool_size = {pool_size}
 max_client_conn = 500
+; hand a client the server connection idle longest, not the one it used last: consecutive transactions of
+; one client then run on different server connections, as they do on a busy pooler
+server_round_robin = 1
 """
         )
         for path in self.dir.iterdir():
@@ -99,8 +112,28 @@ max_client_conn = 500
                 time.sleep(0.05)
 
     def url_for(self, database: str, **query: str) -> str:
+        """A URL through this PgBouncer, whose pool for ``database`` holds all its server connections."""
+        plain = f"postgresql://{self.user}@127.0.0.1:{self.port}/{database}"
+        if database not in self._warmed:
+            self._warm(plain)
+            self._warmed.add(database)
         params = "&".join(f"{name}={value}" for name, value in query.items())
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}" + (f"?{params}" if params else "")
+        return plain + (f"?{params}" if params else "")
+
+    def _warm(self, url: str) -> None:
+        """Open every server connection of the pool now, with as many transactions at once: PgBouncer opens
+        one only when all the others are busy, so a lone client would otherwise stay on one of them."""
+        import psycopg
+
+        held = [psycopg.connect(url, connect_timeout=10) for _ in range(self.pool_size)]
+        try:
+            for conn in held:
+                conn.execute("SELECT 1")  # each in a transaction of its own, kept open until all are
+            for conn in held:
+                conn.rollback()  # a server connection left inside a transaction would be dropped, not pooled
+        finally:
+            for conn in held:
+                conn.close()
 
     def log_tail(self) -> str:
         try:

@@ -4,8 +4,8 @@ A pooler changes what a connection is: behind a transaction pooler, consecutive 
 connection run on different server connections, so nothing of a session survives from one to the next
 (prepared statements, settings, LISTEN); and PgBouncer before 1.20 refuses the ``options`` startup
 parameter that carries permits' session settings. The URL's ``pooler`` parameter tells permits which kind
-stands in front (docs/deployment.md, "Poolers"). The pools here have two server connections, fewer than
-the clients, so that connections are shared as hard as they can be.
+stands in front (docs/deployment.md, "Poolers"). The transaction pools here have three server connections,
+handed out in turn, so that consecutive transactions of one client run on different ones (tests/_pgbouncer.py).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def bouncer(request: pytest.FixtureRequest) -> Iterator[PgBouncer]:
     # A session pooler gives each client connection a server connection of its own for its life: a client
     # needs one for its pool, one more for each thread that works at once, and one for its LISTEN.
     mode = str(request.param)
-    with PgBouncer(mode, pool_size=SESSION_POOL if mode == "session" else 2) as running_bouncer:
+    with PgBouncer(mode, pool_size=SESSION_POOL if mode == "session" else 3) as running_bouncer:
         yield running_bouncer
 
 
@@ -101,13 +101,34 @@ def test_every_operation_works_through_a_pooler(bouncer: PgBouncer, pool_db: str
     try:
         assert "pooler" not in client.url  # permits' own parameter never reaches the driver
         _exercise(client, ns)
+        # The waits above LISTENed in session mode; behind a transaction pooler nothing may (a LISTEN would
+        # stay on a server connection that other clients get next).
+        listening = _listening_backends(bouncer)
+        assert listening > 0 if bouncer.pool_mode == "session" else listening == 0
     finally:
         client.shutdown() if isinstance(client, AsyncFacade) else client.close()
 
 
+def _listening_backends(bouncer: PgBouncer) -> int:
+    """The bouncer's server sessions whose last statement was a listener's (LISTEN, UNLISTEN, the mark)."""
+    admin = create_engine(_admin_url("postgresql"))
+    try:
+        with admin.connect() as conn:
+            found = conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = :app"
+                    " AND (query ~ '^\\s*(UN)?LISTEN ' OR query ~ '^\\s*WITH stale AS')"
+                ),
+                {"app": bouncer.application_name},
+            ).scalar_one()
+    finally:
+        admin.dispose()
+    return int(found)
+
+
 @pytest.mark.slow
 def test_processes_through_a_transaction_pooler_keep_every_guarantee(pool_db: str, ns: str, tmp_path: Path) -> None:
-    """Eight processes share two server connections: capacity holds at every instant, tokens follow grant
+    """Eight processes share three server connections: capacity holds at every instant, tokens follow grant
     order, every cycle completes (no "prepared statement does not exist"), and nothing drifts."""
     with PgBouncer("transaction") as bouncer:
         pooled = bouncer.url_for(pool_db, pooler="transaction")
@@ -131,7 +152,7 @@ def test_without_the_parameter_pgbouncer_refuses_permits_session_settings(pool_d
     """What a user sees who puts PgBouncer before 1.20 in front and does not say so: a clear refusal at
     the first operation, not a silent loss of the settings."""
     if pgbouncer_version() >= (1, 20):
-        pytest.skip("PgBouncer 1.20 and later may accept the options, with track_extra_parameters")
+        pytest.skip("PgBouncer 1.20 and later look inside options, and refuse it with another message")
     with (
         PgBouncer("session", pool_size=SESSION_POOL) as bouncer,
         pytest.raises(permits.StorageUnavailable, match="unsupported startup parameter: options"),
@@ -188,7 +209,7 @@ def test_a_transaction_pooler_warns_until_the_server_sets_the_timeouts(
     warned = [r.getMessage() for r in caplog.records if "transaction pooler" in r.getMessage()]
     assert len(warned) == 1, warned
     assert "lock_timeout and idle_in_transaction_session_timeout are not set" in warned[0]
-    assert "ALTER ROLE postgres SET lock_timeout = '5s';" in warned[0]
+    assert "ALTER ROLE postgres SET lock_timeout = '5000ms';" in warned[0]
 
     admin = create_engine(_admin_url("postgresql"), isolation_level="AUTOCOMMIT")
     try:

@@ -37,7 +37,7 @@ from permits._models import (
     Waiter,
     Want,
 )
-from permits.dialects.base import Fault, dialect_for_url
+from permits.dialects.base import IDLE_IN_TRANSACTION_SECONDS, Fault, dialect_for_url
 from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
 from permits.stores._engine import (
     READONLY,
@@ -66,9 +66,8 @@ PERSIST_SECONDS = 30.0
 #: every second (the wait backoff's cap), so a live waiter never loses its place; a dead one frees it
 #: within this many milliseconds.
 PLACE_MS = 5000
-#: The session settings that must come from the server behind a transaction pooler, and what permits
-#: would set them to (as for PostgreSQL's lock_wait_timeout default and IDLE_IN_TRANSACTION_SECONDS).
-POOLED_TIMEOUTS = {"lock_timeout": "5s", "idle_in_transaction_session_timeout": "30s"}
+#: The session settings that must come from the server behind a transaction pooler.
+POOLED_TIMEOUTS = ("lock_timeout", "idle_in_transaction_session_timeout")
 #: At most this many queued requests are remembered for a later dequeue; older ones just expire.
 MAX_REMEMBERED_PLACES = 100_000
 
@@ -195,7 +194,12 @@ class AsyncSQLStore:
             await conn.rollback()
         unset = [name for name, value in zip(POOLED_TIMEOUTS, values, strict=True) if str(value) == "0"]
         if unset:
-            fixes = " ".join(f"ALTER ROLE {role} SET {name} = '{POOLED_TIMEOUTS[name]}';" for name in unset)
+            # What permits would set itself: lock_wait_timeout, and IDLE_IN_TRANSACTION_SECONDS.
+            wanted = {
+                "lock_timeout": f"{max(1, round(self._settings.lock_wait_timeout * 1000))}ms",
+                "idle_in_transaction_session_timeout": f"{IDLE_IN_TRANSACTION_SECONDS}s",
+            }
+            fixes = " ".join(f"ALTER ROLE {role} SET {name} = '{wanted[name]}';" for name in unset)
             logger.warning(
                 "%s %s not set for this role at %s, and through a transaction pooler permits cannot set %s per"
                 " session: a transaction frozen while it holds a semaphore's row would hold up the semaphore"
