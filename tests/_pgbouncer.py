@@ -86,6 +86,12 @@ server_round_robin = 1
         for path in self.dir.iterdir():
             path.chmod(0o644)
         self.log_path = self.dir / "pgbouncer.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        """Start it (again) on its port, and return once it accepts connections."""
+        assert self.process is None or self.process.poll() is not None, "already running"
         user = "postgres" if os.geteuid() == 0 else None
         if user is not None:
             pwd.getpwnam(user)
@@ -110,6 +116,14 @@ server_round_robin = 1
                     self.stop()
                     raise RuntimeError(f"pgbouncer did not listen:\n{self.log_tail()}") from None
                 time.sleep(0.05)
+        self._warmed.clear()
+
+    def kill(self) -> None:
+        """SIGKILL it: every client and server connection it holds drops at once, transactions in flight
+        included (the server rolls back those not committed yet)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
     def url_for(self, database: str, **query: str) -> str:
         """A URL through this PgBouncer, whose pool for ``database`` holds all its server connections."""
@@ -142,7 +156,7 @@ server_round_robin = 1
             return ""
 
     def stop(self) -> None:
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(10)
