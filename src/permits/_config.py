@@ -114,6 +114,12 @@ def _take_pooler(url: URL) -> tuple[URL, str | None]:
         raise ConfigurationError(
             "the URL parameter pooler= applies to PostgreSQL URLs only", field="pooler", backend=url.get_backend_name()
         )
+    if value == "statement":
+        raise ConfigurationError(
+            "pooler=statement cannot work: a statement pooler refuses transactions of several statements,"
+            " which permits needs (a multi-semaphore acquire, a sweep); use a session or transaction pool",
+            field="pooler",
+        )
     if not isinstance(value, str) or value not in POOLERS:
         raise ConfigurationError(
             f"pooler= must be one of {', '.join(POOLERS)} (how the pooler in front of PostgreSQL hands out"

@@ -243,3 +243,5 @@ def test_a_pooler_parameter_that_cannot_apply_is_refused_by_name(url: str) -> No
     with pytest.raises(permits.ConfigurationError) as raised:
         permits.connect(url)
     assert raised.value.details["field"] == "pooler"
+    if "statement" in url:
+        assert "transactions of several statements" in str(raised.value)
