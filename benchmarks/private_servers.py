@@ -1,4 +1,5 @@
-"""Redis, ZooKeeper and etcd for the peer benchmarks: use one that is reachable, or start a private one.
+"""Redis, ZooKeeper and etcd for the peer benchmarks, and PgBouncer for permits behind a pooler: use one
+that is reachable, or start a private one.
 
 ``REDIS.ensure()``, ``ZOOKEEPER.ensure()`` and ``ETCD.ensure()`` run in the benchmark's parent process
 (from a system's ``setup``). Each returns the ``host:port`` of a server, in this order of preference:
@@ -8,6 +9,9 @@
 2. one answering on the usual local port (6379, 2181, 2379);
 3. a private standalone server started from Debian's packages (``redis-server``, ``zookeeper``,
    ``etcd-server``) on a free loopback port with a temporary data directory.
+
+PgBouncer (``PGBOUNCER.ensure()``, ``PERMITS_BENCH_PGBOUNCER``) skips step 2: it must pool the benchmark's
+own PostgreSQL server, which its system names in ``PGBOUNCER.target`` first.
 
 The address is then put in the environment variable, so the client processes (spawned later, and
 inheriting the environment) find the same server. A private server is started once per parent process,
@@ -60,6 +64,10 @@ class PrivateServer:
     def command(self, port: int, data_dir: str) -> list[str]:
         raise NotImplementedError
 
+    def run_as(self) -> str | None:
+        """The user to run the server as (None: this process's own)."""
+        return None
+
     def address(self, port: int) -> str:
         return f"127.0.0.1:{port}"
 
@@ -82,7 +90,12 @@ class PrivateServer:
             raise RuntimeError(f"{exc}: install it with `apt-get install {self.package}`") from exc
         log = open(os.path.join(self._data_dir, "server.log"), "wb")  # noqa: SIM115 - closed with the process
         self._process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+            user=self.run_as(),
         )
         log.close()  # the child has its own copy
         atexit.register(self.stop)
@@ -186,6 +199,44 @@ class EtcdServer(PrivateServer):
         return False
 
 
+class PgBouncerServer(PrivateServer):
+    """Debian's PgBouncer in transaction mode in front of the benchmark's PostgreSQL (``target``, set by
+    the system before ``ensure``), with its default pool of 20 server connections per database and user.
+    Never an already running one: it must point at the benchmark's server. PgBouncer refuses to run as
+    root, so a root benchmark runs it as the ``postgres`` user."""
+
+    env_var = "PERMITS_BENCH_PGBOUNCER"
+    default_port = 0
+    package = "pgbouncer"
+    #: host, port and user of the PostgreSQL server to pool
+    target: tuple[str, int, str] = ("127.0.0.1", 5432, "postgres")
+
+    def is_ready(self, port: int) -> bool:
+        return port != 0 and _accepts_connections("127.0.0.1", port)
+
+    def run_as(self) -> str | None:
+        return "postgres" if os.geteuid() == 0 else None
+
+    def command(self, port: int, data_dir: str) -> list[str]:
+        program = shutil.which("pgbouncer") or _require("/usr/sbin/pgbouncer")
+        host, server_port, user = self.target
+        os.chmod(data_dir, 0o755)
+        with open(os.path.join(data_dir, "users.txt"), "w") as f:
+            f.write(f'"{user}" ""\n')
+        ini = os.path.join(data_dir, "pgbouncer.ini")
+        with open(ini, "w") as f:
+            f.write(
+                f"[databases]\n* = host={host} port={server_port} user={user}\n"
+                f"[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+                f"auth_type = trust\nauth_file = {data_dir}/users.txt\npool_mode = transaction\n"
+                "max_client_conn = 1000\n"
+            )
+        for name in ("users.txt", "pgbouncer.ini"):
+            os.chmod(os.path.join(data_dir, name), 0o644)
+        return [program, ini]
+
+
 REDIS = RedisServer()
 ZOOKEEPER = ZooKeeperServer()
 ETCD = EtcdServer()
+PGBOUNCER = PgBouncerServer()

@@ -10,9 +10,11 @@ on a hot semaphore that is the difference between queueing and a retry storm. A 
 
 from __future__ import annotations
 
+import os
 import uuid
 
 from harness import Scenario, backend_of, connect, ensure_database
+from sqlalchemy.engine import make_url
 
 import permits
 
@@ -148,6 +150,30 @@ class WithoutLeaseIndexesSystem(PermitsSystem):
         conn.close()
 
 
+class PooledPermitsSystem(PermitsSystem):
+    """The library on PostgreSQL through a PgBouncer in transaction mode (``?pooler=transaction``): no
+    statement prepared on the server, no LISTEN (waiters poll), and PgBouncer's hop on every statement.
+    Setup and the final check go to the server directly."""
+
+    def setup(self, backend_url: str, scenario: Scenario) -> None:
+        if backend_of(backend_url) != "postgresql":
+            raise ValueError("a pooler is measured in front of PostgreSQL only")
+        super().setup(backend_url, scenario)
+        from private_servers import PGBOUNCER
+
+        url = make_url(backend_url)
+        PGBOUNCER.target = (url.host or "127.0.0.1", url.port or 5432, url.username or "postgres")
+        PGBOUNCER.ensure()
+
+    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> PermitsClient:
+        from private_servers import PGBOUNCER
+
+        host, _, port = os.environ[PGBOUNCER.env_var].rpartition(":")
+        pooled = make_url(backend_url).set(host=host, port=int(port), query={"pooler": "transaction"})
+        return PermitsClient(pooled.render_as_string(hide_password=False), scenario.semaphores_for(client_index))
+
+
 PERMITS = PermitsSystem()
 PERMITS_FAIR = PermitsSystem(fair=True)
 PERMITS_WITHOUT_LEASE_INDEXES = WithoutLeaseIndexesSystem()
+PERMITS_THROUGH_PGBOUNCER = PooledPermitsSystem()

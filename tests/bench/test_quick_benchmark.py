@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness import default_url  # noqa: E402 - benchmarks/ is not a package
 from peers import PEERS  # noqa: E402
 
+from tests._pgbouncer import pgbouncer_version  # noqa: E402
 from tests.conftest import SERVER_URLS  # noqa: E402
 
 
@@ -101,3 +102,18 @@ def test_the_lease_index_experiment_runs(backend: str) -> None:
     # system backend scenario clients cycles/s refused p50 p99 max jain errors history load
     cycles, errors = float(rows[0][4]), rows[0][-3]
     assert errors == "0" and cycles > 0, out
+
+
+def test_permits_through_pgbouncer_runs() -> None:
+    """systems:PERMITS_THROUGH_PGBOUNCER (docs/benchmarks.md, behind a pooler) starts its own PgBouncer in
+    transaction mode, cycles through it with no errors, and leaves no drift."""
+    pgbouncer_version()  # a missing pgbouncer skips here (fails in CI), as in tests/poolers
+    out = _run_script(
+        "harness.py",
+        *("--system", "systems:PERMITS_THROUGH_PGBOUNCER", "--backend", "postgresql", "--scenario", "hot"),
+        *("--clients", "1,4", "--seconds", "0.5", "--warmup", "0", "--no-machine"),
+    )
+    rows = [line.split() for line in out.splitlines() if line.startswith("systems:PERMITS_THROUGH")]
+    assert len(rows) == 2, out
+    for row in rows:
+        assert row[-3] == "0" and float(row[4]) > 0, out
