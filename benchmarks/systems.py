@@ -161,9 +161,23 @@ class PooledPermitsSystem(PermitsSystem):
         super().setup(backend_url, scenario)
         from private_servers import PGBOUNCER
 
+        # What docs/deployment.md asks of a transaction pooler's users: the session settings permits cannot
+        # make through it, set on the server (for this database only, before PgBouncer's first session).
+        conn = connect(backend_url)
+        database = make_url(backend_url).database
+        conn.cursor().execute(f"ALTER DATABASE {database} SET lock_timeout = '5s'")
+        conn.cursor().execute(f"ALTER DATABASE {database} SET idle_in_transaction_session_timeout = '30s'")
+        conn.close()
         url = make_url(backend_url)
         PGBOUNCER.target = (url.host or "127.0.0.1", url.port or 5432, url.username or "postgres")
         PGBOUNCER.ensure()
+
+    def teardown(self, backend_url: str, scenario: Scenario) -> None:
+        conn = connect(backend_url)
+        database = make_url(backend_url).database
+        for name in ("lock_timeout", "idle_in_transaction_session_timeout"):
+            conn.cursor().execute(f"ALTER DATABASE {database} RESET {name}")
+        conn.close()
 
     def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> PermitsClient:
         from private_servers import PGBOUNCER
