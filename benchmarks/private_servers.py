@@ -208,8 +208,8 @@ class PgBouncerServer(PrivateServer):
     env_var = "PERMITS_BENCH_PGBOUNCER"
     default_port = 0
     package = "pgbouncer"
-    #: host, port and user of the PostgreSQL server to pool
-    target: tuple[str, int, str] = ("127.0.0.1", 5432, "postgres")
+    #: host, port, user and password (None: none) of the PostgreSQL server to pool
+    target: tuple[str, int, str, str | None] = ("127.0.0.1", 5432, "postgres", None)
 
     def is_ready(self, port: int) -> bool:
         return port != 0 and _accepts_connections("127.0.0.1", port)
@@ -219,14 +219,16 @@ class PgBouncerServer(PrivateServer):
 
     def command(self, port: int, data_dir: str) -> list[str]:
         program = shutil.which("pgbouncer") or _require("/usr/sbin/pgbouncer")
-        host, server_port, user = self.target
+        # The same configuration as tests/_pgbouncer.py's, written again: benchmarks/ does not import tests/.
+        host, server_port, user, password = self.target
+        secret = f" password={password}" if password else ""
         os.chmod(data_dir, 0o755)
         with open(os.path.join(data_dir, "users.txt"), "w") as f:
             f.write(f'"{user}" ""\n')
         ini = os.path.join(data_dir, "pgbouncer.ini")
         with open(ini, "w") as f:
             f.write(
-                f"[databases]\n* = host={host} port={server_port} user={user}\n"
+                f"[databases]\n* = host={host} port={server_port} user={user}{secret}\n"
                 f"[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
                 f"auth_type = trust\nauth_file = {data_dir}/users.txt\npool_mode = transaction\n"
                 "max_client_conn = 1000\n"

@@ -169,7 +169,7 @@ class PooledPermitsSystem(PermitsSystem):
         conn.cursor().execute(f"ALTER DATABASE {database} SET idle_in_transaction_session_timeout = '30s'")
         conn.close()
         url = make_url(backend_url)
-        PGBOUNCER.target = (url.host or "127.0.0.1", url.port or 5432, url.username or "postgres")
+        PGBOUNCER.target = (url.host or "127.0.0.1", url.port or 5432, url.username or "postgres", url.password)
         PGBOUNCER.ensure()
 
     def teardown(self, backend_url: str, scenario: Scenario) -> None:
@@ -183,7 +183,7 @@ class PooledPermitsSystem(PermitsSystem):
         from private_servers import PGBOUNCER
 
         host, _, port = os.environ[PGBOUNCER.env_var].rpartition(":")
-        pooled = make_url(backend_url).set(host=host, port=int(port), query={"pooler": "transaction"})
+        pooled = make_url(backend_url).set(host=host, port=int(port)).update_query_dict({"pooler": "transaction"})
         return PermitsClient(pooled.render_as_string(hide_password=False), scenario.semaphores_for(client_index))
 
 

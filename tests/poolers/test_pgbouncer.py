@@ -208,8 +208,8 @@ def test_a_transaction_pooler_warns_until_the_server_sets_the_timeouts(
         client.list_semaphores()
     warned = [r.getMessage() for r in caplog.records if "transaction pooler" in r.getMessage()]
     assert len(warned) == 1, warned
-    assert "lock_timeout and idle_in_transaction_session_timeout are not set" in warned[0]
     assert "ALTER ROLE postgres SET lock_timeout = '5000ms';" in warned[0]
+    assert "ALTER ROLE postgres SET idle_in_transaction_session_timeout = '30000ms';" in warned[0]
 
     admin = create_engine(_admin_url("postgresql"), isolation_level="AUTOCOMMIT")
     try:

@@ -38,7 +38,7 @@ from permits._models import (
     Waiter,
     Want,
 )
-from permits.dialects.base import IDLE_IN_TRANSACTION_SECONDS, Fault, dialect_for_url
+from permits.dialects.base import Fault, dialect_for_url
 from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
 from permits.stores._engine import (
     READONLY,
@@ -67,8 +67,6 @@ PERSIST_SECONDS = 30.0
 #: every second (the wait backoff's cap), so a live waiter never loses its place; a dead one frees it
 #: within this many milliseconds.
 PLACE_MS = 5000
-#: The session settings that must come from the server behind a transaction pooler.
-POOLED_TIMEOUTS = ("lock_timeout", "idle_in_transaction_session_timeout")
 #: At most this many queued requests are remembered for a later dequeue; older ones just expire.
 MAX_REMEMBERED_PLACES = 100_000
 
@@ -191,26 +189,16 @@ class SQLStore:
         semaphore's row (a client stopped half-way through a multi-semaphore acquire) holds up every grant
         on that semaphore until the pooler or TCP ends it, instead of for 30 s at most."""
         with self._engine.connect() as conn:
-            *values, role = (conn.execute(self._dialect.clause("SESSION_TIMEOUTS"))).one()
+            row = (conn.execute(self._dialect.clause("SESSION_TIMEOUTS"))).one()
             conn.rollback()
-        unset = [name for name, value in zip(POOLED_TIMEOUTS, values, strict=True) if str(value) == "0"]
-        if unset:
-            # What permits would set itself: lock_wait_timeout, and IDLE_IN_TRANSACTION_SECONDS.
-            wanted = {
-                "lock_timeout": f"{max(1, round(self._settings.lock_wait_timeout * 1000))}ms",
-                "idle_in_transaction_session_timeout": f"{IDLE_IN_TRANSACTION_SECONDS}s",
-            }
-            fixes = " ".join(f"ALTER ROLE {role} SET {name} = '{wanted[name]}';" for name in unset)
+        fixes = self._dialect.pooled_settings_fixes(tuple(row), self._settings.lock_wait_timeout)
+        if fixes:
             logger.warning(
-                "%s %s not set for this role at %s, and through a transaction pooler permits cannot set %s per"
-                " session: a transaction frozen while it holds a semaphore's row would hold up the semaphore"
-                " until the pooler or TCP ends it. Set %s on the server: %s (docs/deployment.md, Poolers)",
-                " and ".join(unset),
-                "is" if len(unset) == 1 else "are",
+                "through a transaction pooler permits cannot make its session settings, and the server lacks"
+                " some at %s: a transaction frozen while it holds a semaphore's row would hold up the semaphore"
+                " until the pooler or TCP ends it. Set them on the server: %s (docs/deployment.md, Poolers)",
                 self.url,
-                "it" if len(unset) == 1 else "them",
-                "it" if len(unset) == 1 else "them",
-                fixes,
+                " ".join(fixes),
             )
 
     def _probe_replication(self) -> list[tuple[str, str]]:

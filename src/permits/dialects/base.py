@@ -415,6 +415,11 @@ class Dialect:
         """SQLAlchemy ``create_engine`` options; ``pooler``: see ``Settings.pooler`` (PostgreSQL only)."""
         return {}
 
+    def pooled_settings_fixes(self, row: tuple[Any, ...], lock_wait_timeout: float) -> list[str]:
+        """Given the row of ``SESSION_TIMEOUTS``, the statements that would set on the server the session
+        settings that a transaction pooler keeps permits from making itself (none: all are there)."""
+        return []
+
     def on_connect_sql(self, lock_wait_timeout: float, pooler: str | None = None) -> str | None:
         """A statement to run on each new connection, for session settings that cannot go with the
         connection request itself (None: nothing to run)."""

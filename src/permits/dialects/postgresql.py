@@ -58,6 +58,11 @@ def _call_fitting(rows: str, leaving: str = "") -> str:
     )
 
 
+#: The session settings whose absence matters behind a transaction pooler, in SESSION_TIMEOUTS' order. (The
+#: third one permits makes, timezone, changes nothing: every time permits keeps is epoch milliseconds.)
+_POOLED_SETTINGS = ("lock_timeout", "idle_in_transaction_session_timeout")
+
+
 def _session_settings(lock_wait_timeout: float) -> list[tuple[str, str]]:
     """What every session of permits sets. A client frozen or cut off inside a transaction would keep its
     row locks until TCP gives up: the server ends such a session after IDLE_IN_TRANSACTION_SECONDS
@@ -203,8 +208,8 @@ class PostgreSQL(Dialect):
                 RETURNING id)
             SELECT name FROM stale WHERE id NOT IN (SELECT id FROM marked)""",
         # Behind a transaction pooler permits cannot make its session settings (see engine_options): the
-        # role's or the database's own must do. -> lock_timeout, idle_in_transaction_session_timeout, as
-        # the server shows them ('0': none), and the role, quoted as an identifier
+        # role's or the database's own must do. -> one column per name of _POOLED_SETTINGS, as the server
+        # shows it ('0': none), then the role, quoted as an identifier (see pooled_settings_fixes)
         "SESSION_TIMEOUTS": """
             SELECT current_setting('lock_timeout'), current_setting('idle_in_transaction_session_timeout'),
                    quote_ident(current_user)""",
@@ -225,6 +230,15 @@ class PostgreSQL(Dialect):
             # run to another server connection, which does not know it ("prepared statement does not exist").
             connect_args["prepare_threshold"] = None
         return {"connect_args": connect_args}
+
+    def pooled_settings_fixes(self, row: tuple[Any, ...], lock_wait_timeout: float) -> list[str]:
+        *values, role = row
+        wanted = dict(_session_settings(lock_wait_timeout))  # in milliseconds, the unit of both
+        return [
+            f"ALTER ROLE {role} SET {name} = '{wanted[name]}ms';"
+            for name, value in zip(_POOLED_SETTINGS, values, strict=True)
+            if str(value) == "0"
+        ]
 
     def on_connect_sql(self, lock_wait_timeout: float, pooler: str | None = None) -> str | None:
         if pooler != "session":
