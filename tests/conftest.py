@@ -31,6 +31,12 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _SESSION_DB = f"permits_t_{os.getpid()}_{uuid.uuid4().hex[:6]}"
 
 
+def sqlalchemy_url(db_url: str) -> str:
+    """A permits database URL with the sync drivers named, for a test's own SQLAlchemy engine (to look at or
+    damage the tables behind permits' back)."""
+    return db_url.replace("mysql://", "mysql+pymysql://", 1).replace("postgresql://", "postgresql+psycopg://", 1)
+
+
 def _admin_url(backend: str) -> URL:
     url = make_url(SERVER_URLS[backend])
     driver = "pymysql" if backend == "mysql" else "psycopg"

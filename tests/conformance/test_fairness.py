@@ -155,10 +155,12 @@ def test_a_recreated_semaphore_starts_with_an_empty_queue(client: Any, db_url: s
     here by hand) does not hold up the queue of the semaphore created again under that name."""
     from sqlalchemy import create_engine, text
 
+    from tests.conftest import sqlalchemy_url
+
     name = f"{ns}again"
     client.create_semaphore(name, 1, fair=True)
     client.delete_semaphore(name)
-    url = db_url.replace("mysql://", "mysql+pymysql://").replace("postgresql://", "postgresql+psycopg://")
+    url = sqlalchemy_url(db_url)
     engine = create_engine(url)
     with engine.begin() as conn:
         conn.execute(

@@ -234,10 +234,12 @@ def test_mutex(client: Any, ns: str) -> None:
 def test_reconcile_finds_and_repairs_drift(client: Any, db_url: str, ns: str) -> None:
     from sqlalchemy import create_engine, text
 
+    from tests.conftest import sqlalchemy_url
+
     client.create_semaphore(f"{ns}s", 5)
     client.try_acquire({f"{ns}s": 2})
     assert client.reconcile() == []
-    url = db_url.replace("mysql://", "mysql+pymysql://").replace("postgresql://", "postgresql+psycopg://")
+    url = sqlalchemy_url(db_url)
     engine = create_engine(url)
     with engine.begin() as conn:  # damage the count behind permits' back
         conn.execute(text("UPDATE permits_semaphore SET used = 4 WHERE name = :n"), {"n": f"{ns}s"})
@@ -256,13 +258,15 @@ def test_reconcile_raises_a_lagging_token_counter(client: Any, db_url: str, ns: 
     repair raises the counter; it never lowers one."""
     from sqlalchemy import create_engine, text
 
+    from tests.conftest import sqlalchemy_url
+
     name = f"{ns}t"
     client.create_semaphore(name, 3)
     for _ in range(3):
         client.release(client.try_acquire(name))
     held = client.try_acquire(name)
     assert held.token == 4
-    url = db_url.replace("mysql://", "mysql+pymysql://").replace("postgresql://", "postgresql+psycopg://")
+    url = sqlalchemy_url(db_url)
     engine = create_engine(url)
     with engine.begin() as conn:  # damage the counter behind permits' back
         conn.execute(text("UPDATE permits_semaphore SET last_token = 2 WHERE name = :n"), {"n": name})
@@ -282,10 +286,12 @@ def test_reconcile_removes_permit_rows_without_a_lease(client: Any, db_url: str,
     the token counter past it first, so its token stays spent."""
     from sqlalchemy import create_engine, text
 
+    from tests.conftest import sqlalchemy_url
+
     name = f"{ns}o"
     client.create_semaphore(name, 2)
     held = client.try_acquire(name)
-    url = db_url.replace("mysql://", "mysql+pymysql://").replace("postgresql://", "postgresql+psycopg://")
+    url = sqlalchemy_url(db_url)
     engine = create_engine(url)
     with engine.begin() as conn:  # a permit with token 2 whose lease never committed
         sem_id = conn.execute(text("SELECT id FROM permits_semaphore WHERE name = :n"), {"n": name}).scalar()

@@ -21,16 +21,13 @@ from sqlalchemy import create_engine, text
 import permits
 from permits.fencing import AsyncFencingGuard, FencingGuard, StaleFencingToken
 from tests._children import spawn
-
-
-def _sync_url(db_url: str) -> str:
-    return db_url.replace("mysql://", "mysql+pymysql://").replace("postgresql://", "postgresql+psycopg://")
+from tests.conftest import sqlalchemy_url
 
 
 @pytest.fixture
 def downstream(db_url: str, ns: str) -> Any:
     """A downstream document table (in the same database, as a user's store would be in theirs)."""
-    engine = create_engine(_sync_url(db_url))
+    engine = create_engine(sqlalchemy_url(db_url))
     with engine.begin() as conn:
         FencingGuard().install(conn)
         conn.execute(
@@ -169,7 +166,7 @@ def test_a_paused_holder_cannot_write_after_its_lease_went_stale(db_url: str, ns
             "fenced_writer",
             {
                 "url": db_url,
-                "downstream": _sync_url(db_url),
+                "downstream": sqlalchemy_url(db_url),
                 "owner": f"{ns}child",
                 "name": name,
                 "resource": resource,

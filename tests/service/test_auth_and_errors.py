@@ -14,6 +14,7 @@ import pytest
 import permits
 from tests._proxy import CuttingProxy
 from tests._service import Service, running
+from tests.conftest import sqlalchemy_url
 
 ADMIN, ALICE, BOB = "admin-token-0123456789", "alice-token-0123456789", "bob-token-012345678901"
 CAROL = "carol-token-0123456789"
@@ -210,7 +211,7 @@ def test_fencing_tokens_round_trip_exactly_up_to_2_63_minus_1(service: Service, 
     db_url = _db_url_of(service)
     from sqlalchemy import create_engine, text
 
-    engine = create_engine(_sync_driver(db_url))
+    engine = create_engine(sqlalchemy_url(db_url))
     with engine.begin() as conn:
         conn.execute(
             text("UPDATE permits_semaphore SET last_token = :t WHERE name = :n"), {"t": top - 1, "n": f"{ns}big"}
@@ -251,7 +252,3 @@ def _db_url_of(service: Service) -> str:
     args = service.process.args
     assert isinstance(args, list)
     return str(args[args.index("--db") + 1])
-
-
-def _sync_driver(url: str) -> str:
-    return url.replace("mysql://", "mysql+pymysql://").replace("postgresql://", "postgresql+psycopg://")
