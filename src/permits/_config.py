@@ -6,6 +6,7 @@ import getpass
 import os
 import socket
 from dataclasses import dataclass
+from typing import Literal
 
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
@@ -22,7 +23,8 @@ DEFAULT_RETRIES = 5
 _SCHEME_ALIASES = {"postgres": "postgresql", "pg": "postgresql"}
 #: What the ``pooler`` parameter of a PostgreSQL URL may say: which kind of connection pooler (PgBouncer,
 #: pgcat, Supavisor, RDS Proxy...) stands between permits and the server (docs/deployment.md, "Poolers").
-POOLERS = ("session", "transaction")
+Pooler = Literal["session", "transaction"]
+POOLERS: tuple[Pooler, ...] = ("session", "transaction")
 
 
 def default_owner() -> str:
@@ -73,7 +75,7 @@ class Settings:
     #: the bearer token for a permits service (http:// and https:// URLs); ``$PERMITS_TOKEN`` by default
     token: str | None = None
     #: the pooler in front of PostgreSQL, from the URL's ``pooler`` parameter (which ``url`` no longer has)
-    pooler: str | None = None
+    pooler: Pooler | None = None
 
     @classmethod
     def build(
@@ -105,7 +107,7 @@ class Settings:
         )
 
 
-def _take_pooler(url: URL) -> tuple[URL, str | None]:
+def _take_pooler(url: URL) -> tuple[URL, Pooler | None]:
     """The URL without permits' own ``pooler`` parameter, which the driver would refuse, and its value."""
     value = url.query.get("pooler")
     if value is None:
