@@ -6,7 +6,9 @@ conditional UPDATEs on the same connection.
 
 The gap between the two lines is what the statements themselves cost (the lease and permit rows, their
 indexes, the larger commit); the gap between the permits line and ``client_cpu.py``'s wall time per cycle
-is what the library adds. Each variant runs ``--rounds`` times, alternating, after an uncounted warm-up.
+is what the library adds. A third line sends the same statements unprepared, as the library does behind
+a transaction pooler (``?pooler=transaction``): the gap to the second is parsing and planning them anew.
+Each variant runs ``--rounds`` times, alternating, after an uncounted warm-up.
 The tables are dropped and created again first, on the database the URL names.
 """
 
@@ -64,7 +66,18 @@ def main() -> None:
             cur.execute(release, {"owner": "cost", "key": key})
             cur.fetchall()
 
-        variants: dict[str, Callable[[], None]] = {"floor": floor_cycle, "permits statements": permits_cycle}
+        def unprepared_cycle() -> None:
+            key = uuid.uuid4().hex
+            params = {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000}
+            if len(conn.execute(acquire, params, prepare=False).fetchall()) != 1:
+                raise SystemExit("ACQUIRE_ONE granted nothing: is another client using this database?")
+            conn.execute(release, {"owner": "cost", "key": key}, prepare=False).fetchall()
+
+        variants: dict[str, Callable[[], None]] = {
+            "floor": floor_cycle,
+            "permits statements": permits_cycle,
+            "unprepared": unprepared_cycle,
+        }
         for cycle in variants.values():
             for _ in range(args.cycles // 4):
                 cycle()
