@@ -1,15 +1,21 @@
-"""The floor for any HTTP lock service on this machine, as a benchmark system (see harness.py).
+"""The floor for any HTTP lock service on this machine, as benchmark systems (see harness.py).
 
-One uvicorn process serves the same stack as ``permits serve`` (uvicorn with httptools and uvloop,
-FastAPI, JSON bodies) with two endpoints that answer at once and touch no database: ``POST /v1/leases``
-and ``DELETE /v1/leases/{key}``. Each client process loops over both with httpx, the library permits'
-own remote client uses. A cycle here costs what two requests cost in the client, the kernel and the
-server, and nothing else: no service built on this stack can do more cycles per second on this machine,
-with the clients on the same cores.
+One uvicorn process (with httptools and uvloop, as ``permits serve`` runs it) serves two endpoints that
+answer at once and touch no database: ``POST /v1/leases`` and ``DELETE /v1/leases/{key}``. Each client
+process loops over both. A cycle costs what two requests cost in the client, the kernel and the server,
+and nothing else. Two pairs:
+
+- ``HTTP_FLOOR`` (``null-http``): permits' own stack, FastAPI in the server and httpx in the clients (the
+  library permits' remote client uses). No service built on this stack can do more cycles per second on
+  this machine, with the clients on the same cores.
+- ``LEAN_HTTP_FLOOR`` (``null-http-lean``): the leanest pair Python has, a bare ASGI function in the
+  server and the standard library's ``http.client`` in the clients (``lean_http.py``). No Python HTTP
+  service can do more here, whatever its framework and whatever language its clients are written in.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +26,7 @@ from pathlib import Path
 
 import httpx
 from harness import Scenario, free_port, stop_process
+from lean_http import LeanHttp
 
 _URL_FILE = Path(tempfile.gettempdir()) / "permits-bench-http-floor.url"
 
@@ -41,15 +48,35 @@ def create_app():  # type: ignore[no-untyped-def]
     return app
 
 
+async def bare_app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def, type-arg]
+    """The same two endpoints as a bare ASGI function: no routing, validation or response models."""
+    if scope["type"] != "http":
+        return
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    if scope["method"] == "POST":
+        answer = json.dumps({"key": json.loads(body).get("key"), "tokens": {"x": "1"}}).encode()
+    else:
+        answer = b'{"outcome": "released"}'
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})
+
+
 class HttpFloorSystem:
-    def __init__(self) -> None:
+    def __init__(self, lean: bool = False) -> None:
+        self.lean = lean
         self._process: subprocess.Popen[bytes] | None = None
 
     def setup(self, backend_url: str, scenario: Scenario) -> None:
         port = free_port()
         here = str(Path(__file__).resolve().parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
-        command = [sys.executable, "-m", "uvicorn", "--factory", "http_floor:create_app", "--port", str(port)]
+        app = ["http_floor:bare_app"] if self.lean else ["--factory", "http_floor:create_app"]
+        command = [sys.executable, "-m", "uvicorn", *app, "--port", str(port)]
         self._process = subprocess.Popen([*command, "--log-level", "warning", "--no-access-log"], env=env)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
@@ -64,7 +91,8 @@ class HttpFloorSystem:
         _URL_FILE.write_text(url)
 
     def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> HttpFloorClient:
-        return HttpFloorClient(_URL_FILE.read_text())
+        url = _URL_FILE.read_text()
+        return LeanHttpFloorClient(url) if self.lean else HttpFloorClient(url)
 
     def teardown(self, backend_url: str, scenario: Scenario) -> None:
         stop_process(self._process)
@@ -85,4 +113,23 @@ class HttpFloorClient:
         self._http.close()
 
 
+class LeanHttpFloorClient(HttpFloorClient):
+    def __init__(self, url: str) -> None:
+        self._lean = LeanHttp(url)
+
+    def cycle(self) -> bool:
+        key = uuid.uuid4().hex
+        for status, _ in (
+            self._lean.request("POST", "/v1/leases", {"wants": {"x": 1}, "key": key, "ttl": 60}),
+            self._lean.request("DELETE", f"/v1/leases/{key}"),
+        ):
+            if status != 200:
+                raise RuntimeError(f"the null service answered {status}")
+        return True
+
+    def close(self) -> None:
+        self._lean.close()
+
+
 HTTP_FLOOR = HttpFloorSystem()
+LEAN_HTTP_FLOOR = HttpFloorSystem(lean=True)

@@ -1,7 +1,9 @@
 """permits through its HTTP service, as a benchmark system (see the interface at the top of harness.py).
 
 ``setup`` starts one ``permits serve`` process in front of the backend, with the pre-lock on or off; each
-client process talks to it with the public sync client over HTTP (``try_acquire`` then ``release``).
+client process talks to it with the public sync client over HTTP (``try_acquire`` then ``release``), or,
+with ``lean``, with the standard library's ``http.client`` (``lean_http.py``), as a client in any other
+language would: the service's figures then leave out what its Python client costs.
 While the clients run, the parent samples the service's /metrics for the database connections it has
 checked out and the requests queued in its pre-lock.
 """
@@ -17,15 +19,17 @@ from pathlib import Path
 
 import httpx
 from harness import Scenario, stop_process
-from systems import PERMITS, PermitsClient
+from lean_http import LeanServiceClient
+from systems import PERMITS, WAIT_S, PermitsClient
 
 _URL_FILE = Path(tempfile.gettempdir()) / "permits-bench-service.url"
 _SAMPLED = ("permits_db_connections_in_use", "permits_prelock_waiting")
 
 
 class ServiceSystem:
-    def __init__(self, prelock: bool) -> None:
+    def __init__(self, prelock: bool, lean: bool = False) -> None:
         self.prelock = prelock
+        self.lean = lean
         self._process: subprocess.Popen[str] | None = None
 
     def setup(self, backend_url: str, scenario: Scenario) -> None:
@@ -56,7 +60,9 @@ class ServiceSystem:
         else:
             raise RuntimeError("permits serve did not start")
 
-    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> PermitsClient:
+    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> PermitsClient | LeanServiceClient:
+        if self.lean:
+            return LeanServiceClient(_URL_FILE.read_text(), scenario, client_index, wait=WAIT_S)
         # The same client as the direct system's: only the URL differs (the service's, over HTTP).
         return PermitsClient(_URL_FILE.read_text(), scenario.semaphores_for(client_index))
 
@@ -89,3 +95,4 @@ def _resident_mb(pid: int) -> float:
 
 PRELOCK_ON = ServiceSystem(prelock=True)
 PRELOCK_OFF = ServiceSystem(prelock=False)
+PRELOCK_ON_LEAN = ServiceSystem(prelock=True, lean=True)

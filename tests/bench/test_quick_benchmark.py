@@ -44,7 +44,7 @@ def test_quick_benchmark_runs_every_system() -> None:
         "### hotx3",
     ):
         assert heading in done.stdout
-    for system in ("service+prelock", "service-prelock"):
+    for system in ("service+prelock", "service-prelock", "service-lean", "null-http", "null-http-lean"):
         assert f"| {system} |" in done.stdout
     for peer in PEERS:
         rows = [line for line in done.stdout.splitlines() if f"| {peer} |" in line]
