@@ -77,6 +77,11 @@ class Settings:
     #: the pooler in front of PostgreSQL, from the URL's ``pooler`` parameter (which ``url`` no longer has)
     pooler: Pooler | None = None
 
+    @property
+    def shown_url(self) -> str:
+        """The URL as the user gave it, for messages and logs: with ``pooler`` back, without the password."""
+        return redact(self.url if self.pooler is None else self.url.update_query_dict({"pooler": self.pooler}))
+
     @classmethod
     def build(
         cls,

@@ -99,7 +99,9 @@ def test_every_operation_works_through_a_pooler(bouncer: PgBouncer, pool_db: str
     url = bouncer.url_for(pool_db, pooler=bouncer.pool_mode)
     client: Any = permits.connect(url) if flavour == "sync" else AsyncFacade(permits.connect_async(url))
     try:
-        assert "pooler" not in client.url  # permits' own parameter never reaches the driver
+        # The URL shows the parameter as given; the driver never sees it (it would refuse an unknown option,
+        # so the operations below would fail).
+        assert f"pooler={bouncer.pool_mode}" in client.url
         _exercise(client, ns)
         # The waits above LISTENed in session mode; behind a transaction pooler nothing may (a LISTEN would
         # stay on a server connection that other clients get next).
@@ -245,3 +247,19 @@ def test_a_pooler_parameter_that_cannot_apply_is_refused_by_name(url: str) -> No
     assert raised.value.details["field"] == "pooler"
     if "statement" in url:
         assert "transactions of several statements" in str(raised.value)
+
+
+def test_messages_show_the_pooler_parameter_and_hide_the_password() -> None:
+    """permits takes ``pooler`` off the URL before the driver sees it, but what it shows the user (the
+    client's ``url``, the messages of its errors) is the URL as given, without its password."""
+    from tests._private_db import free_port  # a port nothing listens on
+
+    url = f"postgresql://permits:s3cret@127.0.0.1:{free_port()}/test?pooler=transaction"
+    client = permits.connect(url, retries=0)
+    shown = url.replace("s3cret", "***")
+    assert client.url == shown
+    with pytest.raises(permits.StorageUnavailable) as raised:
+        client.get_semaphore("anything")
+    assert f"database unavailable at {shown}:" in str(raised.value)
+    assert raised.value.details["url"] == shown
+    client.close()

@@ -22,7 +22,7 @@ import httpx
 
 from permits import _wire
 from permits._backoff import RETRY_BACKOFF
-from permits._config import Settings, redact
+from permits._config import Settings
 from permits._exceptions import (
     AcquireTimeout,
     PermitsError,
@@ -77,7 +77,7 @@ class HTTPStore:
 
     @property
     def url(self) -> str:
-        return redact(self._settings.url)
+        return self._settings.shown_url
 
     def open(self) -> None:
         """Check that the service answers and knows our token."""

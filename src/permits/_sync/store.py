@@ -14,7 +14,7 @@ from sqlalchemy import Connection, create_engine
 
 from permits import _schema
 from permits._backoff import RETRY_BACKOFF
-from permits._config import Settings, redact
+from permits._config import Settings
 from permits._core import flows
 from permits._core.flows import DuplicateKey, Flow, Restart, Result, Retry, Stmt
 from permits._exceptions import (
@@ -112,7 +112,7 @@ class SQLStore:
 
     @property
     def url(self) -> str:
-        return redact(self._settings.url)
+        return self._settings.shown_url
 
     @property
     def connections_in_use(self) -> int:

@@ -9,7 +9,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
-from permits._config import Settings, redact
+from permits._config import Settings
 from permits._exceptions import (
     PermitsError,
     SchemaMismatch,
@@ -85,7 +85,7 @@ def install_events(engine: Engine, dialect: Dialect, settings: Settings) -> None
 def translate(exc: DBAPIError, fault: Fault, dialect: Dialect, settings: Settings) -> PermitsError:
     """A permits error for a driver error: the URL without its password and the driver's own first line,
     never the SQL or the parameters."""
-    where = redact(settings.url)
+    where = settings.shown_url
     first_line = str(exc.orig).strip().splitlines()[0] if exc.orig is not None and str(exc.orig).strip() else ""
     detail = f": {first_line}" if first_line else ""
     if fault is Fault.UNAVAILABLE:
