@@ -9,8 +9,8 @@ and nothing else. Two pairs:
   library permits' remote client uses). No service built on this stack can do more cycles per second on
   this machine, with the clients on the same cores.
 - ``LEAN_HTTP_FLOOR`` (``null-http-lean``): the leanest pair Python has, a bare ASGI function in the
-  server and the standard library's ``http.client`` in the clients (``lean_http.py``). No Python HTTP
-  service can do more here, whatever its framework and whatever language its clients are written in.
+  server and the standard library's ``http.client`` in the clients (``lean_http.py``): a practical
+  ceiling for one uvicorn process on this machine, with light clients.
 """
 
 from __future__ import annotations
@@ -119,12 +119,11 @@ class LeanHttpFloorClient(HttpFloorClient):
 
     def cycle(self) -> bool:
         key = uuid.uuid4().hex
-        for status, _ in (
-            self._lean.request("POST", "/v1/leases", {"wants": {"x": 1}, "key": key, "ttl": 60}),
-            self._lean.request("DELETE", f"/v1/leases/{key}"),
-        ):
-            if status != 200:
-                raise RuntimeError(f"the null service answered {status}")
+        status, _, _ = self._lean.request("POST", "/v1/leases", {"wants": {"x": 1}, "key": key, "ttl": 60})
+        if status == 200:
+            status, _, _ = self._lean.request("DELETE", f"/v1/leases/{key}")
+        if status != 200:
+            raise RuntimeError(f"the null service answered {status}")
         return True
 
     def close(self) -> None:

@@ -58,9 +58,17 @@ def parse_url(url: str | URL | None) -> URL:
         raise ConfigurationError("cannot parse the database URL (expected e.g. sqlite:///permits.db)") from None
 
 
+#: Query parameters that carry a secret (libpq's and the MySQL drivers' spellings): masked like the password.
+SECRET_PARAMETERS = ("password", "sslpassword", "passwd")
+
+
 def redact(url: URL) -> str:
-    """The URL as it may appear in a message or a log: without its password."""
-    return url.render_as_string(hide_password=True)
+    """The URL as it may appear in a message or a log: without its password, in its place or as a query
+    parameter."""
+    hidden = {name: "HIDDEN" for name in SECRET_PARAMETERS if name in url.query}
+    shown = (url.update_query_dict(hidden) if hidden else url).render_as_string(hide_password=True)
+    # As the password in its place shows (***), which the query would otherwise percent-encode.
+    return shown.replace("=HIDDEN", "=***") if hidden else shown
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +87,8 @@ class Settings:
 
     @property
     def shown_url(self) -> str:
-        """The URL as the user gave it, for messages and logs: with ``pooler`` back, without the password."""
+        """The URL for messages and logs: with ``pooler`` back (as SQLAlchemy renders a URL: parameters
+        in name order), without the password."""
         return redact(self.url if self.pooler is None else self.url.update_query_dict({"pooler": self.pooler}))
 
     @classmethod

@@ -65,9 +65,10 @@ def current(connection: Connection) -> str | None:
     return context.get_current_revision()
 
 
-def upgrade(connection: Connection) -> str:
+def upgrade(connection: Connection, where: str | None = None) -> str:
     """Bring the schema to the head revision; safe to run from several processes at once. Raises
-    SchemaMismatch for a schema newer than this code."""
+    SchemaMismatch for a schema newer than this code, naming the database as ``where`` (the URL as the
+    user gave it, see Settings.shown_url), or else as the engine's URL without its password."""
     backend = connection.dialect.name
     if backend == "postgresql":
         connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _LOCK_ID})
@@ -79,7 +80,7 @@ def upgrade(connection: Connection) -> str:
             # Alembic would fail to find the revision; downgrading a schema that newer clients use is not
             # ours to do either.
             assert revision is not None
-            raise newer_schema(connection.engine.url.render_as_string(hide_password=True), revision)
+            raise newer_schema(where or connection.engine.url.render_as_string(hide_password=True), revision)
         if revision != head():
             command.upgrade(_config(connection), "head")
     finally:

@@ -263,3 +263,11 @@ def test_messages_show_the_pooler_parameter_and_hide_the_password() -> None:
     assert f"database unavailable at {shown}:" in str(raised.value)
     assert raised.value.details["url"] == shown
     client.close()
+
+
+def test_a_password_given_as_a_query_parameter_is_masked_too() -> None:
+    url = "postgresql://permits@127.0.0.1:1/test?password=s3cret&sslpassword=k3y&pooler=session"
+    client = permits.connect(url)
+    assert "s3cret" not in client.url and "k3y" not in client.url
+    assert "password=***" in client.url and "sslpassword=***" in client.url and "pooler=session" in client.url
+    client.close()

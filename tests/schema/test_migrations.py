@@ -112,6 +112,9 @@ def test_a_schema_newer_than_this_code_is_refused_by_name_and_left_alone(fresh_u
     engine = create_engine(make_url(fresh_url))
     with engine.begin() as conn:
         conn.execute(text("UPDATE permits_alembic_version SET version_num = '0999'"))
+    probe = permits.connect(fresh_url)  # opens nothing until first use
+    shown = probe.url
+    probe.close()
     for auto_upgrade in (True, False):
         # The embedded default opens (and would upgrade) at connect(); a server's, at first use.
         with (
@@ -120,6 +123,7 @@ def test_a_schema_newer_than_this_code_is_refused_by_name_and_left_alone(fresh_u
         ):
             client.try_acquire("x")
         assert caught.value.code == "schema_mismatch" and "upgrade permits here" in str(caught.value)
+        assert f" at {shown}" in str(caught.value)  # the database named as the client shows its URL
     with engine.begin() as conn, pytest.raises(permits.SchemaMismatch, match="upgrade permits"):
         _schema.upgrade(conn)
     done = subprocess.run(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -210,7 +211,7 @@ class AsyncSQLStore:
 
     async def _upgrade(self) -> str:
         async with self._engine.connect() as conn, conn.begin():
-            revision: str = await async_run_sync(conn, _schema.upgrade)
+            revision: str = await async_run_sync(conn, functools.partial(_schema.upgrade, where=self.url))
             return revision
 
     # ------------------------------------------------------------------------------------------ operations

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -211,7 +212,7 @@ class SQLStore:
 
     def _upgrade(self) -> str:
         with self._engine.connect() as conn, conn.begin():
-            revision: str = sync_run_sync(conn, _schema.upgrade)
+            revision: str = sync_run_sync(conn, functools.partial(_schema.upgrade, where=self.url))
             return revision
 
     # ------------------------------------------------------------------------------------------ operations
