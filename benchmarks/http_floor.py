@@ -90,7 +90,9 @@ class HttpFloorSystem:
                 time.sleep(0.1)
         _URL_FILE.write_text(url)
 
-    def make_client(self, backend_url: str, scenario: Scenario, client_index: int) -> HttpFloorClient:
+    def make_client(
+        self, backend_url: str, scenario: Scenario, client_index: int
+    ) -> HttpFloorClient | LeanHttpFloorClient:
         url = _URL_FILE.read_text()
         return LeanHttpFloorClient(url) if self.lean else HttpFloorClient(url)
 
@@ -113,7 +115,7 @@ class HttpFloorClient:
         self._http.close()
 
 
-class LeanHttpFloorClient(HttpFloorClient):
+class LeanHttpFloorClient:
     def __init__(self, url: str) -> None:
         self._lean = LeanHttp(url)
 

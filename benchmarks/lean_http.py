@@ -1,6 +1,6 @@
 """The leanest HTTP client this machine's Python has: the standard library's ``http.client`` on one
-keep-alive connection, JSON in and out, nothing else (no connection pool, no retries but the one a
-service's 503 asks for, no URL or header models).
+keep-alive connection, JSON in and out, nothing else (no connection pool, no URL or header models, no
+retries but those a 503 or 429 asks for).
 
 It stands for a light client in any language: the service's own Python client is built on httpx, which
 costs the client process several times what a request costs here (docs/benchmarks.md, "The service

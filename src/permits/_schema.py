@@ -68,7 +68,7 @@ def current(connection: Connection) -> str | None:
 def upgrade(connection: Connection, where: str | None = None) -> str:
     """Bring the schema to the head revision; safe to run from several processes at once. Raises
     SchemaMismatch for a schema newer than this code, naming the database as ``where`` (the URL as the
-    user gave it, see Settings.shown_url), or else as the engine's URL without its password."""
+    client shows it, see Settings.shown_url), or else as the engine's URL without its password."""
     backend = connection.dialect.name
     if backend == "postgresql":
         connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _LOCK_ID})
