@@ -61,6 +61,11 @@ def owner(value: object) -> str:
     return _text(value, "owner", MAX_OWNER_LENGTH, "an owner")
 
 
+def who(value: object) -> str:
+    """Who made a change, as the capacity history records it."""
+    return _text(value, "who", MAX_OWNER_LENGTH, "who")
+
+
 def reason(value: object) -> str:
     if not isinstance(value, str):
         raise InvalidArgument(f"a reason must be a string, not {type(value).__name__}", field="reason")

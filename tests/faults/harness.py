@@ -202,16 +202,24 @@ class FaultRun:
     # ---- the end
 
     def stop(self) -> None:
-        """Let every worker finish its round and exit; kill the ones that do not (recorded as kills)."""
+        """Let every worker finish its round and exit. One that does not within STOP_GRACE is hung (every
+        operation it makes has a timeout, so a hang is a bug: a deadlock, a wait with no bound): it is
+        killed, and the run fails rather than count it as one more kill."""
         self.stop_file.touch()
+        for popen in self.procs.values():
+            if popen.poll() is None:
+                os.kill(popen.pid, signal.SIGCONT)  # a worker frozen on purpose finishes its round too
         deadline = time.monotonic() + STOP_GRACE
+        hung = []
         for proc, popen in self.procs.items():
             if popen.poll() is None:
                 try:
                     popen.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    os.kill(popen.pid, signal.SIGCONT)
+                    hung.append(proc)
                     self.kill_worker(proc)
+        if hung:
+            raise AssertionError(f"workers {hung} did not stop within {STOP_GRACE:.0f} s: hung\n{self.logs()}")
 
     def read_final(self, db_url: str | None = None) -> Final:
         """Read every lease a worker asked for, the register's log and the reconcile check, directly from

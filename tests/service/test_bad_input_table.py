@@ -116,6 +116,13 @@ def _acquire(wants: Any, body_wants: Any = None, **options: Any) -> Case:
     return Case(library, http)
 
 
+@dataclass(frozen=True)
+class Chunked:
+    """A body sent in parts, with no Content-Length (Transfer-Encoding: chunked)."""
+
+    parts: tuple[bytes, ...]
+
+
 def _body(raw: bytes | str) -> Case:
     def http(ctx: Ctx) -> tuple[str, str, Any]:
         return "POST", "/v1/leases", ctx.fill(raw).encode() if isinstance(raw, str) else raw
@@ -151,6 +158,10 @@ CASES: dict[str, Case] = {
     "name-space": _acquire({" ": 1}),
     "name-trailing-space": _acquire({"{s} ": 1}),
     "name-newline": _acquire({"{s}\n": 1}),
+    "name-newline-in-path": Case(
+        lambda ctx: ctx.client.delete_semaphore(f"{ctx.s}\n", force=True),
+        lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}%0A?force=true", None),
+    ),
     "name-unicode-lookalike": _acquire({"{ns}seм": 1}),
     "name-sql-quote": _acquire({"'; DROP TABLE permits_lease; --": 1}),
     "name-percent": _acquire({"%": 1}),
@@ -184,6 +195,9 @@ CASES: dict[str, Case] = {
     "key-nul": _acquire({"{s}": 1}, key="k\x00"),
     "key-reused": _acquire({"{s}": 2}, key="{job}"),
     "owner-too-long": _acquire({"{s}": 1}, owner="o" * 256),
+    "owner-too-long-scoped": Case(
+        None, lambda ctx: ("POST", "/v1/leases", {"wants": {ctx.s: 1}, "key": ctx.probe, "owner": "o" * 191})
+    ),
     "capacity-zero": Case(
         lambda ctx: ctx.client.create_semaphore(f"{ctx.ns}new", 0),
         lambda ctx: ("POST", "/v1/semaphores", {"name": f"{ctx.ns}new", "capacity": 0}),
@@ -192,6 +206,14 @@ CASES: dict[str, Case] = {
         lambda ctx: ctx.client.set_capacity(ctx.s, 2.5, reason="more"),
         lambda ctx: ("PATCH", f"/v1/semaphores/{ctx.s}", {"capacity": 2.5, "reason": "more"}),
     ),
+    "who-nul": Case(
+        lambda ctx: ctx.client.create_semaphore(f"{ctx.ns}new", 1, who="a\x00b"),
+        lambda ctx: ("POST", "/v1/semaphores", {"name": f"{ctx.ns}new", "capacity": 1, "who": "a\x00b"}),
+    ),
+    "who-too-long": Case(
+        lambda ctx: ctx.client.set_capacity(ctx.s, 3, reason="more", who="w" * 256),
+        lambda ctx: ("PATCH", f"/v1/semaphores/{ctx.s}", {"capacity": 3, "reason": "more", "who": "w" * 256}),
+    ),
     "reason-too-long": Case(
         lambda ctx: ctx.client.set_capacity(ctx.s, 3, reason="r" * 1001),
         lambda ctx: ("PATCH", f"/v1/semaphores/{ctx.s}", {"capacity": 3, "reason": "r" * 1001}),
@@ -199,6 +221,20 @@ CASES: dict[str, Case] = {
     "body-too-large": Case(
         None, lambda ctx: ("POST", "/v1/leases", {"wants": {ctx.s: 1}, "key": ctx.probe, "pad": "x" * 70_000})
     ),
+    "body-too-large-chunked": Case(
+        None,
+        lambda ctx: (
+            "POST",
+            "/v1/leases",
+            Chunked((f'{{"wants": {{"{ctx.s}": 1}}, "pad": "'.encode(), *[b"x" * 8192] * 9)),
+        ),
+    ),
+    "body-text-plain": Case(
+        None,
+        lambda ctx: ("POST", "/v1/leases", json.dumps({"wants": {ctx.s: 1}, "key": ctx.probe}).encode()),
+        headers={"Content-Type": "text/plain"},
+    ),
+    "body-deeply-nested": _body('{"wants": ' + "[" * 5000 + "]" * 5000 + "}"),
     "body-not-json": _body("wants={s}"),
     "body-truncated-json": _body('{"wants": {"{s}": 1}'),
     "body-empty": _body(b""),
@@ -321,8 +357,12 @@ def test_row(row: Row, deployment: tuple[str, Service], monkeypatch: pytest.Monk
         headers = dict(case.headers)
         if case.token is not None:
             headers["Authorization"] = f"Bearer {case.token}"
-        if isinstance(body, bytes):
-            headers["Content-Type"] = "application/json"
+        content: Any
+        if isinstance(body, Chunked):
+            headers.setdefault("Content-Type", "application/json")
+            content = iter(body.parts)
+        elif isinstance(body, bytes):
+            headers.setdefault("Content-Type", "application/json")
             content = body
         else:
             content = b"" if body is None else json.dumps(body).encode()

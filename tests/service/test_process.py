@@ -215,3 +215,27 @@ def test_the_printed_url_answers_with_the_dashboard(sqlite_url: str, ns: str) ->
     assert f"{ns}<b>" not in page.text
     assert f"{ns}<b>" in [s["name"] for s in overview["semaphores"]]
     assert "sqlite:" not in page.text  # no database URL in any answer
+
+
+def test_openapi_document_states_this_instances_limits(sqlite_url: str) -> None:
+    """The document is this instance's: its limits, and with tokens the owners that fit under an identity,
+    so that a request it calls valid is not refused (tests/service/test_schemathesis.py checks it all)."""
+    from permits.server.auth import SCOPED_OWNER_LENGTH
+
+    tokens = [{"name": "ops", "token": "limits-admin-0123456789", "admin": True}]
+    env = {"PERMITS_LIMITS__MAX_WANTS": "3", "PERMITS_LIMITS__MAX_TTL": "60", "PERMITS_LIMITS__MAX_WAIT": "5"}
+    with running(sqlite_url, tokens=tokens, env=env) as service:
+        document = httpx.get(f"{service.url}/openapi.json").json()
+        wrong_method = httpx.put(f"{service.url}/v1/semaphores/anything")
+    bodies = document["components"]["schemas"]
+    acquire = bodies["AcquireIn"]["properties"]
+    assert [b.get("maxItems", b.get("maxProperties")) for b in acquire["wants"]["anyOf"]] == [3, 3]
+    assert [b["maximum"] for b in acquire["ttl"]["anyOf"] if b.get("type") == "number"] == [60]
+    assert acquire["wait"]["maximum"] == 5
+    assert [b["maxLength"] for b in acquire["owner"]["anyOf"] if b.get("type") == "string"] == [SCOPED_OWNER_LENGTH]
+    assert SCOPED_OWNER_LENGTH == 190  # docs/service.md says so
+    # A revoke names the owner as stored, prefix and all: the library's limit.
+    assert bodies["RevokeIn"]["properties"]["owner"]["maxLength"] == 255
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == "method_not_allowed"
+    assert set(wrong_method.headers["allow"].split(", ")) >= {"GET", "PATCH", "DELETE"}

@@ -311,7 +311,7 @@ class AsyncClient:
 
         ``fair``: waiting acquires are granted in arrival order, a large request included; one that waits
         keeps its place only while it keeps asking (see docs/primitives.md)."""
-        by = self.owner if who is None else _validate.owner(who)
+        by = self.owner if who is None else _validate.who(who)
         if not isinstance(fair, bool):
             raise _validate.InvalidArgument("fair must be True or False", field="fair")
         return await self._store.create_semaphore(
@@ -346,7 +346,7 @@ class AsyncClient:
     async def set_capacity(self, name: str, capacity: int, *, reason: str, who: str | None = None) -> CapacityChange:
         """Change a capacity, recording who, why and when. Lowering it below the permits in use revokes
         nothing: no new grant until use drops below the new capacity."""
-        by = self.owner if who is None else _validate.owner(who)
+        by = self.owner if who is None else _validate.who(who)
         return await self._store.set_capacity(
             _validate.name(name), _validate.capacity(capacity), by, _validate.reason(reason)
         )

@@ -35,7 +35,7 @@ async def create_semaphore(
     reason: str | None,
 ) -> Semaphore:
     identity.require_admin("creating a semaphore")
-    name, capacity = _validate.name(name), _validate.capacity(capacity)
+    name, capacity, who = _validate.name(name), _validate.capacity(capacity), _validate.who(who)
     why = _reason(reason, "creating a semaphore", required=False)
     if not isinstance(fair, bool):
         raise InvalidArgument("fair must be true or false", field="fair")
@@ -50,7 +50,7 @@ async def set_capacity(
     state: ServiceState, identity: Identity, name: str, capacity: int, *, reason: str, who: str
 ) -> CapacityChange:
     identity.require_admin("changing a capacity")
-    name, capacity = _validate.name(name), _validate.capacity(capacity)
+    name, capacity, who = _validate.name(name), _validate.capacity(capacity), _validate.who(who)
     why = _validate.reason(reason)
     entry = observe.log_admin(identity.name, "set_capacity", name, why, f"capacity {capacity}")
     change: CapacityChange = await state.sql_store.run_flow(

@@ -15,8 +15,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import permits
-from permits._exceptions import PermitsError, RequestTooLarge
-from permits.server import dashboard, errors, routes, stats
+from permits._exceptions import InvalidArgument, PermitsError, RequestTooLarge
+from permits.server import auth, dashboard, errors, routes, schemas, stats
 from permits.server.config import ServerConfig
 from permits.server.maintenance import LivenessProbe, Maintainer
 from permits.server.metrics import Metrics
@@ -68,6 +68,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.permits = state
+    _document_limits(app, config)
     errors.install(app)
     app.include_router(routes.router)
     if config.dashboard.enabled:
@@ -111,6 +112,20 @@ def create_app(
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _document_limits(app: FastAPI, config: ServerConfig) -> None:
+    """The OpenAPI document states this instance's limits (built once, on the first request for it)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            limits = config.limits
+            max_owner = None if config.open_mode else auth.SCOPED_OWNER_LENGTH
+            schemas.state_limits(build(), limits.max_wants, limits.max_ttl, limits.max_wait, max_owner)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _refresh_gauges(state: ServiceState) -> None:
@@ -176,56 +191,72 @@ class _AccessLog:
 
 
 class _BodyLimit:
-    """Refuses a request body over ``max_bytes`` with 413, by its Content-Length or, for a chunked body,
-    as soon as it grows past the bound."""
+    """Reads every request body as JSON, and refuses one over ``max_bytes`` with 413: by its
+    Content-Length, or for a chunked body as soon as it grows past the bound (read here, before the app:
+    the framework turns any error raised while it reads a body into 'cannot parse')."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("method") not in _BODY_METHODS:
             await self.app(scope, receive, send)
             return
-        if scope.get("method") in ("POST", "PUT", "PATCH"):
+        headers = dict(scope.get("headers", []))
+        kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if not kind or kind == b"application/x-www-form-urlencoded":
             # Every body this API takes is JSON: read one sent as a form (curl -d's default) or with no
-            # Content-Type as JSON too.
-            headers = [(n, v) for n, v in scope.get("headers", []) if n != b"content-type"]
-            kind = dict(scope.get("headers", [])).get(b"content-type", b"")
-            if not kind or kind.startswith(b"application/x-www-form-urlencoded"):
-                # In place, not a copy: the outer middleware reads what the router records in the scope.
-                scope["headers"] = [*headers, (b"content-type", b"application/json")]
+            # Content-Type as JSON too. In place, not a copy: the outer middleware reads what the router
+            # records in the scope.
+            others = [(n, v) for n, v in scope.get("headers", []) if n != b"content-type"]
+            scope["headers"] = [*others, (b"content-type", b"application/json")]
+        elif kind != b"application/json" and not kind.endswith(b"+json") and _has_body(headers):
+            shown = kind.decode("latin-1")[:100]
+            wrong = InvalidArgument(
+                f"a request body is JSON (Content-Type: application/json), not {shown}", field="body"
+            )
+            await errors.error_response(wrong)(scope, receive, send)
+            return
         too_large = RequestTooLarge(f"request bodies are at most {self.max_bytes} bytes", limit="max_body_bytes")
-        for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
                 await errors.error_response(too_large)(scope, receive, send)
                 return
-        seen = 0
-        started = False
-
-        async def counting_receive() -> Message:
-            nonlocal seen
+            await self.app(scope, receive, send)
+            return
+        # Chunked: read it whole here (it is small, or refused), then hand it on.
+        parts: list[bytes] = []
+        size = 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _BodyTooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
+            if message["type"] != "http.request":
+                return  # the client went away
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_bytes:
                 await errors.error_response(too_large)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(parts), "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+_BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
+
+
+def _has_body(headers: dict[bytes, bytes]) -> bool:
+    return headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
 
 
 class JSONLogFormatter(logging.Formatter):

@@ -15,10 +15,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from permits._exceptions import Forbidden, Unauthorized
-from permits.server.config import ServerConfig
+from permits import _validate
+from permits._exceptions import Forbidden, InvalidArgument, Unauthorized
+from permits.server.config import MAX_IDENTITY_LENGTH, ServerConfig
 
 OPEN_IDENTITY = "local"
+#: The longest owner a client may name on a service with tokens: ``identity/owner`` must fit where the
+#: library's longest owner fits, whatever the identity. The same for every token, so that the OpenAPI
+#: document can state it.
+SCOPED_OWNER_LENGTH = _validate.MAX_OWNER_LENGTH - MAX_IDENTITY_LENGTH - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +33,20 @@ class Identity:
     #: owners are prefixed with the identity (every mode with tokens)
     scoped: bool
 
-    def db_owner(self, owner: str | None) -> str:
-        """The owner a lease is stored under, for the owner a client asked for."""
+    def db_owner(self, owner: str | None, field: str = "owner") -> str:
+        """The owner a lease is stored under, for the owner a client asked for (``field`` names it in an
+        error)."""
         if not self.scoped:
             return owner if owner is not None else self.name
-        return self.name if owner is None else f"{self.name}/{owner}"
+        if owner is None:
+            return self.name
+        if isinstance(owner, str) and len(owner) > SCOPED_OWNER_LENGTH:
+            raise InvalidArgument(
+                f"{field} is {len(owner)} characters long; the most on a service with tokens is"
+                f" {SCOPED_OWNER_LENGTH} (it is stored under your identity)",
+                field=field,
+            )
+        return f"{self.name}/{owner}"
 
     def client_owner(self, db_owner: str, asked: str | None) -> str:
         """The owner to show the client: the one it asked for, never its identity prefix."""

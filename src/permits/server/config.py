@@ -22,7 +22,9 @@ from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_
 from permits._exceptions import ConfigurationError
 
 #: Identities appear in lease owners as ``identity/owner``: no slash, short, printable.
-_IDENTITY = re.compile(r"^[A-Za-z0-9_.@:+-]{1,64}$")
+#: The longest identity (a token's name): it prefixes its client's owners, which must fit the owner column.
+MAX_IDENTITY_LENGTH = 64
+_IDENTITY = re.compile(rf"^[A-Za-z0-9_.@:+-]{{1,{MAX_IDENTITY_LENGTH}}}$")
 
 
 class TokenEntry(BaseModel):

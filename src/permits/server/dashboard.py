@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from permits import _validate
 from permits._core import observe
 from permits._models import ms_to_datetime
-from permits.server import events
+from permits.server import events, schemas
 from permits.server.routes import _ERRORS, Caller, State
 
 router = APIRouter()
@@ -117,9 +117,12 @@ def _latest(snapshot: observe.Snapshot) -> int:
     return 0
 
 
-@router.get("/v1/stats/{name:path}", responses=_ERRORS, tags=["dashboard"])
+@router.get("/v1/stats/{name:text}", responses=_ERRORS, tags=["dashboard"])
 async def stats(
-    name: str, identity: Caller, state: State, minutes: Annotated[int, Query(ge=1, le=120)] = HOUR_MINUTES
+    name: schemas.NameInPath,
+    identity: Caller,
+    state: State,
+    minutes: Annotated[int, Query(ge=1, le=120)] = HOUR_MINUTES,
 ) -> dict[str, Any]:
     """One point per minute for a semaphore's charts: utilisation, grants, refusals, timeouts, wait and
     hold times (p50 and p99)."""
@@ -139,9 +142,9 @@ async def _now_ms(state: Any) -> int:
     return now
 
 
-@router.get("/v1/endings/{name:path}", responses=_ERRORS, tags=["dashboard"])
+@router.get("/v1/endings/{name:text}", responses=_ERRORS, tags=["dashboard"])
 async def endings(
-    name: str, identity: Caller, state: State, limit: Annotated[int, Query(ge=1, le=1000)] = 50
+    name: schemas.NameInPath, identity: Caller, state: State, limit: Annotated[int, Query(ge=1, le=1000)] = 50
 ) -> dict[str, Any]:
     """Recent lease endings of a semaphore, newest first, with their reason (released, expired, swept,
     owner_dead, revoked, stale)."""
@@ -170,7 +173,7 @@ async def endings(
 
 @router.get("/v1/admin-log", responses=_ERRORS, tags=["dashboard"])
 async def admin_log(
-    identity: Caller, state: State, name: str | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50
+    identity: Caller, state: State, name: schemas.NameInQuery = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50
 ) -> dict[str, Any]:
     """Admin actions taken through the service, newest first, with who and why."""
     wanted = None if name is None else _validate.name(name)
@@ -194,7 +197,7 @@ async def admin_log(
 
 
 @router.get("/v1/events", responses=_ERRORS, tags=["dashboard"])
-async def events_poll(identity: Caller, state: State, since: str | None = None) -> dict[str, Any]:
+async def events_poll(identity: Caller, state: State, since: schemas.CursorInQuery = None) -> dict[str, Any]:
     """Events after ``since`` (a cursor from an earlier answer), oldest first, and the cursor to ask with
     next. Without ``since``: no events, and the cursor of now. An ending may come twice (the feed re-reads
     a short overlap, because an ending's time is taken before its commit): drop repeats by ``lease_id``."""
@@ -219,7 +222,7 @@ async def events_poll(identity: Caller, state: State, since: str | None = None) 
 async def events_stream(
     identity: Caller,
     state: State,
-    since: str | None = None,
+    since: schemas.CursorInQuery = None,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
     """The event feed as server-sent events: ``id:`` is the cursor to resume from (``since=`` or

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from permits._exceptions import (
     AcquireTimeout,
@@ -116,6 +118,26 @@ def _json_safe(details: dict[str, Any]) -> dict[str, Any]:
     return {k: v if isinstance(v, str | int | float | bool | type(None)) else str(v) for k, v in details.items()}
 
 
+def _allowed_methods(request: Request) -> str:
+    methods: set[str] = set()
+    for route in _leaf_routes(request.app.router.routes):
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
+def _leaf_routes(routes: list[Any]) -> Iterator[Any]:
+    """The routes that answer requests, inside the routers the app includes (FastAPI keeps an included
+    router whole, as ``original_router``) and inside mounts."""
+    for route in routes:
+        if hasattr(route, "methods"):
+            yield route
+        else:  # an included router, which FastAPI keeps whole as ``original_router``, or a mount
+            inner = getattr(route, "original_router", route)
+            yield from _leaf_routes(list(getattr(inner, "routes", [])))
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(PermitsError)
     async def _permits_error(request: Request, exc: PermitsError) -> JSONResponse:
@@ -138,7 +160,12 @@ def install(app: FastAPI) -> None:
         if exc.status_code == 400:  # the framework could not parse the body: bad input like any other
             return error_response(InvalidArgument(f"the body is not valid JSON ({exc.detail})", field="body"))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "service_error")
-        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code)
+        headers = exc.headers
+        if exc.status_code == 405:
+            # RFC 9110: a 405 lists in Allow every method the path takes. Starlette's own lists only those
+            # of the first route that matched the path, and a path here often has a route per method.
+            headers = {**(headers or {}), "Allow": _allowed_methods(request)}
+        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

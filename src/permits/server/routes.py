@@ -2,7 +2,7 @@
 
 Names and keys appear in paths only as the last segment, percent-encoded (a name may contain ``/``);
 actions on a lease take its key in the body (``POST /v1/leases/release``), so no name or key can ever be
-mistaken for a route.
+mistaken for a route. That segment is read whole, line breaks included (``{name:text}``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
+from starlette.convertors import PathConvertor, register_url_convertor
 
 import permits
 from permits import _validate, _wire
@@ -26,6 +27,17 @@ from permits._models import Lease
 from permits.server import admin, schemas
 from permits.server.auth import Identity
 from permits.server.state import ServiceState
+
+
+class _TextConvertor(PathConvertor):
+    """The rest of the path, like ``{x:path}``, newlines included. Starlette's ``path`` is ``.*``, whose dot
+    stops at a newline, and its route pattern ends in ``$``, which also matches before a final newline:
+    ``/v1/semaphores/db%0A`` would have named the semaphore ``db``, and a DELETE would have deleted it."""
+
+    regex = "[\\s\\S]*"
+
+
+register_url_convertor("text", _TextConvertor())
 
 router = APIRouter(prefix="/v1")
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -55,7 +67,7 @@ def _lease_json(lease: Lease, identity: Identity, asked_owner: str | None) -> di
 
 
 def _who(identity: Identity, who: str | None) -> str:
-    return identity.db_owner(who)
+    return identity.db_owner(None if who is None else _validate.who(who), field="who")
 
 
 # ---------------------------------------------------------------------------------------------- whoami
@@ -157,8 +169,10 @@ async def revoke(body: schemas.RevokeIn, identity: Caller, state: State) -> dict
     return _wire.lease_out(lease)
 
 
-@router.get("/leases/{key:path}", response_model=schemas.LeaseOut, responses=_ERRORS, tags=["leases"])
-async def get_lease(key: str, identity: Caller, state: State, owner: str | None = None) -> dict[str, Any]:
+@router.get("/leases/{key:text}", response_model=schemas.LeaseOut, responses=_ERRORS, tags=["leases"])
+async def get_lease(
+    key: schemas.KeyInPath, identity: Caller, state: State, owner: schemas.OwnerInQuery = None
+) -> dict[str, Any]:
     """One of your leases, held or ended; 404 when there is none under this key (or it is not yours)."""
     lease = await state.client.get_lease(key, owner=identity.db_owner(owner))
     return _lease_json(lease, identity, owner)
@@ -191,16 +205,18 @@ async def create_semaphore(body: schemas.CreateSemaphoreIn, identity: Caller, st
     return JSONResponse(_wire.semaphore_out(sem), status_code=201)
 
 
-@router.get("/semaphores/{name:path}", response_model=schemas.SemaphoreOut, responses=_ERRORS, tags=["semaphores"])
-async def get_semaphore(name: str, identity: Caller, state: State) -> dict[str, Any]:
+@router.get("/semaphores/{name:text}", response_model=schemas.SemaphoreOut, responses=_ERRORS, tags=["semaphores"])
+async def get_semaphore(name: schemas.NameInPath, identity: Caller, state: State) -> dict[str, Any]:
     """Capacity, use and last fencing token of one semaphore."""
     return _wire.semaphore_out(await state.client.get_semaphore(name))
 
 
 @router.patch(
-    "/semaphores/{name:path}", response_model=schemas.CapacityChangeOut, responses=_ERRORS, tags=["semaphores"]
+    "/semaphores/{name:text}", response_model=schemas.CapacityChangeOut, responses=_ERRORS, tags=["semaphores"]
 )
-async def set_capacity(name: str, body: schemas.SetCapacityIn, identity: Caller, state: State) -> dict[str, Any]:
+async def set_capacity(
+    name: schemas.NameInPath, body: schemas.SetCapacityIn, identity: Caller, state: State
+) -> dict[str, Any]:
     """Change a capacity, with a reason kept in its history (admin). Lowering it revokes nothing."""
     change = await admin.set_capacity(
         state, identity, name, body.capacity, reason=body.reason, who=_who(identity, body.who)
@@ -208,13 +224,15 @@ async def set_capacity(name: str, body: schemas.SetCapacityIn, identity: Caller,
     return _wire.change_out(change)
 
 
-@router.delete("/semaphores/{name:path}", response_model=schemas.DeletedOut, responses=_ERRORS, tags=["semaphores"])
+@router.delete("/semaphores/{name:text}", response_model=schemas.DeletedOut, responses=_ERRORS, tags=["semaphores"])
 async def delete_semaphore(
-    name: str,
+    name: schemas.NameInPath,
     identity: Caller,
     state: State,
     force: Annotated[bool, Query()] = False,
-    reason: Annotated[str | None, Query(max_length=_validate.MAX_REASON_LENGTH)] = None,
+    reason: Annotated[
+        str | None, Query(max_length=_validate.MAX_REASON_LENGTH, json_schema_extra={"pattern": schemas.NO_NUL})
+    ] = None,
 ) -> dict[str, Any]:
     """Delete a semaphore (admin); 409 ``semaphore_in_use`` while permits are held, unless ``force``, which
     revokes those leases. Its fencing tokens are kept for a semaphore created again under the name. The
@@ -223,8 +241,8 @@ async def delete_semaphore(
     return {"deleted": name, "revoked": revoked}
 
 
-@router.get("/holders/{name:path}", response_model=schemas.HoldersOut, responses=_ERRORS, tags=["semaphores"])
-async def holders(name: str, identity: Caller, state: State) -> dict[str, Any]:
+@router.get("/holders/{name:text}", response_model=schemas.HoldersOut, responses=_ERRORS, tags=["semaphores"])
+async def holders(name: schemas.NameInPath, identity: Caller, state: State) -> dict[str, Any]:
     """The leases holding permits of ``name``, in token order. A client token sees the keys of its own
     leases only."""
     found = await state.client.holders(name)
@@ -234,8 +252,8 @@ async def holders(name: str, identity: Caller, state: State) -> dict[str, Any]:
     }
 
 
-@router.get("/waiters/{name:path}", response_model=schemas.WaitersOut, responses=_ERRORS, tags=["semaphores"])
-async def waiters(name: str, identity: Caller, state: State) -> dict[str, Any]:
+@router.get("/waiters/{name:text}", response_model=schemas.WaitersOut, responses=_ERRORS, tags=["semaphores"])
+async def waiters(name: schemas.NameInPath, identity: Caller, state: State) -> dict[str, Any]:
     """The requests waiting for room on a fair semaphore, in queue order (a client token sees the keys of
     its own only)."""
     found = await state.client.waiters(name)
@@ -246,13 +264,13 @@ async def waiters(name: str, identity: Caller, state: State) -> dict[str, Any]:
 
 
 @router.get(
-    "/capacity-history/{name:path}",
+    "/capacity-history/{name:text}",
     response_model=schemas.CapacityHistoryOut,
     responses=_ERRORS,
     tags=["semaphores"],
 )
 async def capacity_history(
-    name: str, identity: Caller, state: State, limit: Annotated[int, Query(ge=1, le=10_000)] = 100
+    name: schemas.NameInPath, identity: Caller, state: State, limit: Annotated[int, Query(ge=1, le=10_000)] = 100
 ) -> dict[str, Any]:
     """Capacity changes of ``name``, newest first (its creation included)."""
     return {"changes": [_wire.change_out(c) for c in await state.client.capacity_history(name, limit=limit)]}

@@ -2,24 +2,61 @@
 
 Requests are strict: unknown fields, strings for numbers and booleans for counts are refused with 422.
 The range checks (name length, NUL characters, ttl bounds, ...) are the library's own, so a request
-through the service is refused exactly as the same call to the library would be. Responses are built
-by ``permits._wire``; the models below describe them (tests check that the two agree).
+through the service is refused exactly as the same call to the library would be. The document states
+each of those checks too (``documented``), so that a request it calls valid is never refused: a client
+generated from it, or a fuzzer, can trust it. Responses are built by ``permits._wire``; the models below
+describe them (tests check that the two agree).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from fastapi import Path, Query
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from permits import _validate
 
-Seconds = Annotated[StrictFloat | StrictInt, Field(description="seconds", ge=0)]
-Name = Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_NAME_LENGTH, description="a semaphore name")]
-Key = Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_KEY_LENGTH)]
-Owner = Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_OWNER_LENGTH)]
-Count = Annotated[StrictInt, Field(ge=1, le=_validate.MAX_CAPACITY)]
-Reason = Annotated[StrictStr, Field(max_length=_validate.MAX_REASON_LENGTH)]
+#: JSON Schema patterns for what the library refuses in text (its own check gives the message).
+NO_NUL = "^[^\\u0000]*$"
+#: A reason an action cannot go without: some character other than white space, and no NUL.
+SOME_TEXT = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"
+#: An event feed's cursor (``server/events.py``).
+CURSOR = "^g[0-9]{1,19}\\.e[0-9]{1,19}\\.c[0-9]{1,19}\\.a[0-9]{1,19}$"
+
+
+def documented(**schema: Any) -> Any:
+    """A constraint stated in the OpenAPI document and checked by the library, not by pydantic, so that a
+    request breaking it gets the library's message, as the same call to the library would."""
+    return Field(json_schema_extra=schema)
+
+
+def _whole_number(value: object) -> object:
+    # JSON has one kind of number: 3.0 is the integer 3 to JSON Schema, and to a client in a language
+    # without integers. Booleans and strings still fail the strict check after this.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# A number of seconds; a whole number is taken too (strict: no strings or booleans).
+Seconds = Annotated[float, Field(strict=True, ge=0, description="seconds")]
+Name = Annotated[
+    StrictStr,
+    Field(min_length=1, max_length=_validate.MAX_NAME_LENGTH, description="a semaphore name"),
+    documented(pattern=NO_NUL),
+]
+Key = Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_KEY_LENGTH), documented(pattern=NO_NUL)]
+Owner = Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_OWNER_LENGTH), documented(pattern=NO_NUL)]
+Count = Annotated[StrictInt, Field(ge=1, le=_validate.MAX_CAPACITY), BeforeValidator(_whole_number)]
+Reason = Annotated[StrictStr, Field(max_length=_validate.MAX_REASON_LENGTH), documented(pattern=NO_NUL)]
+Ttl = Annotated[
+    float, Field(strict=True), documented(minimum=_validate.MIN_TTL_SECONDS, maximum=_validate.MAX_TTL_SECONDS)
+]
+RequiredReason = Annotated[
+    StrictStr, Field(max_length=_validate.MAX_REASON_LENGTH), documented(pattern=SOME_TEXT, minLength=1)
+]
+BatchSize = Annotated[StrictInt, Field(ge=1, le=100_000), BeforeValidator(_whole_number)]
 #: A fencing token: a decimal string, exact up to 2**63-1 in every language.
 Token = Annotated[StrictStr, Field(pattern=r"^[0-9]{1,19}$", examples=["17"])]
 
@@ -34,12 +71,21 @@ class WantIn(_Strict):
 
 
 class AcquireIn(_Strict):
-    wants: list[WantIn] | dict[Name, Count] = Field(
-        description='the permits to take, all or nothing: [{"name": "db", "count": 1}] or {"db": 1}'
-    )
+    wants: (
+        # uniqueItems says part of what the library checks: no semaphore may be named twice, with any count.
+        Annotated[list[WantIn], documented(minItems=1, maxItems=_validate.MAX_WANTS, uniqueItems=True)]
+        | Annotated[
+            dict[Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_NAME_LENGTH)], Count],
+            documented(
+                minProperties=1,
+                maxProperties=_validate.MAX_WANTS,
+                propertyNames={"minLength": 1, "maxLength": _validate.MAX_NAME_LENGTH, "pattern": NO_NUL},
+            ),
+        ]
+    ) = Field(description='the permits to take, all or nothing: [{"name": "db", "count": 1}] or {"db": 1}')
     key: Key | None = Field(default=None, description="idempotency key: retrying with it never grants twice")
     owner: Owner | None = Field(default=None, description="scopes keys within your identity (default: the identity)")
-    ttl: Seconds | None = Field(default=None, description="lease TTL (default: the service's)")
+    ttl: Ttl | None = Field(default=None, description="lease TTL in seconds (default: the service's)")
     wait: Seconds = Field(default=0, description="how long to wait for room before answering 409 acquire_timeout")
 
     def want_pairs(self) -> list[tuple[str, int]]:
@@ -54,13 +100,13 @@ class LeaseRefIn(_Strict):
 
 
 class ExtendIn(LeaseRefIn):
-    ttl: Seconds | None = None
+    ttl: Ttl | None = Field(default=None, description="the new TTL from now, in seconds (default: the lease's own)")
 
 
 class RevokeIn(_Strict):
     key: Key
     owner: Owner = Field(description="the lease's owner as stored (see the holders list)")
-    reason: Reason
+    reason: RequiredReason
 
 
 class CreateSemaphoreIn(_Strict):
@@ -79,8 +125,8 @@ class SetCapacityIn(_Strict):
 
 
 class SweepIn(_Strict):
-    batch_size: Annotated[StrictInt, Field(ge=1, le=100_000)] = 500
-    max_batches: Annotated[StrictInt, Field(ge=1, le=100_000)] | None = None
+    batch_size: BatchSize = 500
+    max_batches: BatchSize | None = None
 
 
 class ReconcileIn(_Strict):
@@ -209,3 +255,50 @@ class ErrorDetail(BaseModel):
 
 class ErrorOut(BaseModel):
     error: ErrorDetail
+
+
+# ------------------------------------------------------------------------------ path and query parameters
+#
+# Checked by the library (or the event feed's parser) like the bodies' fields; stated here for the
+# document only.
+
+
+def _text_parameter(where: Any, what: str, max_length: int) -> Any:
+    return where(description=what, json_schema_extra={"minLength": 1, "maxLength": max_length, "pattern": NO_NUL})
+
+
+NameInPath = Annotated[str, _text_parameter(Path, "a semaphore name", _validate.MAX_NAME_LENGTH)]
+KeyInPath = Annotated[str, _text_parameter(Path, "a lease key", _validate.MAX_KEY_LENGTH)]
+NameInQuery = Annotated[str | None, _text_parameter(Query, "a semaphore name", _validate.MAX_NAME_LENGTH)]
+OwnerInQuery = Annotated[str | None, _text_parameter(Query, "an owner", _validate.MAX_OWNER_LENGTH)]
+CursorInQuery = Annotated[
+    str | None, Query(description="a cursor an earlier answer gave", json_schema_extra={"pattern": CURSOR})
+]
+
+
+def state_limits(
+    document: dict[str, Any], max_wants: int, max_ttl: float, max_wait: float, max_owner: int | None
+) -> None:
+    """Write one instance's limits into its OpenAPI document (in place), where they are tighter than the
+    library's: a request the document calls valid is then never refused for a limit it did not state.
+    ``max_owner``: the longest owner a client may name, on a service with tokens (None: the library's)."""
+    bodies = document["components"]["schemas"]
+    if max_owner is not None:
+        # Every owner or who a client names is stored under its identity; a revoke's owner is as stored.
+        named = [("AcquireIn", "owner"), ("LeaseRefIn", "owner"), ("ExtendIn", "owner")]
+        for body, field in [*named, ("CreateSemaphoreIn", "who"), ("SetCapacityIn", "who")]:
+            for branch in bodies[body]["properties"][field]["anyOf"]:
+                if branch.get("type") == "string":
+                    branch["maxLength"] = max_owner
+        for operation in document["paths"].values():
+            for parameter in (p for method in operation.values() for p in method.get("parameters", [])):
+                if parameter["name"] == "owner" and parameter["in"] == "query":
+                    parameter["schema"]["maxLength"] = max_owner
+    acquire = bodies["AcquireIn"]["properties"]
+    for branch in acquire["wants"]["anyOf"]:
+        branch["maxItems" if branch["type"] == "array" else "maxProperties"] = max_wants
+    for ttl in (acquire["ttl"], bodies["ExtendIn"]["properties"]["ttl"]):
+        for branch in ttl["anyOf"]:
+            if branch.get("type") == "number":
+                branch["maximum"] = min(branch["maximum"], max_ttl)
+    acquire["wait"]["maximum"] = max_wait
