@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
+import pytest
+from sqlalchemy import create_engine, text
+
 import permits
 from tests._service import wait_until
+from tests.conftest import sqlalchemy_url
 
 
 def test_keepalive_keeps_a_lease_past_its_ttl_and_stops_at_release(client_url: str, ns: str) -> None:
@@ -82,3 +87,27 @@ def test_asyncio_holder_is_cancelled_when_its_lease_is_lost(client_url: str, ns:
 
     cancelled, reason, took = asyncio.run(scenario())
     assert cancelled and reason == "revoked" and took < 2
+
+
+def test_the_first_deadline_counts_from_the_request_that_got_the_lease(db_url: str, backend: str, ns: str) -> None:
+    """A grant that waited for the semaphore's row (locked here by another transaction for a second) is
+    stamped by the database when its statement started, before the wait; its TTL runs from there. The
+    watchdog's own deadline must not be later, so it counts from when the request was sent, not from when
+    the answer came back."""
+    if backend == "sqlite":
+        pytest.skip("SQLite stamps a grant after its write lock is taken: no wait comes between")
+    name, ttl = f"{ns}s", 5.0
+    with permits.connect(db_url, owner=f"{ns}w") as client:
+        client.create_semaphore(name, 1)
+        holder = create_engine(sqlalchemy_url(db_url))
+        with holder.connect() as conn:
+            conn.execute(text("SELECT 1 FROM permits_semaphore WHERE name = :n FOR UPDATE"), {"n": name})
+            threading.Timer(1.0, conn.rollback).start()
+            asked = time.monotonic()
+            held = client.lease(name, ttl=ttl, keepalive=True)
+            with held:
+                waited = time.monotonic() - asked
+                assert held.watchdog is not None
+                assert held.watchdog.deadline <= asked + ttl + 0.05, (held.watchdog.deadline - asked, waited)
+        holder.dispose()
+    assert waited >= 0.9, "the grant did not wait for the locked row"

@@ -32,8 +32,6 @@ def test_no_generated_request_makes_the_service_fail(tmp_path: Path, token: str 
                 str(Path(__file__).with_name("schemathesis.toml")),
                 "run",
                 f"{service.url}/openapi.json",
-                "--checks",
-                "all",
                 *auth,
                 "--max-examples",
                 os.environ.get("PERMITS_SCHEMATHESIS_EXAMPLES", "20"),

@@ -143,6 +143,13 @@ class AsyncClient:
         (see ``permits._pacing``). Every attempt uses the same key, so an attempt whose reply was lost can
         never grant twice. Raises ``AcquireTimeout`` when the time is up.
         """
+        lease, _asked = await self._acquire(wants, key, owner, ttl, timeout)
+        return lease
+
+    async def _acquire(
+        self, wants: WantsLike, key: str | None, owner: str | None, ttl: Seconds | None, timeout: Seconds | None
+    ) -> tuple[Lease, float]:
+        """``acquire``, and when the attempt that got the lease was sent (monotonic)."""
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
         limit = _validate.timeout(timeout)
         deadline = None if limit is None else monotonic() + limit
@@ -155,6 +162,7 @@ class AsyncClient:
             conflict: StorageConflict | None = None
             # Read before the attempt: a call that arrives while the attempt runs then still counts.
             calls = self._store.wake_calls(names)
+            asked = monotonic()
             try:
                 lease = await self._store.try_acquire(
                     owner_, key_, wants_, ttl_ms, wait, recheck=pacer.recheck_due(monotonic())
@@ -167,7 +175,7 @@ class AsyncClient:
             if lease is not None:
                 pacer.granted()
                 self._remember_contention(contended, pacer)
-                return lease
+                return lease, asked
             pacer.refused(monotonic(), self._store.queue_short(owner_, key_))
             self._remember_contention(contended, pacer)
             # A request whose place in a fair queue will be called when its turn comes sleeps until then.
@@ -449,8 +457,8 @@ class AsyncHeld:
 
     async def __aenter__(self) -> Lease:
         try:
-            self.lease = await self._client.acquire(
-                self._wants, key=self._key, owner=self._owner, ttl=self._ttl, timeout=self._timeout
+            self.lease, asked = await self._client._acquire(
+                self._wants, self._key, self._owner, self._ttl, self._timeout
             )
         except BaseException as exc:
             if not isinstance(exc, Exception):
@@ -461,7 +469,11 @@ class AsyncHeld:
             raise
         if self._watch.on:
             self.watchdog = AsyncWatchdog(
-                self._client, self.lease, max_hold=self._watch.max_hold, on_lost=self._watch.on_lost
+                self._client,
+                self.lease,
+                max_hold=self._watch.max_hold,
+                on_lost=self._watch.on_lost,
+                counted_from=asked,
             )
             await self.watchdog.start()
         return self.lease

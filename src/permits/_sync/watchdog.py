@@ -47,6 +47,10 @@ class Watchdog:
     :param max_hold: the most seconds, from now, that the lease may be kept alive.
     :param on_lost: called with the reason (``revoked``, ``expired``, ``max_hold``...) when it is lost.
     :param cancel: in asyncio code, cancel the task that started the watchdog when the lease is lost.
+    :param counted_from: when the request that got ``lease`` was sent, on this process's monotonic clock
+        (default: now). The database started the lease's TTL no earlier, perhaps after the request waited
+        for the semaphore's row, so counting from here the watchdog never thinks the lease outlives the
+        database's expiry.
     """
 
     def __init__(
@@ -58,9 +62,13 @@ class Watchdog:
         max_hold: float | None = None,
         on_lost: Callable[[str], Any] | None = None,
         cancel: bool = True,
+        counted_from: float | None = None,
     ) -> None:
         self._client = client
         self.lease = lease
+        #: when the lease runs out as far as this process can tell (monotonic), at the latest: moved on by
+        #: each extend, counted from before its request
+        self.deadline = (monotonic() if counted_from is None else counted_from) + lease.expires_in
         self.ttl = ttl if ttl is not None else max(0.003, (lease.expires_at - lease.acquired_at).total_seconds())
         self.max_hold = max_hold
         self._on_lost = on_lost
@@ -92,15 +100,13 @@ class Watchdog:
         self.stop()
 
     def _run(self) -> None:
-        # When the lease runs out, as the database last measured it (on this process's monotonic clock).
-        expires = monotonic() + self.lease.expires_in
         while not sync_wait(self._stop, self.ttl / 3):
             ttl = self.ttl
             if self.max_hold is not None:
                 ttl = min(ttl, self.max_hold - (monotonic() - self._started))
                 if ttl < 0.001:
                     # Keep no longer than max_hold: let the lease run out, then say it is gone.
-                    if sync_wait(self._stop, expires - monotonic()):
+                    if sync_wait(self._stop, self.deadline - monotonic()):
                         return
                     self._lose(MAX_HOLD, f"max_hold of {self.max_hold:g} s reached")
                     return
@@ -112,12 +118,12 @@ class Watchdog:
                 return
             except PermitsError as exc:  # the database may answer again before the lease runs out
                 logger.warning("could not extend lease %r: %s", self.lease.key, exc)
-                if monotonic() >= expires:
+                if monotonic() >= self.deadline:
                     self._lose("expired", f"could not extend before it expired: {exc}")
                     return
                 continue
             # Measured from before the request: the database's clock started the new TTL no earlier.
-            expires = asked + self.lease.expires_in
+            self.deadline = asked + self.lease.expires_in
 
     def _lose(self, reason: str, message: str) -> None:
         self.reason = reason
