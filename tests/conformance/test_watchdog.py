@@ -90,12 +90,12 @@ def test_asyncio_holder_is_cancelled_when_its_lease_is_lost(client_url: str, ns:
 
 
 def test_the_first_deadline_counts_from_the_request_that_got_the_lease(db_url: str, backend: str, ns: str) -> None:
-    """A grant that waited for the semaphore's row (locked here by another transaction for a second) is
-    stamped by the database when its statement started, before the wait; its TTL runs from there. The
-    watchdog's own deadline must not be later, so it counts from when the request was sent, not from when
-    the answer came back."""
+    """A grant that waits for the semaphore's row (locked here by another transaction for a second): the
+    watchdog's deadline counts from when the request was sent, not from when the answer came back. On
+    PostgreSQL the database stamped that grant when its statement started, before the wait, so counting
+    from the answer would have put the deadline past the database's expiry."""
     if backend == "sqlite":
-        pytest.skip("SQLite stamps a grant after its write lock is taken: no wait comes between")
+        pytest.skip("SQLite has no row lock to hold: its writers wait for the database's before they begin")
     name, ttl = f"{ns}s", 5.0
     with permits.connect(db_url, owner=f"{ns}w") as client:
         client.create_semaphore(name, 1)

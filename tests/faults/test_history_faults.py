@@ -56,7 +56,7 @@ def _kill_while_holding(run: FaultRun, proc: str) -> bool:
 
 def _kill_a_holder(run: FaultRun, url: str, tries: int = 3) -> bool:
     """Start a worker on ``url`` and SIGKILL it while it holds a lease; another, if the kill landed just
-    as it began to release (it holds for 0.5 s a round). Whether one was killed holding."""
+    as it began to release (it holds for up to 0.5 s a round). Whether one was killed holding."""
     return any(_kill_while_holding(run, run.worker(url, hold=0.5)) for _ in range(tries))
 
 

@@ -274,6 +274,7 @@ CASES: dict[str, Case] = {
     ),
     "dashboard-no-token": Case(None, lambda ctx: ("GET", "/v1/overview", None), token=None),
     "events-cursor-garbage": Case(None, lambda ctx: ("GET", "/v1/events?since='; --", None)),
+    "events-cursor-huge": Case(None, lambda ctx: ("GET", "/v1/events?since=g9999999999999999999.e1.c1.a1", None)),
 }
 
 

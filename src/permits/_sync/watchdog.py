@@ -100,7 +100,9 @@ class Watchdog:
         self.stop()
 
     def _run(self) -> None:
-        while not sync_wait(self._stop, self.ttl / 3):
+        # Every ttl/3, and sooner while the deadline is close: a grant that waited long for its row, or an
+        # extend that failed, leaves less than a TTL.
+        while not sync_wait(self._stop, min(self.ttl / 3, max(0.001, (self.deadline - monotonic()) / 2))):
             ttl = self.ttl
             if self.max_hold is not None:
                 ttl = min(ttl, self.max_hold - (monotonic() - self._started))

@@ -223,7 +223,7 @@ async def events_stream(
     identity: Caller,
     state: State,
     since: schemas.CursorInQuery = None,
-    last_event_id: Annotated[str | None, Header()] = None,
+    last_event_id: Annotated[str | None, Header(json_schema_extra={"pattern": schemas.CURSOR})] = None,
 ) -> StreamingResponse:
     """The event feed as server-sent events: ``id:`` is the cursor to resume from (``since=`` or
     ``Last-Event-ID``, on any instance), ``event:`` the type, ``data:`` the event as JSON."""

@@ -41,7 +41,8 @@ SUBSCRIBER_BACKLOG = 1000
 #: The service's own maintenance leases (taken every few seconds to elect a sweeper) would drown the
 #: feed; their semaphores still show on the overview.
 INTERNAL_PREFIX = "permits:maintenance:"
-_CURSOR = re.compile(r"^g(\d{1,19})\.e(\d{1,19})\.c(\d{1,19})\.a(\d{1,19})$")
+_CURSOR = re.compile(r"g([0-9]{1,19})\.e([0-9]{1,19})\.c([0-9]{1,19})\.a([0-9]{1,19})")
+MAX_CURSOR_PART = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,12 @@ class Cursor:
 
     @classmethod
     def parse(cls, text: str) -> Cursor:
-        found = _CURSOR.match(text)
-        if found is None:
+        found = _CURSOR.fullmatch(text)
+        parts = [] if found is None else [int(part) for part in found.groups()]
+        # Nineteen digits can still overflow the signed 64-bit columns they are compared with.
+        if found is None or max(parts) > MAX_CURSOR_PART:
             raise InvalidArgument("not an event cursor: use the cursor an event feed gave", field="since")
-        return cls(*(int(part) for part in found.groups()))
+        return cls(*parts)
 
 
 @dataclass

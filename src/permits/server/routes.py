@@ -66,6 +66,14 @@ def _lease_json(lease: Lease, identity: Identity, asked_owner: str | None) -> di
     return _wire.lease_out(shown)
 
 
+def _check_ttl(ttl: float | None, max_ttl: float) -> None:
+    """The library's checks of a ttl, then this service's bound, in seconds as the document states it."""
+    if ttl is not None:
+        _validate.ttl_ms(ttl)
+        if ttl > max_ttl:
+            raise InvalidArgument(f"ttl is at most {max_ttl:g} s on this service", field="ttl")
+
+
 def _who(identity: Identity, who: str | None) -> str:
     return identity.db_owner(None if who is None else _validate.who(who), field="who")
 
@@ -104,8 +112,7 @@ async def acquire(body: schemas.AcquireIn, identity: Caller, state: State) -> JS
     wait = _validate.timeout(body.wait) or 0.0
     if wait > limits.max_wait:
         raise InvalidArgument(f"wait is at most {limits.max_wait:g} s on this service", field="wait")
-    if body.ttl is not None and _validate.ttl_ms(body.ttl) > limits.max_ttl * 1000:
-        raise InvalidArgument(f"ttl is at most {limits.max_ttl:g} s on this service", field="ttl")
+    _check_ttl(body.ttl, limits.max_ttl)
     owner = identity.db_owner(body.owner)
     key = body.key if body.key is not None else uuid.uuid4().hex
     await state.check_lease_quota(identity)
@@ -154,8 +161,7 @@ async def release(body: schemas.LeaseRefIn, identity: Caller, state: State) -> d
 @router.post("/leases/extend", response_model=schemas.LeaseOut, responses=_ERRORS, tags=["leases"])
 async def extend(body: schemas.ExtendIn, identity: Caller, state: State) -> dict[str, Any]:
     """Push a held lease's expiry to now + ``ttl`` on the database's clock; 410 ``lease_lost`` if it ended."""
-    if body.ttl is not None and _validate.ttl_ms(body.ttl) > state.config.limits.max_ttl * 1000:
-        raise InvalidArgument(f"ttl is at most {state.config.limits.max_ttl:g} s on this service", field="ttl")
+    _check_ttl(body.ttl, state.config.limits.max_ttl)
     lease = await state.client.extend(body.key, body.ttl, owner=identity.db_owner(body.owner))
     return _lease_json(lease, identity, body.owner)
 

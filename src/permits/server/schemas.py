@@ -19,8 +19,10 @@ from permits import _validate
 
 #: JSON Schema patterns for what the library refuses in text (its own check gives the message).
 NO_NUL = "^[^\\u0000]*$"
+#: White space as the library's ``str.strip()`` sees it, spelt out: JSON Schema's ``\\s`` (ECMA) differs.
+_SPACE = "\\t\\n\\u000b\\f\\r\\u001c-\\u001f \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000"
 #: A reason an action cannot go without: some character other than white space, and no NUL.
-SOME_TEXT = "^[^\\u0000]*[^\\s\\u0000][^\\u0000]*$"
+SOME_TEXT = f"^[^\\u0000]*[^{_SPACE}\\u0000][^\\u0000]*$"
 #: An event feed's cursor (``server/events.py``).
 CURSOR = "^g[0-9]{1,19}\\.e[0-9]{1,19}\\.c[0-9]{1,19}\\.a[0-9]{1,19}$"
 
