@@ -91,9 +91,8 @@ def test_asyncio_holder_is_cancelled_when_its_lease_is_lost(client_url: str, ns:
 
 def test_the_first_deadline_counts_from_the_request_that_got_the_lease(db_url: str, backend: str, ns: str) -> None:
     """A grant that waits for the semaphore's row (locked here by another transaction for a second): the
-    watchdog's deadline counts from when the request was sent, not from when the answer came back. On
-    PostgreSQL the database stamped that grant when its statement started, before the wait, so counting
-    from the answer would have put the deadline past the database's expiry."""
+    watchdog's deadline counts from when the request was sent, not from when the answer came back, so it is
+    never later than the database's expiry, whenever the database read its clock for the grant."""
     if backend == "sqlite":
         pytest.skip("SQLite has no row lock to hold: its writers wait for the database's before they begin")
     name, ttl = f"{ns}s", 5.0

@@ -384,6 +384,10 @@ def _find_lease(owner: str, key: str) -> Flow[tuple[int, Lease] | None]:
     return None if lease is None else (int(found.rows[0][0]), lease)
 
 
+#: the reasons to end a lease that only its expiry gives
+_FOR_EXPIRY = (EndReason.EXPIRED, EndReason.SWEPT)
+
+
 def _end_leases(
     ids: Sequence[int], reason: EndReason, note: str | None = None
 ) -> Flow[tuple[dict[int, int], list[int]]]:
@@ -391,9 +395,11 @@ def _end_leases(
 
     Returns the permits returned per semaphore id, and the ids of the leases this call ended. The lease rows
     are locked first and re-checked, so a lease that another transaction ended meanwhile is not returned
-    twice.
+    twice; a lease to end for its expiry is re-checked as expired too, so one that its holder extended
+    meanwhile stays held.
     """
-    locked = yield Stmt("LEASES_LOCK_HELD", {"ids": sorted(ids)})
+    lock = "LEASES_LOCK_EXPIRED" if reason in _FOR_EXPIRY else "LEASES_LOCK_HELD"
+    locked = yield Stmt(lock, {"ids": sorted(ids)})
     held = sorted(int(r[0]) for r in locked.rows)
     if not held:
         return {}, []
@@ -413,23 +419,25 @@ def release(d: Dialect, owner: str, key: str) -> Flow[ReleaseOutcome]:
         done = yield Stmt("RELEASE", {"owner": owner, "key": key}, alone=True)
         if done.rowcount > 0:
             return ReleaseOutcome.RELEASED
-        raise Restart(lambda: _release_cold(owner, key))
+        raise Restart(lambda: _release_cold(d, owner, key))
     else:
         ended = yield Stmt("LEASE_END_ONE", {"owner": owner, "key": key})
         if ended.rows:
             yield Stmt("SEM_GIVE_BACK_LEASE", {"lease_id": int(ended.rows[0][0])})
             return ReleaseOutcome.RELEASED
-    return (yield from _release_cold(owner, key))
+    return (yield from _release_cold(d, owner, key))
 
 
-def _release_cold(owner: str, key: str) -> Flow[ReleaseOutcome]:
+def _release_cold(d: Dialect, owner: str, key: str) -> Flow[ReleaseOutcome]:
     """Nothing was held and unexpired under this key: find out what there is."""
     existing = yield from _find_lease(owner, key)
     if existing is None:
         return ReleaseOutcome.NOT_FOUND
     lease_id, lease = existing
     if lease.end_reason is None:  # held, but its TTL passed: end it as expired, the holder lost it
-        yield from _end_leases([lease_id], EndReason.EXPIRED)
+        _, ended = yield from _end_leases([lease_id], EndReason.EXPIRED)
+        if not ended:  # an extend of the lease committed since the release looked: release it after all
+            raise Restart(lambda: release(d, owner, key))
         return ReleaseOutcome.LOST
     return decide.release_outcome(lease)
 
@@ -569,6 +577,11 @@ def delete_semaphore(name: str, force: bool) -> Flow[int]:
     sem_id = int(locked.rows[0][0])
     holding = yield Stmt("LEASES_HOLDING", {"sem_id": sem_id})
     live = [int(r[0]) for r in holding.rows if int(r[1]) > int(r[2])]  # id, expires_at_ms, now_ms
+    expired = sorted({int(r[0]) for r in holding.rows} - set(live))
+    if expired:
+        # An extend needs no semaphore row: one may have committed since the read, and its lease is live.
+        _, ended = yield from _end_leases(expired, EndReason.EXPIRED)
+        live += sorted(set(expired) - set(ended))
     if live and not force:
         raise SemaphoreInUse(
             f"semaphore {name!r} has {len(live)} lease(s) holding permits; use force to revoke them",
@@ -576,12 +589,8 @@ def delete_semaphore(name: str, force: bool) -> Flow[int]:
             leases=len(live),
         )
     revoked: list[int] = []
-    if holding.rows:
-        expired = sorted({int(r[0]) for r in holding.rows} - set(live))
-        if expired:
-            yield from _end_leases(expired, EndReason.EXPIRED)
-        if live:
-            _, revoked = yield from _end_leases(live, EndReason.REVOKED)
+    if live:
+        _, revoked = yield from _end_leases(live, EndReason.REVOKED)
     yield Stmt("SEM_WAITERS_DELETE", {"id": sem_id})
     yield Stmt("SEM_TOMBSTONE", {"id": sem_id})
     return len(revoked)

@@ -177,6 +177,13 @@ PORTABLE_SQL: dict[str, str] = {
     # Lock leases and keep those still held: the re-check under lock means no lease is ended twice.
     # params: ids -> id
     "LEASES_LOCK_HELD": "SELECT id FROM permits_lease WHERE id IN :ids AND state = 1 ORDER BY id{for_update}",
+    # The same for leases to end because they expired: each is re-checked as expired under its lock. The
+    # expired read came before the lock, and an extend that had started before the expiry may have
+    # committed in between (the row lock re-reads the newest version: InnoDB's locking reads do, and so
+    # does PostgreSQL's re-check of a row that changed while it waited). params: ids -> id
+    "LEASES_LOCK_EXPIRED": """
+        SELECT id FROM permits_lease WHERE id IN :ids AND state = 1 AND expires_at_ms <= {now}
+        ORDER BY id{for_update}""",
     # params: ids -> semaphore_id, sum(count)
     "PERMITS_SUM": """
         SELECT semaphore_id, SUM(count) FROM permits_permit WHERE lease_id IN :ids

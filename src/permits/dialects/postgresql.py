@@ -74,6 +74,11 @@ def _session_settings(lock_wait_timeout: float) -> list[tuple[str, str]]:
     ]
 
 
+#: The clock as it reads when this expression is evaluated, in milliseconds: later than {now} in a statement
+#: that waited for a row lock.
+_CLOCK_NOW = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
+
+
 class PostgreSQL(Dialect):
     name = "postgresql"
     # statement_timestamp(): the time the statement started, the same everywhere in one statement.
@@ -121,18 +126,24 @@ class PostgreSQL(Dialect):
             SELECT pg_notify('permits_room_' || md5(name), name) FROM changed"""
         + _call_fitting("changed"),
         # Acquire one semaphore in one statement: each CTE feeds the next, so when the UPDATE finds no room
-        # nothing is inserted and no row comes back. A grant also gives up the request's places in fair
-        # queues (a waiting caller may hold some). params: owner, key, name, count, ttl_ms
+        # nothing is inserted and no row comes back. The lease is stamped once the semaphore's row is
+        # locked (RETURNING runs on the updated row), not when the statement started: a grant that waited
+        # for the row still gets its whole TTL, and it is stamped after the commit of the release or grant
+        # it waited for, as a grant over several semaphores (a statement per step) is. A grant also gives up
+        # the request's places in fair queues (a waiting caller may hold some).
+        # params: owner, key, name, count, ttl_ms
         # -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no such semaphore)
         "ACQUIRE_ONE": """
             WITH taken AS (
                 UPDATE permits_semaphore
                 SET used = used + :count, last_token = last_token + 1, updated_at_ms = {now}
                 WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
-                RETURNING id, last_token),
+                RETURNING id, last_token, """
+        + _CLOCK_NOW
+        + """ AS granted_ms),
             lease AS (
                 INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
-                SELECT :owner, :key, 1, {now}, {now} + :ttl_ms FROM taken
+                SELECT :owner, :key, 1, granted_ms, granted_ms + :ttl_ms FROM taken
                 RETURNING id, acquired_at_ms, expires_at_ms),
             permit AS (
                 INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
