@@ -8,6 +8,14 @@ Properties (each a function below, each returning a list of human-readable viola
   outcome), capped at its expiry: its first acquire attempt's start plus its TTL as the database gave it
   (the database stamped the grant after that start, so it expires no earlier). Unknown outcomes are only
   possibly held and never count.
+- ``capacity_on_the_database_clock``: the same, on the database's own clock, for every lease the database
+  holds under a key a worker tried (acknowledged or not: an acquire that timed out may have been granted):
+  a lease counts from its ``acquired_at`` to its ``ended_at`` (or the end of the run), as the semaphore's
+  count of permits in use holds it. Sound because a grant reads the clock after it has locked the
+  semaphore's row, so after the commit of the release or reclaim it took the room from, which read the
+  clock before that commit (docs/guarantees.md, section 3).
+- ``ended_for_expiry``: a lease ended because it expired (``expired``, ``swept``) ended no earlier than its
+  expiry, on the database's clock.
 - ``token_order``: for grants of one semaphore ordered in real time (A's acquire returned before B's first
   attempt started), A's token is lower than B's; no token is handed to two leases.
 - ``idempotency``: every ``ok`` acquire of one (owner, key) got the same token, which is the one the
@@ -30,7 +38,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from tests.faults.history import FAIL, OK, UNKNOWN, History, Op
@@ -125,27 +133,54 @@ def _highest_before(
         yield best, item
 
 
+def _overruns(spans: list[tuple[float, float, str]], limit: int) -> Iterator[tuple[float, list[str]]]:
+    """Each instant at which more than ``limit`` of the [start, end) ``spans`` (start, end, key) overlap,
+    with the keys held then; ends sort before starts at the same instant."""
+    points = sorted([(s, 1, k) for s, _, k in spans] + [(e, -1, k) for _, e, k in spans], key=lambda p: p[:2])
+    held: set[str] = set()
+    for t, delta, key in points:
+        if delta < 0:
+            held.discard(key)
+            continue
+        held.add(key)
+        if len(held) > limit:
+            yield t, sorted(held)
+
+
 def capacity(history: History, limits: dict[str, int]) -> list[str]:
     by_sem: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
     for grant in _grants(history).values():
         if grant.oks and grant.held_until > grant.granted_by:
             by_sem[grant.sem].append((grant.granted_by, grant.held_until, grant.key))
-    violations = []
-    for sem, spans in by_sem.items():
-        # ends sort before starts at the same instant: [start, end) intervals
-        points = sorted([(s, 1, k) for s, _, k in spans] + [(e, -1, k) for _, e, k in spans], key=lambda p: p[:2])
-        held: set[str] = set()
-        for t, delta, key in points:
-            if delta < 0:
-                held.discard(key)
-                continue
-            held.add(key)
-            if len(held) > limits[sem]:
-                violations.append(
-                    f"capacity: {len(held)} leases definitely held on {sem} (capacity {limits[sem]}) at t={t:.3f}:"
-                    f" {sorted(held)}"
-                )
-    return violations
+    return [
+        f"capacity: {len(held)} leases definitely held on {sem} (capacity {limits[sem]}) at t={t:.3f}: {held}"
+        for sem, spans in by_sem.items()
+        for t, held in _overruns(spans, limits[sem])
+    ]
+
+
+def capacity_on_the_database_clock(final: Final) -> list[str]:
+    by_sem: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for lease in final.leases.values():
+        start = datetime.fromisoformat(lease["acquired_at"]).timestamp()
+        end = math.inf if lease["ended_at"] is None else datetime.fromisoformat(lease["ended_at"]).timestamp()
+        for sem, count in lease["counts"].items():
+            by_sem[sem] += [(start, end, f"{lease['key']}#{i}") for i in range(int(count))]
+    return [
+        f"capacity_on_the_database_clock: {len(held)} permits of {sem} in use (capacity"
+        f" {final.capacity[sem]}) at {datetime.fromtimestamp(t, UTC).isoformat()}: {held}"
+        for sem, spans in by_sem.items()
+        for t, held in _overruns(spans, final.capacity[sem])
+    ]
+
+
+def ended_for_expiry(final: Final) -> list[str]:
+    return [
+        f"ended_for_expiry: {lease['key']} was {lease['end_reason']} at {lease['ended_at']}, before its expiry"
+        f" {lease['expires_at']}"
+        for lease in final.leases.values()
+        if lease["end_reason"] in ("expired", "swept") and _seconds(lease["expires_at"], lease["ended_at"]) < 0
+    ]
 
 
 def token_order(history: History) -> list[str]:
@@ -287,6 +322,8 @@ def _seconds(a: str, b: str) -> float:
 def check(history: History, final: Final) -> Report:
     violations = [
         *capacity(history, final.capacity),
+        *capacity_on_the_database_clock(final),
+        *ended_for_expiry(final),
         *token_order(history),
         *idempotency(history, final),
         *register(history, final),

@@ -49,6 +49,8 @@ class Story:
             self.leases.setdefault(
                 ref,
                 {
+                    "key": key,
+                    "counts": {SEM: 1},
                     "tokens": {SEM: token},
                     "end_reason": None,
                     "held": True,
@@ -118,7 +120,8 @@ def test_overlapping_definite_holds_beyond_capacity() -> None:
     story.acquire("b", "b1", 1.5, 2, token=2)  # granted while a1 is definitely held
     story.release("a", "a1", 3, 4)
     story.release("b", "b1", 3, 4)
-    found = _only(story, "capacity")
+    found = story.violations()
+    assert [v.split(":")[0] for v in found] == ["capacity", "capacity_on_the_database_clock"], found
     assert "2 leases definitely held" in found[0]
 
 
@@ -127,8 +130,38 @@ def test_unknown_and_expired_holds_do_not_count_towards_capacity() -> None:
     story.acquire("a", "a1", 0, 1, token=1)  # never released: held until its expiry at 0 + 2
     story.acquire("u", "u1", 0.5, None, outcome=UNKNOWN)  # never completed: only possibly held
     story.acquire("b", "b1", 2.5, 3, token=2)  # after a1's expiry
+    story.leases[("a", "a1")].update(end_reason="expired", held=False, ended_at=_db_time(2.5))  # b reclaimed it
     story.release("b", "b1", 4, 5)
     assert story.violations() == []
+
+
+def test_a_grant_nobody_was_told_of_overruns_the_capacity_on_the_database_clock() -> None:
+    """The history alone cannot see it: the second acquire timed out, so its lease is only possibly held.
+    The database's own times show both leases held at once."""
+    story = Story(capacity=1)
+    story.acquire("a", "a1", 0, 1, token=1)
+    story.acquire("u", "u1", 1.5, 9, outcome=UNKNOWN, error="timeout")
+    story.leases[("u", "u1")] = {
+        "key": "u1",
+        "counts": {SEM: 1},
+        "tokens": {SEM: 2},
+        "end_reason": None,
+        "held": True,
+        "acquired_at": _db_time(1.6),
+        "expires_at": _db_time(11.6),
+        "ended_at": None,
+    }
+    story.release("a", "a1", 3, 4)
+    found = _only(story, "capacity_on_the_database_clock")
+    assert "2 permits of s in use (capacity 1)" in found[0] and "u1#0" in found[0], found
+
+
+def test_a_lease_ended_for_its_expiry_before_it_expired() -> None:
+    story = Story(capacity=1, ttl=5.0)
+    story.acquire("a", "a1", 0, 1, token=1)
+    story.leases[("a", "a1")].update(end_reason="swept", held=False, ended_at=_db_time(4.0))
+    story.release("a", "a1", 6, 7, outcome=FAIL, result="lost")
+    assert "a1 was swept at" in _only(story, "ended_for_expiry")[0]
 
 
 def test_a_later_grant_with_a_lower_token() -> None:
@@ -173,7 +206,16 @@ def test_a_key_granted_twice() -> None:
 def test_a_failed_acquire_that_was_granted() -> None:
     story = Story()
     story.acquire("a", "a1", 0, 1, outcome=FAIL, why="no_room")
-    story.leases[("a", "a1")] = {"tokens": {SEM: 1}, "end_reason": None, "held": True}
+    story.leases[("a", "a1")] = {
+        "key": "a1",
+        "counts": {SEM: 1},
+        "tokens": {SEM: 1},
+        "end_reason": None,
+        "held": True,
+        "acquired_at": _db_time(0.5),
+        "expires_at": _db_time(10.5),
+        "ended_at": None,
+    }
     assert "failed for no room, yet it was granted" in _only(story, "idempotency")[0]
 
 

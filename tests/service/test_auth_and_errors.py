@@ -150,6 +150,32 @@ def test_a_client_reaches_only_its_own_leases(service: Service, ns: str) -> None
         assert bob.release(his) == permits.ReleaseOutcome.RELEASED
 
 
+def test_a_token_taken_out_of_the_config_is_refused_after_a_restart(servers: Any, ns: str) -> None:
+    """Revoking a token is taking it out of the configuration and restarting. From then on it is refused,
+    on every route, while the leases taken with it stay held until they expire or an admin revokes them:
+    the database keeps them under the identity's owner, which no other token can act as."""
+    url = servers.url_for("postgresql").render_as_string(hide_password=False)
+    with running(url, tokens=TOKENS) as before:
+        with permits.connect(before.url, token=ADMIN) as admin:
+            admin.create_semaphore(f"{ns}s", 1)
+        with permits.connect(before.url, token=CAROL, owner="nightly") as carol:
+            lease = carol.acquire(f"{ns}s", key=f"{ns}backup", ttl=600)
+    without_carol = [t for t in TOKENS if t["name"] != CAROL_ID]
+    with running(url, tokens=without_carol) as after:
+        with pytest.raises(permits.Unauthorized), permits.connect(after.url, token=CAROL):
+            pass  # a client checks its token as it opens
+        with _http(after, CAROL) as http:
+            assert _error(http.get("/v1/whoami")) == (401, "unauthorized")
+            released = http.post("/v1/leases/release", json={"key": lease.key, "owner": "nightly"})
+            assert _error(released) == (401, "unauthorized")
+            extended = http.post("/v1/leases/extend", json={"key": lease.key, "owner": "nightly", "ttl": 600})
+            assert _error(extended) == (401, "unauthorized")
+        with permits.connect(after.url, token=ADMIN) as admin:
+            assert [h.owner for h in admin.holders(f"{ns}s")] == [f"{CAROL_ID}/nightly"]
+            admin.revoke(f"{ns}backup", owner=f"{CAROL_ID}/nightly", reason="token revoked")
+            assert admin.get_semaphore(f"{ns}s").used == 0
+
+
 def test_error_bodies_and_statuses(service: Service, ns: str) -> None:
     with _http(service, ADMIN) as http:
         assert _error(http.get(f"/v1/semaphores/{ns}nope")) == (404, "semaphore_not_found")
