@@ -176,6 +176,21 @@ def test_a_token_taken_out_of_the_config_is_refused_after_a_restart(servers: Any
             assert admin.get_semaphore(f"{ns}s").used == 0
 
 
+def test_a_body_that_is_not_json_is_refused_only_where_a_body_is_read(service: Service, ns: str) -> None:
+    """A body of the wrong media type is a 422, but only once the route exists and the caller is let in:
+    an unknown path is still a 404, a wrong method a 405 and a missing token a 401."""
+    plain = {"Content-Type": "text/plain"}
+    body = '{"wants": {"x": 1}}'
+    with _http(service, ADMIN) as admin, _http(service, None) as anonymous:
+        assert _error(admin.post("/v1/nope", content=body, headers=plain)) == (404, "not_found")
+        assert _error(admin.put("/v1/leases", content=body, headers=plain)) == (405, "method_not_allowed")
+        assert _error(anonymous.post("/v1/leases", content=body, headers=plain)) == (401, "unauthorized")
+        refused = admin.post("/v1/leases", content=body, headers=plain)
+        assert _error(refused) == (422, "invalid_argument")
+        assert refused.json()["error"]["details"] == {"field": "body"}
+        assert "not text/plain" in refused.json()["error"]["message"]
+
+
 def test_error_bodies_and_statuses(service: Service, ns: str) -> None:
     with _http(service, ADMIN) as http:
         assert _error(http.get(f"/v1/semaphores/{ns}nope")) == (404, "semaphore_not_found")

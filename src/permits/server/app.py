@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import permits
-from permits._exceptions import InvalidArgument, PermitsError, RequestTooLarge
+from permits._exceptions import PermitsError, RequestTooLarge
 from permits.server import auth, dashboard, errors, routes, schemas, stats
 from permits.server.config import ServerConfig
 from permits.server.maintenance import LivenessProbe, Maintainer
@@ -212,12 +212,9 @@ class _BodyLimit:
             others = [(n, v) for n, v in scope.get("headers", []) if n != b"content-type"]
             scope["headers"] = [*others, (b"content-type", b"application/json")]
         elif kind != b"application/json" and not kind.endswith(b"+json") and _has_body(headers):
-            shown = kind.decode("latin-1")[:100]
-            wrong = InvalidArgument(
-                f"a request body is JSON (Content-Type: application/json), not {shown}", field="body"
-            )
-            await errors.error_response(wrong)(scope, receive, send)
-            return
+            # Refused by the route, once it is known to exist and the caller to be let in (routes.py
+            # WRONG_BODY_TYPE): an unknown path is still a 404, and a caller with no token a 401.
+            scope.setdefault("state", {})[routes.WRONG_BODY_TYPE] = kind.decode("latin-1")[:100]
         too_large = RequestTooLarge(f"request bodies are at most {self.max_bytes} bytes", limit="max_body_bytes")
         length = headers.get(b"content-length")
         if length is not None:

@@ -51,9 +51,18 @@ async def _state(request: Request) -> ServiceState:
     return state
 
 
+#: Set in the request's state by the body middleware (app.py) when a body came as something other than
+#: JSON: the media type it named. Refused here, after routing and authentication, so that the answer is
+#: the one the request would get anyway (404, 405, 401) before the one about its body.
+WRONG_BODY_TYPE = "wrong_body_type"
+
+
 async def _identity(request: Request) -> Identity:
     identity = (await _state(request)).auth.identify(request.headers.get("authorization"))
     request.state.identity = identity
+    wrong = getattr(request.state, WRONG_BODY_TYPE, None)
+    if wrong is not None:
+        raise InvalidArgument(f"a request body is JSON (Content-Type: application/json), not {wrong}", field="body")
     return identity
 
 
