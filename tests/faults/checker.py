@@ -337,4 +337,6 @@ def check(history: History, final: Final) -> Report:
         if op.outcome == UNKNOWN and math.isinf(op.t1):
             stats["never_completed"] += 1
     stats["kills"] = len(history.killed_at())
+    for lease in final.leases.values():
+        stats[f"ended_{lease['end_reason']}"] += 1  # ended_None: held at the end
     return Report(violations, dict(sorted(stats.items())))

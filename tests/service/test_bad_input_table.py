@@ -4,6 +4,7 @@ the row gives, and nothing may change. A row this file does not know, or a case 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -392,3 +393,40 @@ def test_names_that_look_like_sql_are_names(client: Any, ns: str, name: str) -> 
     assert client.list_semaphores(ns + "_") == [] or name.startswith("_")
     lease = client.try_acquire(full)
     assert [h.key for h in client.holders(full)] == [lease.key]
+
+
+@pytest.mark.parametrize(
+    "row",
+    [row for row in ROWS if row.library is not None],
+    ids=[row.case for row in ROWS if row.library is not None],
+)
+def test_row_through_the_remote_client(
+    row: Row, deployment: tuple[str, Service], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library's answer holds when the library talks to the service instead of the database (an admin
+    token): the same code, and nothing changed. The field is the library's, or the one the service names
+    (the notes under the table say why they may differ)."""
+    monkeypatch.delenv("PERMITS_TOKEN", raising=False)
+    case = CASES[row.case]
+    assert case.library is not None and row.library is not None
+    db_url, service = deployment
+    ns = f"r{uuid.uuid4().hex[:8]}-"
+    with (
+        permits.connect(db_url, owner=f"{ns}owner") as client,
+        permits.connect(service.url, token=ADMIN, owner=f"{ns}owner") as remote,
+        httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30) as admin,
+    ):
+        ctx = Ctx(client, service, ns, f"{ns}sem", f"{ns}job-1", f"{ns}probe", f"{ns}owner")
+        client.create_semaphore(ctx.s, 2)
+        client.acquire(ctx.s, key=ctx.job, owner=ctx.owner)
+        remote.acquire(ctx.s, key=ctx.job, owner=ctx.owner)  # stored as the admin identity's ctx.owner
+        before = _state(ctx)
+        code, named = row.library
+        with pytest.raises(PermitsError) as raised:
+            case.library(dataclasses.replace(ctx, client=remote))
+        assert raised.value.code == code, raised.value
+        assert isinstance(raised.value, error_class(code))
+        if named is not None:
+            assert raised.value.details.get("field") in (named, row.http[2]), raised.value.details
+        assert _state(ctx) == before
+        _no_probe_lease(ctx, admin)
