@@ -135,7 +135,9 @@ def _highest_before(
 
 def _overruns(spans: list[tuple[float, float, str]], limit: int) -> Iterator[tuple[float, list[str]]]:
     """Each instant at which more than ``limit`` of the [start, end) ``spans`` (start, end, key) overlap,
-    with the keys held then; ends sort before starts at the same instant."""
+    with the keys held then; ends sort before starts at the same instant. A span that ends where it starts
+    (a grant and its release stamped in the same millisecond) holds nothing."""
+    spans = [span for span in spans if span[1] > span[0]]
     points = sorted([(s, 1, k) for s, _, k in spans] + [(e, -1, k) for _, e, k in spans], key=lambda p: p[:2])
     held: set[str] = set()
     for t, delta, key in points:

@@ -303,3 +303,16 @@ def test_drift_at_the_end() -> None:
     story = _turns()
     story.drift.append("Drift(name='s', used=1, held=0)")
     assert _only(story, "reconcile")
+
+
+def test_a_lease_released_in_the_millisecond_it_was_granted_holds_nothing() -> None:
+    """The database stamps in milliseconds: a grant and its release can share one, and the next grant too."""
+    story = Story(capacity=1)
+    story.acquire("a", "a1", 0, 0.0002, token=1)
+    story.release("a", "a1", 0.0003, 0.0004)
+    story.acquire("b", "b1", 0.0005, 1, token=2)
+    for lease in story.leases.values():  # all three stamped in the same millisecond
+        lease["acquired_at"] = _db_time(0)
+    story.leases[("a", "a1")]["ended_at"] = _db_time(0)
+    story.release("b", "b1", 2, 3)
+    assert story.violations() == []
