@@ -147,7 +147,9 @@ def test_service_database_link(run: FaultRun, db_url: str, fault: str) -> None:
     with CuttingProxy((url.host, url.port)) as proxy:
         via = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
         faulty, healthy = run.services({"db_url": via}, {})
-        run.workers(2, faulty.url)
+        # Past the TTL, the stall is there to hold up leases that are held: workers through that instance
+        # then hold theirs for up to half the TTL, so that one is almost surely held when the stall begins.
+        run.workers(2, faulty.url, **({"hold": run.ttl / 2} if fault == "stall-past-ttl" else {}))
         run.worker(healthy.url)
         run.worker(db_url)
         run.wait_for(lambda: run.acquired() >= 4, what="the first grants")
