@@ -569,6 +569,14 @@ def _change_from_row(row: Sequence[Any]) -> CapacityChange:
     )
 
 
+def _in_use(name: str, leases: int) -> SemaphoreInUse:
+    return SemaphoreInUse(
+        f"semaphore {name!r} has {leases} lease(s) holding permits; use force to revoke them",
+        name=name,
+        leases=leases,
+    )
+
+
 def delete_semaphore(name: str, force: bool) -> Flow[int]:
     """Delete a semaphore; returns how many leases a forced delete revoked."""
     locked = yield Stmt("SEMS_LOCK", {"names": [name]})
@@ -577,17 +585,15 @@ def delete_semaphore(name: str, force: bool) -> Flow[int]:
     sem_id = int(locked.rows[0][0])
     holding = yield Stmt("LEASES_HOLDING", {"sem_id": sem_id})
     live = [int(r[0]) for r in holding.rows if int(r[1]) > int(r[2])]  # id, expires_at_ms, now_ms
+    if live and not force:
+        raise _in_use(name, len(live))
     expired = sorted({int(r[0]) for r in holding.rows} - set(live))
     if expired:
         # An extend needs no semaphore row: one may have committed since the read, and its lease is live.
         _, ended = yield from _end_leases(expired, EndReason.EXPIRED)
         live += sorted(set(expired) - set(ended))
-    if live and not force:
-        raise SemaphoreInUse(
-            f"semaphore {name!r} has {len(live)} lease(s) holding permits; use force to revoke them",
-            name=name,
-            leases=len(live),
-        )
+        if live and not force:
+            raise _in_use(name, len(live))
     revoked: list[int] = []
     if live:
         _, revoked = yield from _end_leases(live, EndReason.REVOKED)
