@@ -59,6 +59,31 @@ def test_max_hold_caps_how_long_the_lease_is_kept(client_url: str, ns: str) -> N
         assert client.get_semaphore(f"{ns}s").used == 0
 
 
+def test_max_hold_does_not_extend_by_ever_shorter_ttls(
+    client_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Near max_hold an extend can only add what is left of it. Checking at half the time left, the
+    watchdog would send extends for 50 ms, 25 ms, 12 ms... until one asked for less than a round trip and
+    the lease ran out under it (lost as expired, not max_hold). It stops extending once an extend would
+    gain less than a check's worth of time: about (max_hold - ttl) / (ttl / 3) extends in all."""
+    with permits.connect(client_url, owner=f"{ns}w") as client:
+        client.create_semaphore(f"{ns}s", 1)
+        asked: list[float] = []
+        extend = client.extend
+
+        def counted(lease: Any, ttl: Any = None, **kwargs: Any) -> Any:
+            asked.append(ttl)
+            return extend(lease, ttl, **kwargs)
+
+        monkeypatch.setattr(client, "extend", counted)
+        lost: list[str] = []
+        with client.lease(f"{ns}s", ttl=0.6, max_hold=1.2, on_lost=lost.append):
+            wait_until(lambda: lost, timeout=5, interval=0.01)
+        assert lost == ["max_hold"]
+        assert len(asked) <= 5, asked
+        assert min(asked) >= 0.1, asked
+
+
 def test_asyncio_holder_is_cancelled_when_its_lease_is_lost(client_url: str, ns: str) -> None:
     async def scenario() -> tuple[bool, str | None, float]:
         async with (

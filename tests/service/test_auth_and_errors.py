@@ -176,7 +176,7 @@ def test_a_token_taken_out_of_the_config_is_refused_after_a_restart(servers: Any
             assert admin.get_semaphore(f"{ns}s").used == 0
 
 
-def test_a_body_that_is_not_json_is_refused_only_where_a_body_is_read(service: Service, ns: str) -> None:
+def test_a_body_that_is_not_json_is_refused_after_routing_and_authentication(service: Service, ns: str) -> None:
     """A body of the wrong media type is a 422, but only once the route exists and the caller is let in:
     an unknown path is still a 404, a wrong method a 405 and a missing token a 401."""
     plain = {"Content-Type": "text/plain"}

@@ -405,7 +405,9 @@ def test_row_through_the_remote_client(
 ) -> None:
     """The library's answer holds when the library talks to the service instead of the database (an admin
     token): the same code, and nothing changed. The field is the library's, or the one the service names
-    (the notes under the table say why they may differ)."""
+    (the notes under the table say why they may differ). Most rows are refused by the client's own checks
+    before any request is sent; the rest (a missing semaphore, a count over the capacity, a reused key)
+    are the service's answers, turned back into the library's exceptions."""
     monkeypatch.delenv("PERMITS_TOKEN", raising=False)
     case = CASES[row.case]
     assert case.library is not None and row.library is not None
@@ -430,3 +432,5 @@ def test_row_through_the_remote_client(
             assert raised.value.details.get("field") in (named, row.http[2]), raised.value.details
         assert _state(ctx) == before
         _no_probe_lease(ctx, admin)
+        with pytest.raises(permits.LeaseNotFound):  # where the service would have stored it
+            client.get_lease(ctx.probe, owner=f"{TOKENS[0]['name']}/{ctx.owner}")

@@ -79,6 +79,8 @@ class AsyncWatchdog:
         self._guarded: Any = None
         self._runner: Any = None
         self._started = 0.0
+        #: the last extend was cut short to end the lease at max_hold
+        self._held_to_the_end = False
 
     async def start(self) -> AsyncWatchdog:
         self._started = monotonic()
@@ -104,9 +106,12 @@ class AsyncWatchdog:
         while not await async_wait(self._stop, min(self.ttl / 3, max(0.001, (self.deadline - monotonic()) / 2))):
             ttl = self.ttl
             if self.max_hold is not None:
-                ttl = min(ttl, self.max_hold - (monotonic() - self._started))
-                if ttl < 0.001:
-                    # Keep no longer than max_hold: let the lease run out, then say it is gone.
+                ttl = min(ttl, self._started + self.max_hold - monotonic())
+                # Keep no longer than max_hold: let the lease run out, then say it is gone. The extend that
+                # reached max_hold is the last: after it, each would ask for half the time left, down to
+                # less than a round trip, and the lease would run out under its own extend (reported as
+                # expired, not max_hold).
+                if ttl < 0.001 or self._held_to_the_end:
                     if await async_wait(self._stop, self.deadline - monotonic()):
                         return
                     await self._lose(MAX_HOLD, f"max_hold of {self.max_hold:g} s reached")
@@ -125,6 +130,7 @@ class AsyncWatchdog:
                 continue
             # Measured from before the request: the database's clock started the new TTL no earlier.
             self.deadline = asked + self.lease.expires_in
+            self._held_to_the_end = ttl < self.ttl
 
     async def _lose(self, reason: str, message: str) -> None:
         self.reason = reason
