@@ -35,14 +35,16 @@ def _in_thread(target: Any) -> tuple[threading.Thread, dict[str, Any]]:
     return thread, outcome
 
 
-#: How many sessions wait for a row lock now (the suite runs one test at a time).
+#: How many sessions of this database wait for (or, on MariaDB, run) a locking read of permits_lease now.
 _LOCK_WAITS = {
-    "postgresql": "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
+    "postgresql": """
+        SELECT count(*) FROM pg_stat_activity
+        WHERE wait_event_type = 'Lock' AND datname = current_database() AND query LIKE '%FROM permits_lease%'""",
     # INNODB_TRX does not always say LOCK WAIT for a locking read by primary key: MariaDB reads that row
     # while it plans the statement. The statement itself shows, locking reads being the ender's only.
     "mysql": """
         SELECT count(*) FROM information_schema.PROCESSLIST
-        WHERE COMMAND = 'Query' AND INFO LIKE '%FROM permits_lease%FOR UPDATE'""",
+        WHERE COMMAND = 'Query' AND DB = DATABASE() AND INFO LIKE '%FROM permits_lease%FOR UPDATE'""",
 }
 
 
