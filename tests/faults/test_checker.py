@@ -45,21 +45,22 @@ class Story:
     ) -> None:
         if outcome == OK:
             done.update(token=token, ttl_db=self.ttl)
-            ref = (proc, key)
-            self.leases.setdefault(
-                ref,
-                {
-                    "key": key,
-                    "counts": {SEM: 1},
-                    "tokens": {SEM: token},
-                    "end_reason": None,
-                    "held": True,
-                    "acquired_at": _db_time(t0),
-                    "expires_at": _db_time(t0 + self.ttl),
-                    "ended_at": None,
-                },
-            )
+            if (proc, key) not in self.leases:
+                self.stored(proc, key, token, acquired=t0)
         self._op("acquire", proc, t0, t1, outcome, {"owner": proc, "key": key, "sem": SEM}, done)
+
+    def stored(self, proc: str, key: str, token: int | None, acquired: float) -> None:
+        """The database holds a lease for (proc, key), granted at ``acquired`` on its clock."""
+        self.leases[(proc, key)] = {
+            "key": key,
+            "counts": {SEM: 1},
+            "tokens": {SEM: token},
+            "end_reason": None,
+            "held": True,
+            "acquired_at": _db_time(acquired),
+            "expires_at": _db_time(acquired + self.ttl),
+            "ended_at": None,
+        }
 
     def release(
         self, proc: str, key: str, t0: float, t1: float | None, outcome: str = OK, result: str = "released"
@@ -141,16 +142,7 @@ def test_a_grant_nobody_was_told_of_overruns_the_capacity_on_the_database_clock(
     story = Story(capacity=1)
     story.acquire("a", "a1", 0, 1, token=1)
     story.acquire("u", "u1", 1.5, 9, outcome=UNKNOWN, error="timeout")
-    story.leases[("u", "u1")] = {
-        "key": "u1",
-        "counts": {SEM: 1},
-        "tokens": {SEM: 2},
-        "end_reason": None,
-        "held": True,
-        "acquired_at": _db_time(1.6),
-        "expires_at": _db_time(11.6),
-        "ended_at": None,
-    }
+    story.stored("u", "u1", token=2, acquired=1.6)
     story.release("a", "a1", 3, 4)
     found = _only(story, "capacity_on_the_database_clock")
     assert "2 permits of s in use (capacity 1)" in found[0] and "u1#0" in found[0], found
@@ -206,16 +198,7 @@ def test_a_key_granted_twice() -> None:
 def test_a_failed_acquire_that_was_granted() -> None:
     story = Story()
     story.acquire("a", "a1", 0, 1, outcome=FAIL, why="no_room")
-    story.leases[("a", "a1")] = {
-        "key": "a1",
-        "counts": {SEM: 1},
-        "tokens": {SEM: 1},
-        "end_reason": None,
-        "held": True,
-        "acquired_at": _db_time(0.5),
-        "expires_at": _db_time(10.5),
-        "ended_at": None,
-    }
+    story.stored("a", "a1", token=1, acquired=0.5)
     assert "failed for no room, yet it was granted" in _only(story, "idempotency")[0]
 
 
