@@ -10,6 +10,7 @@ starts or installs the servers first).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import uuid
@@ -41,6 +42,29 @@ def _admin_url(backend: str) -> URL:
     url = make_url(SERVER_URLS[backend])
     driver = "pymysql" if backend == "mysql" else "psycopg"
     return url.set(drivername=f"{backend}+{driver}")
+
+
+@contextlib.contextmanager
+def own_database(backend: str, prefix: str) -> Iterator[str]:
+    """A URL (with its password, if any) to an empty database of the caller's own on a server, dropped
+    afterwards: for tests that create their own schema, or must not share their rows with other tests."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(_admin_url(backend), isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5})
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f"CREATE DATABASE {name}"))
+    except Exception as exc:  # any failure to reach the server
+        admin.dispose()
+        if IN_CI:
+            pytest.fail(f"{backend} unreachable: {exc}", pytrace=False)
+        pytest.skip(f"{backend} unreachable: {exc}")
+    try:
+        yield _admin_url(backend).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            force = " WITH (FORCE)" if backend == "postgresql" else ""
+            conn.execute(text(f"DROP DATABASE IF EXISTS {name}{force}"))
+        admin.dispose()
 
 
 class _Servers:

@@ -3,12 +3,15 @@ without keys, one to several semaphores, counts up to past the capacity), retrie
 releases, extends, capacity changes, sweeps and moves of the clock, and after every step checks the
 database's answers and state against the model's.
 
-Time. Leases are timed on the database's clock, so on SQLite the test moves that clock
-(``permits.dialects.sqlite.offset_clock``). Real time passes as well, so every TTL and every move of the
-clock is a whole number of ``UNIT`` seconds, far more than one example takes: a lease's expiry then never
-falls within the real time that passed of the model's "now", and the model can say exactly which leases
-have expired. The servers' clocks cannot be moved, so there (and through the service) the same machine
-runs without the moves: nothing expires, everything else is checked the same.
+Time. Leases are timed on the database's clock, so the test moves that clock: on SQLite through a SQL
+function (``permits.dialects.sqlite.offset_clock``), on MariaDB and PostgreSQL through a one-row table that
+their statements add to the server's clock (``permits.dialects.server_clock``), each on a database of the
+test's own. Real time passes as well, so every TTL and every move of the clock is a whole number of
+``UNIT`` seconds, far more than one example takes: a lease's expiry then never falls within the real time
+that passed of the model's "now", and the model can say exactly which leases have expired. A service runs
+in a process of its own, whose clock the test cannot move, so through the service (and once more directly
+on every backend) the same machine runs without the moves: nothing expires, everything else is checked
+the same.
 
 CI runs a few examples per backend; ``PERMITS_MODEL_EXAMPLES=500`` runs that many on each, randomised
 (with hypothesis's example database in ``.hypothesis/``, ignored by git).
@@ -46,7 +49,9 @@ from permits import (
     ReleaseOutcome,
     SemaphoreNotFound,
 )
+from permits.dialects.server_clock import ServerOffsetClock, server_offset_clock
 from permits.dialects.sqlite import OffsetClock, offset_clock
+from tests.conftest import own_database
 
 #: Seconds: every TTL and every move of the clock is a multiple of this.
 UNIT = 60.0
@@ -103,7 +108,7 @@ class PermitsModel(RuleBasedStateMachine):
     """Each example gets semaphores and owners of its own, so examples never see each other's rows."""
 
     client: Any
-    clock: OffsetClock | None
+    clock: OffsetClock | ServerOffsetClock | None
     #: what the examples did, across examples: the test checks that they reached every kind of answer
     seen: Counter[str]
 
@@ -394,7 +399,7 @@ REACHED_WITH_CLOCK = {
 }
 
 
-def _run(client: Any, clock: OffsetClock | None, examples: int, steps: int) -> Counter[str]:
+def _run(client: Any, clock: OffsetClock | ServerOffsetClock | None, examples: int, steps: int) -> Counter[str]:
     seen: Counter[str] = Counter()
     machine = type("Model", (PermitsModel,), {"client": client, "clock": clock, "seen": seen})
     run_state_machine_as_test(machine, settings=_settings(examples, steps))
@@ -412,6 +417,19 @@ def test_model_on_sqlite_with_a_moving_clock(tmp_path: Path) -> None:
         _run(client, clock, examples=60, steps=40)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+def test_model_on_a_server_with_a_moving_clock(server: str) -> None:
+    """The full model, time included, on MariaDB and PostgreSQL: each runs its own statements for sweeps,
+    reclaims and extends, and its own reading of the clock. On a database of the test's own, for the same
+    reason as SQLite's file."""
+    with (
+        own_database(server, "permits_clock") as url,
+        server_offset_clock(url) as clock,
+        permits.connect(url, auto_upgrade=True) as client,
+    ):
+        _run(client, clock, examples=60, steps=40)
 
 
 @pytest.mark.parametrize("flavour", ["sync"])  # the asyncio client runs the same store code; this is slow enough

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from sqlalchemy.engine import make_url
 
 import permits
 from permits import _schema
-from tests.conftest import IN_CI, _admin_url
+from tests.conftest import own_database
 
 
 @pytest.fixture
@@ -26,23 +25,8 @@ def fresh_url(backend: str, tmp_path: Path) -> Iterator[str]:
     if backend == "sqlite":
         yield f"sqlite:///{tmp_path / 'migrations.db'}"
         return
-    name = f"permits_m_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(_admin_url(backend), isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5})
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f"CREATE DATABASE {name}"))
-    except Exception as exc:  # any failure to reach the server
-        admin.dispose()
-        if IN_CI:
-            pytest.fail(f"{backend} unreachable: {exc}", pytrace=False)
-        pytest.skip(f"{backend} unreachable: {exc}")
-    try:
-        yield _admin_url(backend).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            force = " WITH (FORCE)" if backend == "postgresql" else ""
-            conn.execute(text(f"DROP DATABASE IF EXISTS {name}{force}"))
-        admin.dispose()
+    with own_database(backend, "permits_m") as url:
+        yield url
 
 
 def _migrate(url: str, revision: str, down: bool = False) -> None:

@@ -28,6 +28,7 @@ from sqlalchemy.exc import DBAPIError
 
 from permits._core.flows import Result
 from permits._exceptions import ConfigurationError
+from permits.dialects import server_clock
 from permits.dialects.observe_sql import OBSERVE_SQL
 
 #: Appended to the WHERE of every statement that takes room (``{fair_gate}``). A fair semaphore keeps room
@@ -342,6 +343,9 @@ class Dialect:
     name: ClassVar[str] = "base"
     #: SQL for the database's clock in milliseconds since the epoch
     now_sql: ClassVar[str] = ""
+    #: ``{clock_now}``: the clock as it reads when the expression is evaluated (later than ``{now}`` in a
+    #: statement that waited for a row lock), where the dialect has one; else ``now_sql``
+    clock_now_sql: ClassVar[str] = ""
     #: appended to locking reads; empty where the engine has no row locks
     for_update: ClassVar[str] = " FOR UPDATE"
     #: INSERT ... RETURNING is available
@@ -374,11 +378,22 @@ class Dialect:
         self._expanding = {
             name for name, template in self._sql.items() if any(_expands(template, p) for p in _EXPANDING)
         }
+        now, clock_now = self._clock_sql()
+        gate = FAIR_GATE.format(now=now)
         for name, template in self._sql.items():
-            gate = FAIR_GATE.format(now=self.now_sql)
-            clause = text(template.format(now=self.now_sql, for_update=self.for_update, fair_gate=gate).strip())
+            filled = template.format(now=now, clock_now=clock_now, for_update=self.for_update, fair_gate=gate)
+            clause = text(filled.strip())
             expanding: list[Any] = [bindparam(p, expanding=True) for p in _EXPANDING if _expands(template, p)]
             self._clauses[name] = clause.bindparams(*expanding) if expanding else clause
+
+    def _clock_sql(self) -> tuple[str, str]:
+        """``{now}`` and ``{clock_now}``: the dialect's own, unless a test moved a server's clock (see
+        ``server_clock``; nothing else installs one)."""
+        now, clock_now = self.now_sql, self.clock_now_sql or self.now_sql
+        offset = server_clock.offset_sql()
+        if offset is None or self.name == "sqlite":
+            return now, clock_now
+        return f"({now} + {offset})", f"({clock_now} + {offset})"
 
     def expands(self, name: str) -> bool:
         """The statement takes a list parameter (``IN :names``), which SQLAlchemy expands."""

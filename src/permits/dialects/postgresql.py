@@ -74,15 +74,12 @@ def _session_settings(lock_wait_timeout: float) -> list[tuple[str, str]]:
     ]
 
 
-#: The clock as it reads when this expression is evaluated, in milliseconds: later than {now} in a statement
-#: that waited for a row lock.
-_CLOCK_NOW = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
-
-
 class PostgreSQL(Dialect):
     name = "postgresql"
     # statement_timestamp(): the time the statement started, the same everywhere in one statement.
     now_sql = "CAST(EXTRACT(EPOCH FROM statement_timestamp()) * 1000 AS BIGINT)"
+    # clock_timestamp(): the time as the expression is evaluated, after any row lock the statement waited for.
+    clock_now_sql = "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
     sync_driver = "psycopg"
     async_driver = "psycopg"
     extra = "postgresql"
@@ -138,9 +135,7 @@ class PostgreSQL(Dialect):
                 UPDATE permits_semaphore
                 SET used = used + :count, last_token = last_token + 1, updated_at_ms = {now}
                 WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
-                RETURNING id, last_token, """
-        + _CLOCK_NOW
-        + """ AS granted_ms),
+                RETURNING id, last_token, {clock_now} AS granted_ms),
             lease AS (
                 INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
                 SELECT :owner, :key, 1, granted_ms, granted_ms + :ttl_ms FROM taken

@@ -1,0 +1,85 @@
+"""Testing only: a clock that a test moves, for the MariaDB/MySQL and PostgreSQL stores opened in a block.
+
+Leases are timed on the database's clock (docs/guarantees.md), so a test of expiry either sleeps or moves
+that clock. SQLite's stores add an offset that a SQL function returns (``permits.dialects.sqlite``'s
+``offset_clock``). A server's clock cannot be moved, and a function would have to be created on the server;
+so the server dialects built inside ``server_offset_clock()`` read their clock as the server's own plus the
+offset kept in a one-row table, ``permits_test_clock``, which the test advances between operations. The
+statements are otherwise those of production, which is the point: the expiry paths of each dialect's own
+SQL (sweeps, reclaims, extends of expired leases) run against a model with time in it.
+
+The table is not part of permits' schema: the context manager creates it and drops it. Outside the block,
+nothing reads it, and no setting, URL or environment variable can turn it on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+TABLE = "permits_test_clock"
+#: What a server dialect built inside the block adds to its clock, in milliseconds.
+OFFSET_SQL = f"(SELECT offset_ms FROM {TABLE})"
+
+_installed: ServerOffsetClock | None = None
+
+
+def offset_sql() -> str | None:
+    """The SQL of the installed clock's offset, or ``None`` (always, outside the tests)."""
+    return None if _installed is None else OFFSET_SQL
+
+
+class ServerOffsetClock:
+    """How far ahead of its real clock the server's stores opened inside ``server_offset_clock()`` run.
+
+    Move it only between operations: a statement reads the offset when it reads the clock, so a move while a
+    statement runs could give it two different times. The clock only moves forward, as a server's does as
+    far as permits knows.
+    """
+
+    def __init__(self, url: Any) -> None:
+        from sqlalchemy import create_engine, text
+        from sqlalchemy.engine import make_url
+
+        from permits.dialects.base import dialect_for_url
+
+        parsed = make_url(url)
+        self._text = text
+        self._engine = create_engine(dialect_for_url(parsed).engine_url(parsed, asynchronous=False))
+        self.offset_ms = 0
+        with self._engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE IF EXISTS {TABLE}"))
+            conn.execute(text(f"CREATE TABLE {TABLE} (offset_ms BIGINT NOT NULL)"))
+            conn.execute(text(f"INSERT INTO {TABLE} (offset_ms) VALUES (0)"))
+
+    def advance(self, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"the clock only moves forward, not by {seconds}")
+        step = round(seconds * 1000)
+        with self._engine.begin() as conn:
+            conn.execute(self._text(f"UPDATE {TABLE} SET offset_ms = offset_ms + :step"), {"step": step})
+        self.offset_ms += step
+
+    def drop(self) -> None:
+        with self._engine.begin() as conn:
+            conn.execute(self._text(f"DROP TABLE IF EXISTS {TABLE}"))
+        self._engine.dispose()
+
+
+@contextmanager
+def server_offset_clock(url: Any) -> Iterator[ServerOffsetClock]:
+    """Testing only: ``with server_offset_clock(url) as clock:`` every MariaDB/MySQL or PostgreSQL store
+    opened in the block (by ``permits.connect``) on the database of ``url`` runs on ``clock``. Use and close
+    them inside the block: the table goes with it. A store on another database would fail, as would one
+    opened on SQLite (``offset_clock`` is SQLite's)."""
+    global _installed
+    if _installed is not None:
+        raise RuntimeError("a server offset clock is installed already")
+    clock = ServerOffsetClock(url)
+    _installed = clock
+    try:
+        yield clock
+    finally:
+        _installed = None
+        clock.drop()
