@@ -191,6 +191,47 @@ def test_a_body_that_is_not_json_is_refused_after_routing_and_authentication(ser
         assert "not text/plain" in refused.json()["error"]["message"]
 
 
+#: Every admin route, with a body or parameters that are bad in every way a client could make them.
+_ADMIN_ROUTES = [
+    ("POST", "/v1/semaphores", {"name": "", "capacity": "many"}),
+    ("PATCH", "/v1/semaphores/x", {"capacity": -1}),
+    ("DELETE", "/v1/semaphores/x?force=perhaps", None),
+    ("POST", "/v1/leases/revoke", {"owner": 7}),
+    ("POST", "/v1/sweep", {"batch_size": "all"}),
+    ("POST", "/v1/reconcile", {"repair": "yes please"}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "bad"), _ADMIN_ROUTES)
+def test_who_may_ask_is_answered_before_what_was_asked(
+    service: Service, method: str, path: str, bad: dict[str, Any] | None
+) -> None:
+    """401 (no token), then 403 (a client token on an admin route), then 422: a caller who may not ask
+    learns nothing about its input, whether the input is bad JSON, a body that is not JSON, bad fields or
+    bad query parameters. Only an admin is told about them."""
+    broken = {"content": b'{"name": ', "headers": {"Content-Type": "application/json"}}
+    plain = {"content": b"capacity=1", "headers": {"Content-Type": "text/plain"}}
+    shapes: list[dict[str, Any]] = [broken, plain] + ([{"json": bad}] if bad is not None else [{}])
+    with _http(service, None) as anonymous, _http(service, ALICE) as alice, _http(service, ADMIN) as admin:
+        for shape in shapes:
+            assert _error(anonymous.request(method, path, **shape)) == (401, "unauthorized"), shape
+            assert _error(alice.request(method, path, **shape)) == (403, "forbidden"), shape
+            assert _error(admin.request(method, path, **shape)) == (422, "invalid_argument"), shape
+
+
+def test_bad_json_from_a_caller_without_a_token_is_401(service: Service) -> None:
+    """A body that is not valid JSON is parsed before anything else runs: the caller is still asked for a
+    token first, on every route that takes a body."""
+    broken = {"content": b"{not json", "headers": {"Content-Type": "application/json"}}
+    with _http(service, None) as anonymous, _http(service, ALICE) as alice:
+        for path in ("/v1/leases", "/v1/leases/release", "/v1/leases/extend"):
+            assert _error(anonymous.post(path, **broken)) == (401, "unauthorized")
+            refused = alice.post(path, **broken)
+            assert (
+                _error(refused) == (422, "invalid_argument") and "not valid JSON" in refused.json()["error"]["message"]
+            )
+
+
 def test_error_bodies_and_statuses(service: Service, ns: str) -> None:
     with _http(service, ADMIN) as http:
         assert _error(http.get(f"/v1/semaphores/{ns}nope")) == (404, "semaphore_not_found")

@@ -267,6 +267,12 @@ CASES: dict[str, Case] = {
         lambda ctx: ("POST", "/v1/leases/revoke", {"key": ctx.job, "owner": ctx.owner, "reason": "mine"}),
         token=CLIENT,
     ),
+    "auth-missing-bad-json": Case(
+        None, lambda ctx: ("POST", "/v1/leases", ctx.fill('{"wants": {"{s}": 1}').encode()), token=None
+    ),
+    "auth-client-bad-fields": Case(
+        None, lambda ctx: ("POST", "/v1/semaphores", {"name": "", "capacity": "many"}), token=CLIENT
+    ),
     "revoke-reason-blank": Case(
         None, lambda ctx: ("POST", "/v1/leases/revoke", {"key": ctx.job, "owner": ctx.owner, "reason": " "})
     ),

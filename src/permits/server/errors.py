@@ -45,6 +45,7 @@ from permits._exceptions import (
     Unauthorized,
     UsageError,
 )
+from permits.server import routes
 
 logger = logging.getLogger("permits.server")
 
@@ -149,6 +150,12 @@ def install(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":  # loc is ("body", offset): the body, not a field "0"
+            # The framework parses the body before any dependency runs: the caller is told what the route
+            # would have told it (401, 403) before anything about its body, as for every other bad input.
+            try:
+                await routes.refuse_caller(request)
+            except PermitsError as refused:
+                return error_response(refused)
             return error_response(InvalidArgument(f"the body is not valid JSON ({first.get('msg')})", field="body"))
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
         field = loc[0] if loc else "body"
@@ -158,6 +165,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # the framework could not parse the body: bad input like any other
+            try:
+                await routes.refuse_caller(request)
+            except PermitsError as refused:
+                return error_response(refused)
             return error_response(InvalidArgument(f"the body is not valid JSON ({exc.detail})", field="body"))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "service_error")
         headers = exc.headers

@@ -52,18 +52,59 @@ async def _state(request: Request) -> ServiceState:
 
 
 #: Set in the request's state by the body middleware (app.py) when a body came as something other than
-#: JSON: the media type it named. Refused here, after routing and authentication, so that the answer is
-#: the one the request would get anyway (404, 405, 401) before the one about its body.
+#: JSON: the media type it named. Refused by the caller's dependency, after routing, authentication and
+#: the admin check, so that the answer is the one the request would get anyway (404, 405, 401, 403) before
+#: the one about its body.
 WRONG_BODY_TYPE = "wrong_body_type"
 
 
-async def _identity(request: Request) -> Identity:
+async def _authenticated(request: Request) -> Identity:
     identity = (await _state(request)).auth.identify(request.headers.get("authorization"))
     request.state.identity = identity
+    return identity
+
+
+def _refuse_wrong_body_type(request: Request) -> None:
     wrong = getattr(request.state, WRONG_BODY_TYPE, None)
     if wrong is not None:
         raise InvalidArgument(f"a request body is JSON (Content-Type: application/json), not {wrong}", field="body")
+
+
+async def _identity(request: Request) -> Identity:
+    identity = await _authenticated(request)
+    _refuse_wrong_body_type(request)
     return identity
+
+
+class _AdminOnly:
+    """A dependency: the caller, who must hold an admin token to take ``action``. Checked in a dependency
+    rather than in the handler because FastAPI resolves dependencies before it validates the parameters
+    and the body: a client token is told 403 before anything about its input."""
+
+    def __init__(self, action: str) -> None:
+        self.action = action
+
+    async def __call__(self, request: Request) -> Identity:
+        identity = await _authenticated(request)
+        identity.require_admin(self.action)
+        _refuse_wrong_body_type(request)
+        return identity
+
+
+async def refuse_caller(request: Request) -> None:
+    """Raise what the matched route's caller dependency would raise (401, 403), for a request that the
+    framework refused before any dependency ran: a body that is not valid JSON is parsed, and refused,
+    first. Nothing when there is no route, or the caller passes."""
+    dependant = getattr(request.scope.get("route"), "dependant", None)
+    if dependant is None:
+        return
+    calls = [dep.call for dep in dependant.dependencies]
+    if not any(call is _identity or isinstance(call, _AdminOnly) for call in calls):
+        return
+    identity = await _authenticated(request)
+    for call in calls:
+        if isinstance(call, _AdminOnly):
+            identity.require_admin(call.action)
 
 
 State = Annotated[ServiceState, Depends(_state)]
@@ -176,10 +217,11 @@ async def extend(body: schemas.ExtendIn, identity: Caller, state: State) -> dict
 
 
 @router.post("/leases/revoke", response_model=schemas.LeaseOut, responses=_ERRORS, tags=["admin"])
-async def revoke(body: schemas.RevokeIn, identity: Caller, state: State) -> dict[str, Any]:
+async def revoke(
+    body: schemas.RevokeIn, identity: Annotated[Identity, Depends(_AdminOnly("revoking a lease"))], state: State
+) -> dict[str, Any]:
     """End anyone's lease now, recording why (admin). ``owner`` is the owner as stored, as the holders list
     shows it. The holder finds out at its next extend (410, reason ``revoked``)."""
-    identity.require_admin("revoking a lease")
     lease = await admin.revoke(state, identity, body.owner, body.key, reason=body.reason)
     return _wire.lease_out(lease)
 
@@ -205,7 +247,11 @@ async def list_semaphores(identity: Caller, state: State, prefix: str = "") -> d
 @router.post(
     "/semaphores", status_code=201, response_model=schemas.SemaphoreOut, responses=_ERRORS, tags=["semaphores"]
 )
-async def create_semaphore(body: schemas.CreateSemaphoreIn, identity: Caller, state: State) -> JSONResponse:
+async def create_semaphore(
+    body: schemas.CreateSemaphoreIn,
+    identity: Annotated[Identity, Depends(_AdminOnly("creating a semaphore"))],
+    state: State,
+) -> JSONResponse:
     """Create a semaphore (admin). With ``exist_ok``, one of the same capacity is returned instead of 409."""
     sem = await admin.create_semaphore(
         state,
@@ -230,7 +276,10 @@ async def get_semaphore(name: schemas.NameInPath, identity: Caller, state: State
     "/semaphores/{name:text}", response_model=schemas.CapacityChangeOut, responses=_ERRORS, tags=["semaphores"]
 )
 async def set_capacity(
-    name: schemas.NameInPath, body: schemas.SetCapacityIn, identity: Caller, state: State
+    name: schemas.NameInPath,
+    body: schemas.SetCapacityIn,
+    identity: Annotated[Identity, Depends(_AdminOnly("changing a capacity"))],
+    state: State,
 ) -> dict[str, Any]:
     """Change a capacity, with a reason kept in its history (admin). Lowering it revokes nothing."""
     change = await admin.set_capacity(
@@ -242,7 +291,7 @@ async def set_capacity(
 @router.delete("/semaphores/{name:text}", response_model=schemas.DeletedOut, responses=_ERRORS, tags=["semaphores"])
 async def delete_semaphore(
     name: schemas.NameInPath,
-    identity: Caller,
+    identity: Annotated[Identity, Depends(_AdminOnly("deleting a semaphore"))],
     state: State,
     force: Annotated[bool, Query()] = False,
     reason: Annotated[
@@ -295,9 +344,10 @@ async def capacity_history(
 
 
 @router.post("/sweep", response_model=schemas.SweepOut, responses=_ERRORS, tags=["admin"])
-async def sweep(body: schemas.SweepIn, identity: Caller, state: State) -> dict[str, Any]:
+async def sweep(
+    body: schemas.SweepIn, identity: Annotated[Identity, Depends(_AdminOnly("sweeping"))], state: State
+) -> dict[str, Any]:
     """End every expired lease now, in short batches (admin). The service also does this on its own."""
-    identity.require_admin("sweeping")
     result = await state.client.sweep(batch_size=body.batch_size, max_batches=body.max_batches)
     if result.leases:
         state.metrics.reclaims.labels("swept").inc(result.leases)
@@ -305,7 +355,8 @@ async def sweep(body: schemas.SweepIn, identity: Caller, state: State) -> dict[s
 
 
 @router.post("/reconcile", response_model=schemas.ReconcileOut, responses=_ERRORS, tags=["admin"])
-async def reconcile(body: schemas.ReconcileIn, identity: Caller, state: State) -> dict[str, Any]:
+async def reconcile(
+    body: schemas.ReconcileIn, identity: Annotated[Identity, Depends(_AdminOnly("reconciling"))], state: State
+) -> dict[str, Any]:
     """Compare each semaphore's count with its permit rows, and repair drift if asked (admin)."""
-    identity.require_admin("reconciling")
     return {"drift": [_wire.drift_out(d) for d in await state.client.reconcile(repair=body.repair)]}
