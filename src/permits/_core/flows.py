@@ -308,7 +308,7 @@ def _acquire_slow(d: Dialect, req: Request) -> Flow[Lease | None]:
         # Expired leases never block: end those holding these semaphores, in this transaction.
         expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": sorted(sid for sid, _, _ in sems.values())})
         if expired.rows:
-            returned, reclaimed = yield from _end_leases([int(r[0]) for r in expired.rows], EndReason.EXPIRED)
+            returned, reclaimed = yield from _end_expired([int(r[0]) for r in expired.rows])
             sems = {n: (sid, cap, used - returned.get(sid, 0)) for n, (sid, cap, used) in sems.items()}
         if not _all_have_room(wants, sems):
             return None  # commit: the reclaim stands even though this request waits
@@ -333,7 +333,7 @@ def _acquire_slow(d: Dialect, req: Request) -> Flow[Lease | None]:
 def _reclaim(ids: Sequence[int]) -> Flow[None]:
     """End expired leases (those still held: each is re-checked under lock) and commit, for a request that
     then waits: no room for it, as far as this attempt goes."""
-    yield from _end_leases(ids, EndReason.EXPIRED)
+    yield from _end_expired(ids)
     return None
 
 
@@ -384,22 +384,27 @@ def _find_lease(owner: str, key: str) -> Flow[tuple[int, Lease] | None]:
     return None if lease is None else (int(found.rows[0][0]), lease)
 
 
-#: the reasons to end a lease that only its expiry gives
-_FOR_EXPIRY = (EndReason.EXPIRED, EndReason.SWEPT)
+def _end_expired(ids: Sequence[int], reason: EndReason = EndReason.EXPIRED) -> Flow[tuple[dict[int, int], list[int]]]:
+    """End the leases among ``ids`` that are still held and still expired, and give their permits back.
 
-
-def _end_leases(
-    ids: Sequence[int], reason: EndReason, note: str | None = None
-) -> Flow[tuple[dict[int, int], list[int]]]:
-    """End the leases among ``ids`` that are still held and give their permits back.
-
-    Returns the permits returned per semaphore id, and the ids of the leases this call ended. The lease rows
-    are locked first and re-checked, so a lease that another transaction ended meanwhile is not returned
-    twice; a lease to end for its expiry is re-checked as expired too, so one that its holder extended
-    meanwhile stays held.
+    Each lease is re-checked as expired under its row lock: one whose holder extended it since the caller
+    read it as expired stays held (the extend was acknowledged). Returns what ``_end_locked`` returns.
     """
-    lock = "LEASES_LOCK_EXPIRED" if reason in _FOR_EXPIRY else "LEASES_LOCK_HELD"
-    locked = yield Stmt(lock, {"ids": sorted(ids)})
+    locked = yield Stmt("LEASES_LOCK_EXPIRED", {"ids": sorted(ids)})
+    return (yield from _end_locked(locked, reason, None))
+
+
+def _end_held(ids: Sequence[int], reason: EndReason, note: str | None = None) -> Flow[tuple[dict[int, int], list[int]]]:
+    """End the leases among ``ids`` that are still held, expired or not (a revoke, a dead owner, a lease
+    held too long), and give their permits back. Returns what ``_end_locked`` returns."""
+    locked = yield Stmt("LEASES_LOCK_HELD", {"ids": sorted(ids)})
+    return (yield from _end_locked(locked, reason, note))
+
+
+def _end_locked(locked: Result, reason: EndReason, note: str | None) -> Flow[tuple[dict[int, int], list[int]]]:
+    """End the leases that a locking read found still to end. Returns the permits returned per semaphore
+    id, and the ids of the leases ended. The rows were locked and re-checked first, so a lease that another
+    transaction ended meanwhile is not returned twice."""
     held = sorted(int(r[0]) for r in locked.rows)
     if not held:
         return {}, []
@@ -435,7 +440,7 @@ def _release_cold(d: Dialect, owner: str, key: str) -> Flow[ReleaseOutcome]:
         return ReleaseOutcome.NOT_FOUND
     lease_id, lease = existing
     if lease.end_reason is None:  # held, but its TTL passed: end it as expired, the holder lost it
-        _, ended = yield from _end_leases([lease_id], EndReason.EXPIRED)
+        _, ended = yield from _end_expired([lease_id])
         if not ended:  # an extend of the lease committed since the release looked: release it after all
             raise Restart(lambda: release(d, owner, key))
         return ReleaseOutcome.LOST
@@ -465,7 +470,7 @@ def revoke(owner: str, key: str, note: str) -> Flow[Lease]:
     lease_id, lease = existing
     if lease.end_reason is not None:
         return lease
-    yield from _end_leases([lease_id], EndReason.REVOKED, note)
+    yield from _end_held([lease_id], EndReason.REVOKED, note)
     return (yield from get_lease(owner, key))
 
 
@@ -590,13 +595,13 @@ def delete_semaphore(name: str, force: bool) -> Flow[int]:
     expired = sorted({int(r[0]) for r in holding.rows} - set(live))
     if expired:
         # An extend needs no semaphore row: one may have committed since the read, and its lease is live.
-        _, ended = yield from _end_leases(expired, EndReason.EXPIRED)
+        _, ended = yield from _end_expired(expired)
         live += sorted(set(expired) - set(ended))
         if live and not force:
             raise _in_use(name, len(live))
     revoked: list[int] = []
     if live:
-        _, revoked = yield from _end_leases(live, EndReason.REVOKED)
+        _, revoked = yield from _end_held(live, EndReason.REVOKED)
     yield Stmt("SEM_WAITERS_DELETE", {"id": sem_id})
     yield Stmt("SEM_TOMBSTONE", {"id": sem_id})
     return len(revoked)
@@ -614,7 +619,7 @@ def sweep_batch(limit: int) -> Flow[tuple[int, list[tuple[str, str]]]]:
     if not found.rows:
         return 0, []
     names = {int(r[0]): (str(r[1]), str(r[2])) for r in found.rows}
-    _, ended = yield from _end_leases(sorted(names), EndReason.SWEPT)
+    _, ended = yield from _end_expired(sorted(names), EndReason.SWEPT)
     return len(names), [names[i] for i in ended]
 
 
@@ -636,7 +641,7 @@ def end_owner_leases(owner: str, reason: EndReason, note: str, limit: int) -> Fl
     keys = {int(r[0]): str(r[1]) for r in found.rows}
     if not keys:
         return []
-    _, ended = yield from _end_leases(sorted(keys), reason, note)
+    _, ended = yield from _end_held(sorted(keys), reason, note)
     return [keys[i] for i in ended]
 
 
@@ -646,7 +651,7 @@ def end_stale_batch(max_age_ms: int, note: str, limit: int) -> Flow[tuple[int, l
     if not found.rows:
         return 0, []
     names = {int(r[0]): (str(r[1]), str(r[2])) for r in found.rows}
-    _, ended = yield from _end_leases(sorted(names), EndReason.STALE, note)
+    _, ended = yield from _end_held(sorted(names), EndReason.STALE, note)
     return len(names), [names[i] for i in ended]
 
 
