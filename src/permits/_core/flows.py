@@ -397,6 +397,8 @@ def _end_expired(ids: Sequence[int], reason: EndReason = EndReason.EXPIRED) -> F
 def _end_held(ids: Sequence[int], reason: EndReason, note: str | None = None) -> Flow[tuple[dict[int, int], list[int]]]:
     """End the leases among ``ids`` that are still held, expired or not (a revoke, a dead owner, a lease
     held too long), and give their permits back. Returns what ``_end_locked`` returns."""
+    # A lease ended as expired must have expired: those go through _end_expired, which re-checks it.
+    assert reason not in (EndReason.EXPIRED, EndReason.SWEPT), reason
     locked = yield Stmt("LEASES_LOCK_HELD", {"ids": sorted(ids)})
     return (yield from _end_locked(locked, reason, note))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -91,14 +92,18 @@ class _AdminOnly:
         return identity
 
 
+def _dependency_calls(dependant: Any) -> Iterator[Any]:
+    """Every dependency a route resolves, those of its dependencies included."""
+    for sub in getattr(dependant, "dependencies", ()):
+        yield sub.call
+        yield from _dependency_calls(sub)
+
+
 async def refuse_caller(request: Request) -> None:
     """Raise what the matched route's caller dependency would raise (401, 403), for a request that the
     framework refused before any dependency ran: a body that is not valid JSON is parsed, and refused,
     first. Nothing when there is no route, or the caller passes."""
-    dependant = getattr(request.scope.get("route"), "dependant", None)
-    if dependant is None:
-        return
-    calls = [dep.call for dep in dependant.dependencies]
+    calls = list(_dependency_calls(getattr(request.scope.get("route"), "dependant", None)))
     if not any(call is _identity or isinstance(call, _AdminOnly) for call in calls):
         return
     identity = await _authenticated(request)
@@ -348,6 +353,7 @@ async def sweep(
     body: schemas.SweepIn, identity: Annotated[Identity, Depends(_AdminOnly("sweeping"))], state: State
 ) -> dict[str, Any]:
     """End every expired lease now, in short batches (admin). The service also does this on its own."""
+    identity.require_admin("sweeping")  # again, as each admin action checks itself (see _AdminOnly)
     result = await state.client.sweep(batch_size=body.batch_size, max_batches=body.max_batches)
     if result.leases:
         state.metrics.reclaims.labels("swept").inc(result.leases)
@@ -359,4 +365,5 @@ async def reconcile(
     body: schemas.ReconcileIn, identity: Annotated[Identity, Depends(_AdminOnly("reconciling"))], state: State
 ) -> dict[str, Any]:
     """Compare each semaphore's count with its permit rows, and repair drift if asked (admin)."""
+    identity.require_admin("reconciling")  # again, as each admin action checks itself (see _AdminOnly)
     return {"drift": [_wire.drift_out(d) for d in await state.client.reconcile(repair=body.repair)]}
