@@ -55,7 +55,10 @@ def test_max_hold_caps_how_long_the_lease_is_kept(client_url: str, ns: str) -> N
             wait_until(lambda: lost, timeout=5, interval=0.01)
             assert lost == ["max_hold"]
             assert 0.8 <= time.monotonic() - started < 2.0
-            assert not client.get_lease(lease.key).held
+            # The watchdog counts max_hold from before it sent the granting request, so it reports the
+            # loss up to a round trip before the database's clock lets the lease go (CI saw 1 ms left,
+            # through the service): the lease must end then, not be kept.
+            wait_until(lambda: not client.get_lease(lease.key).held, timeout=1.0, interval=0.01)
         assert client.get_semaphore(f"{ns}s").used == 0
 
 
