@@ -139,6 +139,16 @@ def _leaf_routes(routes: list[Any]) -> Iterator[Any]:
             yield from _leaf_routes(list(getattr(inner, "routes", [])))
 
 
+async def _unparsed_body(request: Request, why: str) -> JSONResponse:
+    """A body the framework could not parse. It parses before any dependency runs, so the caller is told
+    first what the route would have told it (401, 403), as for every other bad input."""
+    try:
+        await routes.refuse_caller(request)
+    except PermitsError as refused:
+        return error_response(refused)
+    return error_response(InvalidArgument(f"the body is not valid JSON ({why})", field="body"))
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(PermitsError)
     async def _permits_error(request: Request, exc: PermitsError) -> JSONResponse:
@@ -150,13 +160,7 @@ def install(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":  # loc is ("body", offset): the body, not a field "0"
-            # The framework parses the body before any dependency runs: the caller is told what the route
-            # would have told it (401, 403) before anything about its body, as for every other bad input.
-            try:
-                await routes.refuse_caller(request)
-            except PermitsError as refused:
-                return error_response(refused)
-            return error_response(InvalidArgument(f"the body is not valid JSON ({first.get('msg')})", field="body"))
+            return await _unparsed_body(request, str(first.get("msg")))
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
         field = loc[0] if loc else "body"
         where = ".".join(loc) or "the body"
@@ -165,11 +169,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # the framework could not parse the body: bad input like any other
-            try:
-                await routes.refuse_caller(request)
-            except PermitsError as refused:
-                return error_response(refused)
-            return error_response(InvalidArgument(f"the body is not valid JSON ({exc.detail})", field="body"))
+            return await _unparsed_body(request, str(exc.detail))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "service_error")
         headers = exc.headers
         if exc.status_code == 405:
