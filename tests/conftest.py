@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
@@ -65,6 +66,36 @@ def own_database(backend: str, prefix: str) -> Iterator[str]:
             force = " WITH (FORCE)" if backend == "postgresql" else ""
             conn.execute(text(f"DROP DATABASE IF EXISTS {name}{force}"))
         admin.dispose()
+
+
+def count_function_calls(url: str) -> None:
+    """Have PostgreSQL count calls of PL/pgSQL functions in the database of ``url`` (``track_functions``,
+    for sessions that start from now on); see ``called_functions``."""
+    database = make_url(url).database
+    admin = create_engine(_admin_url("postgresql"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"ALTER DATABASE {database} SET track_functions = 'pl'"))
+    admin.dispose()
+
+
+def called_functions(url: str, within: float = 15.0) -> set[str]:
+    """Which of permits' server functions (dialects/pg_functions.py) sessions counted by
+    ``count_function_calls`` have called, by the statement each replaces (``acquire_one``, ``release``).
+    A session reports its counts at most once a second, or after 10 s idle: this waits until ``within``."""
+    engine = create_engine(sqlalchemy_url(url.split("?")[0]))
+    deadline = time.monotonic() + within
+    try:
+        while True:
+            with engine.connect() as conn:
+                names = conn.execute(
+                    text("SELECT funcname FROM pg_stat_user_functions WHERE calls > 0 AND funcname LIKE 'permits_%'")
+                ).scalars()
+                called = {name.removeprefix("permits_").rsplit("_", 1)[0] for name in names}
+            if len(called) >= 2 or time.monotonic() > deadline:
+                return called
+            time.sleep(0.5)
+    finally:
+        engine.dispose()
 
 
 class _Servers:

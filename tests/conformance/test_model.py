@@ -51,7 +51,7 @@ from permits import (
 )
 from permits.dialects.server_clock import ServerOffsetClock, server_offset_clock
 from permits.dialects.sqlite import OffsetClock, offset_clock
-from tests.conftest import own_database
+from tests.conftest import called_functions, count_function_calls, own_database
 
 #: Seconds: every TTL and every move of the clock is a multiple of this.
 UNIT = 60.0
@@ -421,17 +421,24 @@ def test_model_on_sqlite_with_a_moving_clock(tmp_path: Path) -> None:
         client.close()
 
 
-@pytest.mark.parametrize("server", ["mysql", "postgresql"])
+@pytest.mark.parametrize("server", ["mysql", "postgresql", "postgresql-functions"])
 def test_model_on_a_server_with_a_moving_clock(server: str) -> None:
     """The full model, time included, on MariaDB and PostgreSQL: each runs its own statements for sweeps,
     reclaims and extends, and its own reading of the clock. On a database of the test's own, for the same
-    reason as SQLite's file."""
-    with (
-        own_database(server, "permits_clock") as url,
-        server_offset_clock(url) as clock,
-        permits.connect(url, auto_upgrade=True) as client,
-    ):
-        _run(client, clock, examples=60, steps=40)
+    reason as SQLite's file. ``postgresql-functions``: PostgreSQL as a client behind a transaction pooler
+    sees it, whose grant and release are calls of server functions made from those statements
+    (dialects/pg_functions.py); the URL's parameter does that without a pooler in between."""
+    backend, _, variant = server.partition("-")
+    with own_database(backend, "permits_clock") as url:
+        if variant:
+            count_function_calls(url)
+        with (
+            server_offset_clock(url) as clock,
+            permits.connect(url + ("?pooler=transaction" if variant else ""), auto_upgrade=True) as client,
+        ):
+            _run(client, clock, examples=60, steps=40)
+            if variant:  # the functions were made (with the moved clock in them) and called
+                assert called_functions(url) == {"acquire_one", "release"}
 
 
 @pytest.mark.parametrize("flavour", ["sync"])  # the asyncio client runs the same store code; this is slow enough

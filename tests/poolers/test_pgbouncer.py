@@ -10,7 +10,9 @@ handed out in turn, so that consecutive transactions of one client run on differ
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import threading
 import time
 import uuid
@@ -18,14 +20,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, make_url, text
 
 import permits
+from permits.dialects.pg_functions import server_functions
+from permits.dialects.postgresql import PostgreSQL
 from tests._pgbouncer import PgBouncer, pgbouncer_version
 from tests._service import running
 from tests.concurrency.test_many_processes import run_and_check
-from tests.conftest import SERVER_URLS, AsyncFacade, _admin_url
+from tests.conftest import (
+    SERVER_URLS,
+    AsyncFacade,
+    _admin_url,
+    called_functions,
+    count_function_calls,
+    own_database,
+    sqlalchemy_url,
+)
 
 pytestmark = pytest.mark.usefixtures("servers")
 SESSION_POOL = 10
@@ -271,3 +284,140 @@ def test_a_password_given_as_a_query_parameter_is_masked_too() -> None:
     assert "s3cret" not in client.url and "k3y" not in client.url
     assert "password=***" in client.url and "sslpassword=***" in client.url and "pooler=session" in client.url
     client.close()
+
+
+# ---- the grant and the release as server functions (dialects/pg_functions.py)
+
+
+def _created(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("created the server function")]
+
+
+def test_behind_a_transaction_pooler_grants_and_releases_are_function_calls(
+    ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through PgBouncer in transaction mode, the grant and the release are calls of functions made from
+    the very statements a direct client sends (unprepared, those are planned anew at every call). The first
+    client creates them; the next finds them."""
+    with own_database("postgresql", "permits_fn") as url:
+        count_function_calls(url)
+        with permits.connect(url, auto_upgrade=True) as direct:  # the schema, made directly
+            direct.list_semaphores()
+        with PgBouncer("transaction") as bouncer, caplog.at_level(logging.INFO, logger="permits"):
+            pooled = bouncer.url_for(make_url(url).database or "", pooler="transaction")
+            with permits.connect(pooled) as client:
+                _exercise(client, ns)
+            assert len(_created(caplog)) == 2, _created(caplog)
+            assert called_functions(url) == {"acquire_one", "release"}
+            caplog.clear()
+            with permits.connect(pooled) as client:
+                client.release(client.acquire(f"{ns}plain", timeout=5))
+            assert _created(caplog) == []
+        engine = create_engine(sqlalchemy_url(url))
+        with engine.connect() as conn:
+            sources = dict(
+                conn.execute(text("SELECT proname, prosrc FROM pg_proc WHERE proname LIKE 'permits_%'")).all()
+            )
+        engine.dispose()
+        functions = server_functions(PostgreSQL())
+        assert set(sources) == {f.name for f in functions}
+        for function in functions:  # each is its statement, with the parameters renamed
+            statement = re.sub(r"(?<![:\w]):(\w+)", r"arg_\1", PostgreSQL().sql(function.statement))
+            assert f"RETURN QUERY {statement};" in sources[function.name]
+
+
+@contextlib.contextmanager
+def _role_that_may_not_create(url: str) -> Iterator[str]:
+    """A role that may read and write permits' tables in the database of ``url`` (with its schema made)
+    but not create anything there: its URL, with ``?pooler=transaction``."""
+    role = f"permits_dml_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(_admin_url("postgresql"), isolation_level="AUTOCOMMIT")
+    inside = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE ROLE {role} LOGIN"))
+    try:
+        with inside.connect() as conn:
+            conn.execute(text(f"REVOKE CREATE ON SCHEMA public FROM PUBLIC, {role}"))
+            conn.execute(text(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}"))
+            conn.execute(text(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}"))
+        yield make_url(url).set(username=role).render_as_string(hide_password=False) + "?pooler=transaction"
+    finally:
+        with inside.connect() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+        inside.dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP ROLE {role}"))
+        admin.dispose()
+
+
+def test_a_role_that_may_not_create_functions_sends_the_statements(ns: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A role without CREATE in the schema says why it cannot make the functions, and works on with the
+    statements themselves; once a role that may has made them, it calls them."""
+    with own_database("postgresql", "permits_fn") as url:
+        count_function_calls(url)
+        with permits.connect(url, auto_upgrade=True) as owner:
+            owner.create_semaphore(f"{ns}s", 1)
+        with _role_that_may_not_create(url) as limited:
+            with caplog.at_level(logging.INFO, logger="permits"), permits.connect(limited) as client:
+                lease = client.acquire(f"{ns}s", timeout=5)
+                assert client.try_acquire(f"{ns}s") is None
+                assert str(client.release(lease)) == "released"
+            refused = [
+                r.getMessage() for r in caplog.records if "cannot create permits' server functions" in r.getMessage()
+            ]
+            assert len(refused) == 1 and "permission denied for schema public" in refused[0], refused
+            assert _created(caplog) == []
+            assert called_functions(url, within=2) == set()
+            with permits.connect(url + "?pooler=transaction") as owner:  # the owner makes them
+                owner.get_semaphore(f"{ns}s")
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="permits"), permits.connect(limited) as client:
+                client.release(client.acquire(f"{ns}s", timeout=5))
+            assert not [r for r in caplog.records if "server functions" in r.getMessage()]
+            assert called_functions(url) == {"acquire_one", "release"}
+
+
+def test_a_client_that_loses_the_race_to_create_a_function_calls_the_winners(ns: str) -> None:
+    """Two clients that open at once both find a function missing, and both create it: the one whose CREATE
+    waited for the other's commit fails on the name, and calls the function the other made."""
+    with own_database("postgresql", "permits_fn") as url:
+        with permits.connect(url, auto_upgrade=True) as direct:
+            direct.create_semaphore(f"{ns}s", 1)
+        first = server_functions(PostgreSQL())[0]
+        other = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"))
+        try:
+            other.execute(first.definition)  # created, not committed: the client's CREATE waits for it
+            outcome: list[Any] = []
+
+            def open_and_use() -> None:
+                with permits.connect(url + "?pooler=transaction") as client:
+                    outcome.append(client.acquire(f"{ns}s", timeout=5))
+                    client.release(outcome[-1])
+
+            worker = threading.Thread(target=open_and_use, daemon=True)
+            worker.start()
+            deadline = time.monotonic() + 10
+            while not _waits_for_a_lock(url) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert worker.is_alive() and not outcome, "the client did not wait for the other CREATE"
+            other.commit()
+            worker.join(15)
+            assert len(outcome) == 1 and outcome[0].tokens == {f"{ns}s": 1}
+        finally:
+            other.close()
+
+
+def _waits_for_a_lock(url: str) -> bool:
+    engine = create_engine(sqlalchemy_url(url))
+    try:
+        with engine.connect() as conn:
+            return bool(
+                conn.execute(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND wait_event_type = 'Lock' AND query LIKE 'CREATE FUNCTION permits_%'"
+                    )
+                ).scalar_one()
+            )
+    finally:
+        engine.dispose()

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
@@ -40,6 +41,7 @@ from permits._models import (
 )
 from permits.dialects.base import Fault, dialect_for_url
 from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
+from permits.dialects.pg_functions import ServerFunction, server_functions
 from permits.stores._engine import (
     READONLY,
     async_driver_connection,
@@ -57,6 +59,14 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 logger = logging.getLogger("permits.store")
+
+#: SQLSTATEs of a CREATE FUNCTION that another client's CREATE of the same function beat (duplicate_function;
+#: unique_violation on pg_proc, when both ran at once)
+_CREATED_MEANWHILE = {"42723", "23505"}
+#: SQLSTATEs of a role that may not create functions where it is (insufficient_privilege), or of a server
+#: that takes no writes (read_only_sql_transaction: a standby)
+_MAY_NOT_CREATE = {"42501", "25006"}
+
 IS_ASYNC = True
 #: A flow may restart itself (for example, to answer a retry from the lease that exists); more than this
 #: many restarts in one call means something is wrong.
@@ -101,6 +111,8 @@ class AsyncSQLStore:
         # Server-side prepared statements on PostgreSQL's hot path, except behind a transaction pooler: the
         # next transaction may run on another server connection, which has never seen the statement.
         self._prepare = settings.pooler != "transaction"
+        #: behind a transaction pooler: the grant and the release are calls of server functions (open())
+        self._calls_functions = False
         # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling. Not through
         # a transaction pooler, which hands the LISTENing server connection on to other clients.
         self._listener: AsyncRoomListener | None = None
@@ -160,6 +172,8 @@ class AsyncSQLStore:
                     revision=revision,
                     head=head,
                 )
+        if self._settings.pooler == "transaction" and self._dialect.name == "postgresql" and not self._calls_functions:
+            await self._with_retries(self._call_server_functions)
         self._opened = True
 
     async def close(self) -> None:
@@ -200,6 +214,53 @@ class AsyncSQLStore:
                 self.url,
                 " ".join(fixes),
             )
+
+    async def _call_server_functions(self) -> None:
+        """Behind a transaction pooler, send the grant and the release as calls of server functions made
+        from them, whose plans each server session keeps (dialects/pg_functions.py); create those that are
+        missing. A role that may not create functions keeps sending the statements themselves."""
+        functions = server_functions(self._dialect)
+        async with self._engine.connect() as conn:
+            probe = ", ".join(f"to_regprocedure(:f{i}) IS NOT NULL" for i in range(len(functions)))
+            found = (
+                await conn.execute(text(f"SELECT {probe}"), {f"f{i}": f.signature for i, f in enumerate(functions)})
+            ).one()
+            await conn.rollback()
+        for function, exists in zip(functions, found, strict=True):
+            if not exists and not await self._create_function(function):
+                return
+        self._dialect = self._dialect.with_statements({f.statement: f.call for f in functions})
+        self._driver_statements.clear()
+        self._calls_functions = True
+
+    async def _create_function(self, function: ServerFunction) -> bool:
+        """Create ``function``; whether it exists now. Another client may create it at the same moment:
+        then this one's CREATE fails on the name, which is as good."""
+        async with self._engine.connect() as conn:
+            try:
+                async with conn.begin():
+                    # On the driver's connection: the definition is sent as it is, with no parameters.
+                    await (await async_driver_connection(conn)).execute(function.definition)
+            except Exception as exc:
+                error = driver_error(self._engine, exc)
+                if error is None:
+                    raise
+                state = getattr(error.orig, "sqlstate", None)
+                if state in _CREATED_MEANWHILE:
+                    return True
+                if state in _MAY_NOT_CREATE:
+                    logger.warning(
+                        "cannot create permits' server functions at %s (%s): grants and releases are sent as"
+                        " statements, planned anew at every call behind the transaction pooler. Let the role"
+                        " create functions, or run any permits command once as a role that may"
+                        " (docs/deployment.md, Poolers)",
+                        self.url,
+                        str(error.orig).strip(),
+                    )
+                    return False
+                raise error from exc
+        logger.info("created the server function %s at %s", function.name, self.url)
+        return True
 
     async def _probe_replication(self) -> list[tuple[str, str]]:
         async with self._engine.connect() as conn:

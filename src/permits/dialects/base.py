@@ -18,6 +18,7 @@ Tables (all prefixed ``permits_``):
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -394,6 +395,13 @@ class Dialect:
         if offset is None or self.name == "sqlite":
             return now, clock_now
         return f"({now} + {offset})", f"({clock_now} + {offset})"
+
+    def with_statements(self, replacements: Mapping[str, str]) -> Dialect:
+        """This dialect, sending ``replacements`` (SQL by statement name) instead of those statements: on
+        PostgreSQL behind a transaction pooler, calls of the functions made from them (pg_functions.py)."""
+        replaced = copy.copy(self)
+        replaced._clauses = {**self._clauses, **{name: text(sql) for name, sql in replacements.items()}}
+        return replaced
 
     def expands(self, name: str) -> bool:
         """The statement takes a list parameter (``IN :names``), which SQLAlchemy expands."""

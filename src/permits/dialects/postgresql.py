@@ -29,10 +29,12 @@ _SCHEMA = {"42P01"}  # undefined_table
 def _notify_while_listened(rows: str) -> str:
     """The first half of a statement that makes room: one row per semaphore in ``rows`` (a CTE with its
     name and listened_until_ms), which notifies the semaphore's channel only while a listener marks it as
-    listened to (see LISTENED_MARK). The row comes back either way: RELEASE's rows say what it gave back."""
+    listened to (see LISTENED_MARK). The row comes back either way: RELEASE's rows say what it gave back.
+    Its column is cast to text (``pg_notify`` returns void) so that the statement can be a function's
+    result too (pg_functions.py)."""
     return (
-        "SELECT CASE WHEN listened_until_ms > {now} THEN pg_notify('permits_room_' || md5(name), name) END"
-        f" FROM {rows}"
+        "SELECT CAST(CASE WHEN listened_until_ms > {now} THEN pg_notify('permits_room_' || md5(name), name) END"
+        f" AS TEXT) FROM {rows}"
     )
 
 
@@ -45,7 +47,7 @@ def _call_fitting(rows: str, leaving: str = "") -> str:
     return (
         """
             UNION ALL
-            SELECT pg_notify(w.wake_channel, r.name)
+            SELECT CAST(pg_notify(w.wake_channel, r.name) AS TEXT)
             FROM """
         + rows
         + """ r, LATERAL (
@@ -120,7 +122,7 @@ class PostgreSQL(Dialect):
             WITH changed AS (
                 UPDATE permits_semaphore SET capacity = :capacity, updated_at_ms = {now} WHERE id = :id
                 RETURNING id, name, capacity - used AS room, fair)
-            SELECT pg_notify('permits_room_' || md5(name), name) FROM changed"""
+            SELECT CAST(pg_notify('permits_room_' || md5(name), name) AS TEXT) FROM changed"""
         + _call_fitting("changed"),
         # Acquire one semaphore in one statement: each CTE feeds the next, so when the UPDATE finds no room
         # nothing is inserted and no row comes back. The lease is stamped once the semaphore's row is

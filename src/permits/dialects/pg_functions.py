@@ -1,0 +1,81 @@
+"""PostgreSQL's one-statement grant and release as server functions, for clients behind a transaction pooler.
+
+Behind a transaction pooler (PgBouncer's ``pool_mode = transaction``) a client cannot prepare statements on
+the server: its next transaction may run on another server connection, which has never seen them. Sent
+unprepared, the grant and the release are parsed and planned at every call, and planning these CTEs costs
+more than running them (docs/benchmarks.md, "PostgreSQL behind PgBouncer"). PL/pgSQL keeps the plans of a
+function's statements for the life of each server session, whoever calls it; so behind a transaction pooler
+permits calls functions made from those two statements instead.
+
+Each function is made from the dialect's own statement, so its SQL is written once, and it is named after a
+hash of its definition: a definition never changes under a name. Clients of two versions of permits, or a
+test that moved the server's clock, each call the functions of their own statements; a function no version
+calls any more is left in place, unused (docs/deployment.md, "Poolers").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from permits.dialects.base import Dialect
+
+#: The statements made into functions: each one's parameters and SQL types, and its result columns. Only
+#: statements that run alone (one request, one transaction) qualify: a function call is one statement.
+CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]] = {
+    "ACQUIRE_ONE": (
+        (("owner", "text"), ("key", "text"), ("name", "text"), ("count", "bigint"), ("ttl_ms", "bigint")),
+        (("lease_id", "bigint"), ("acquired_at_ms", "bigint"), ("expires_at_ms", "bigint"), ("token", "bigint")),
+    ),
+    "RELEASE": (
+        (("owner", "text"), ("key", "text")),
+        (("notified", "text"),),
+    ),
+}
+
+#: A bound parameter in a statement's text, as SQLAlchemy's ``text()`` finds them (``::`` casts excluded).
+_BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")
+
+
+@dataclass(frozen=True)
+class ServerFunction:
+    statement: str  #: the dialect statement it replaces
+    name: str  #: the function's name, with the hash of its definition
+    signature: str  #: name and argument types, as ``to_regprocedure`` reads them
+    definition: str  #: the CREATE FUNCTION statement
+    call: str  #: the statement that calls it, with the replaced statement's bound parameters
+
+
+def server_functions(dialect: Dialect) -> list[ServerFunction]:
+    """The functions for ``dialect``'s hot statements, as it renders them (its clock included)."""
+    return [_function(dialect, statement) for statement in CALLED_STATEMENTS]
+
+
+def _function(dialect: Dialect, statement: str) -> ServerFunction:
+    params, columns = CALLED_STATEMENTS[statement]
+    body = dialect.sql(statement)
+    used = set(_BIND.findall(body))
+    declared = {param for param, _ in params}
+    if used != declared:  # a statement changed its parameters without this table: fail loudly, in tests
+        raise AssertionError(f"{statement} binds {sorted(used)}, but its function declares {sorted(declared)}")
+    # Arguments and result columns get prefixes of their own, so that neither can be read as a column of
+    # the statement's tables (PL/pgSQL would otherwise refuse the ambiguity at the first call).
+    body = _BIND.sub(lambda bound: f"arg_{bound.group(1)}", body)
+    arguments = ", ".join(f"arg_{param} {sql_type}" for param, sql_type in params)
+    returns = ", ".join(f"out_{column} {sql_type}" for column, sql_type in columns)
+    shape = (
+        f"({arguments}) RETURNS TABLE ({returns}) LANGUAGE plpgsql"
+        f" AS $permits$\nBEGIN\nRETURN QUERY {body};\nEND\n$permits$"
+    )
+    digest = hashlib.sha256(shape.encode()).hexdigest()[:16]
+    name = f"permits_{statement.lower()}_{digest}"
+    types = ", ".join(sql_type for _, sql_type in params)
+    casts = ", ".join(f"CAST(:{param} AS {sql_type})" for param, sql_type in params)
+    return ServerFunction(
+        statement=statement,
+        name=name,
+        signature=f"{name}({types})",
+        definition=f"CREATE FUNCTION {name}{shape}",
+        call=f"SELECT * FROM {name}({casts})",
+    )
