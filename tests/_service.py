@@ -29,13 +29,15 @@ class Service:
         tokens: list[dict[str, Any]] | None = None,
         env: dict[str, str] | None = None,
         args: tuple[str, ...] = (),
+        module: str = "permits",
     ) -> None:
+        """``module``: what ``python -m`` runs, ``permits`` or a test's launcher of it (tests/_clocked.py)."""
         environment = {**os.environ, **(env or {})}
         environment.pop("PERMITS_TOKEN", None)
         if tokens is not None:
             environment["PERMITS_TOKENS"] = json.dumps(tokens)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "permits", "serve", "--db", db_url, "--port", "0", *args],
+            [sys.executable, "-m", module, "serve", "--db", db_url, "--port", "0", *args],
             cwd=ROOT,
             env=environment,
             stdout=subprocess.PIPE,

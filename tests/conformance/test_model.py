@@ -19,6 +19,7 @@ CI runs a few examples per backend; ``PERMITS_MODEL_EXAMPLES=500`` runs that man
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections import Counter
@@ -51,6 +52,7 @@ from permits import (
 )
 from permits.dialects.server_clock import ServerOffsetClock, server_offset_clock
 from permits.dialects.sqlite import OffsetClock, offset_clock
+from tests._service import running
 from tests.conftest import called_functions, count_function_calls, own_database
 
 #: Seconds: every TTL and every move of the clock is a multiple of this.
@@ -421,23 +423,35 @@ def test_model_on_sqlite_with_a_moving_clock(tmp_path: Path) -> None:
         client.close()
 
 
-@pytest.mark.parametrize("server", ["mysql", "postgresql", "postgresql-functions"])
+@pytest.mark.parametrize(
+    "server", ["mysql", "postgresql", "postgresql-functions", "mysql-service", "postgresql-service"]
+)
 def test_model_on_a_server_with_a_moving_clock(server: str) -> None:
     """The full model, time included, on MariaDB and PostgreSQL: each runs its own statements for sweeps,
     reclaims and extends, and its own reading of the clock. On a database of the test's own, for the same
-    reason as SQLite's file. ``postgresql-functions``: PostgreSQL as a client behind a transaction pooler
-    sees it, whose grant and release are calls of server functions made from those statements
-    (dialects/pg_functions.py); the URL's parameter does that without a pooler in between."""
+    reason as SQLite's file.
+    - ``-functions``: PostgreSQL as a client behind a transaction pooler sees it, whose grant and release
+      are calls of server functions made from those statements (dialects/pg_functions.py); the URL's
+      parameter does that without a pooler in between.
+    - ``-service``: through a ``permits serve`` process that follows the test's clock (tests/_clocked.py),
+      with its background sweeps off, as the model sweeps when it chooses."""
     backend, _, variant = server.partition("-")
     with own_database(backend, "permits_clock") as url:
-        if variant:
+        if variant == "functions":
             count_function_calls(url)
-        with (
-            server_offset_clock(url) as clock,
-            permits.connect(url + ("?pooler=transaction" if variant else ""), auto_upgrade=True) as client,
-        ):
+        with contextlib.ExitStack() as stack:
+            clock = stack.enter_context(server_offset_clock(url))
+            if variant == "service":
+                off = {"PERMITS_MAINTENANCE__ENABLED": "false"}
+                with permits.connect(url, auto_upgrade=True) as direct:  # the schema, made directly
+                    direct.list_semaphores()
+                service = stack.enter_context(running(url, env=off, module="tests._clocked"))
+                client = stack.enter_context(permits.connect(service.url))
+            else:
+                pooler = "?pooler=transaction" if variant == "functions" else ""
+                client = stack.enter_context(permits.connect(url + pooler, auto_upgrade=True))
             _run(client, clock, examples=60, steps=40)
-            if variant:  # the functions were made (with the moved clock in them) and called
+            if variant == "functions":  # the functions were made (with the moved clock in them) and called
                 assert called_functions(url) == {"acquire_one", "release"}
 
 

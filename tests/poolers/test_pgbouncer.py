@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -368,13 +370,27 @@ def test_a_role_that_may_not_create_functions_sends_the_statements(ns: str, capl
             assert len(refused) == 1 and "permission denied for schema public" in refused[0], refused
             assert _created(caplog) == []
             assert called_functions(url, within=2) == set()
-            with permits.connect(url + "?pooler=transaction") as owner:  # the owner makes them
-                owner.get_semaphore(f"{ns}s")
+            # The owner makes them, with the command docs/deployment.md gives for it.
+            upgrade = [sys.executable, "-m", "permits", "db", "upgrade", "--db", url + "?pooler=transaction"]
+            done = subprocess.run(upgrade, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
             caplog.clear()
             with caplog.at_level(logging.INFO, logger="permits"), permits.connect(limited) as client:
                 client.release(client.acquire(f"{ns}s", timeout=5))
-            assert not [r for r in caplog.records if "server functions" in r.getMessage()]
+            assert not [r for r in caplog.records if "server function" in r.getMessage()]
             assert called_functions(url) == {"acquire_one", "release"}
+            # Functions it may not execute (an operator revoked PUBLIC's default EXECUTE): statements again.
+            engine = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
+            with engine.connect() as conn:
+                conn.execute(
+                    text(f"REVOKE EXECUTE ON FUNCTION {server_functions(PostgreSQL())[0].signature} FROM PUBLIC")
+                )
+            engine.dispose()
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="permits"), permits.connect(limited) as client:
+                client.release(client.acquire(f"{ns}s", timeout=5))
+            denied = [r.getMessage() for r in caplog.records if "may not execute" in r.getMessage()]
+            assert len(denied) == 1 and "GRANT EXECUTE ON FUNCTION permits_acquire_one_" in denied[0], denied
 
 
 def test_a_client_that_loses_the_race_to_create_a_function_calls_the_winners(ns: str) -> None:

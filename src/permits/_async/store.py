@@ -221,13 +221,27 @@ class AsyncSQLStore:
         missing. A role that may not create functions keeps sending the statements themselves."""
         functions = server_functions(self._dialect)
         async with self._engine.connect() as conn:
-            probe = ", ".join(f"to_regprocedure(:f{i}) IS NOT NULL" for i in range(len(functions)))
+            probe = ", ".join(
+                f"CASE WHEN to_regprocedure(:f{i}) IS NULL THEN 'missing'"
+                f" WHEN has_function_privilege(to_regprocedure(:f{i}), 'EXECUTE') THEN 'callable' ELSE 'denied' END"
+                for i in range(len(functions))
+            )
             found = (
                 await conn.execute(text(f"SELECT {probe}"), {f"f{i}": f.signature for i, f in enumerate(functions)})
             ).one()
             await conn.rollback()
-        for function, exists in zip(functions, found, strict=True):
-            if not exists and not await self._create_function(function):
+        for function, state in zip(functions, found, strict=True):
+            if state == "denied":
+                logger.warning(
+                    "may not execute permits' server function %s at %s: grants and releases are sent as"
+                    " statements, planned anew at every call behind the transaction pooler. GRANT EXECUTE ON"
+                    " FUNCTION %s to the role (docs/deployment.md, Poolers)",
+                    function.name,
+                    self.url,
+                    function.signature,
+                )
+                return
+            if state == "missing" and not await self._create_function(function):
                 return
         self._dialect = self._dialect.with_statements({f.statement: f.call for f in functions})
         self._driver_statements.clear()

@@ -9,7 +9,8 @@ statements are otherwise those of production, which is the point: the expiry pat
 SQL (sweeps, reclaims, extends of expired leases) run against a model with time in it.
 
 The table is not part of permits' schema: the context manager creates it and drops it. Outside the block,
-nothing reads it, and no setting, URL or environment variable can turn it on.
+nothing reads it, and no setting, URL or environment variable can turn it on. A service under test follows
+the test's clock through ``following_clock()``, which only a launcher in the tests calls.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ TABLE = "permits_test_clock"
 #: What a server dialect built inside the block adds to its clock, in milliseconds.
 OFFSET_SQL = f"(SELECT offset_ms FROM {TABLE})"
 
-_installed: ServerOffsetClock | None = None
+#: the clock this process moves, or ``FOLLOWED`` when another process moves it (``following_clock``)
+_installed: ServerOffsetClock | str | None = None
+FOLLOWED = "moved by another process"
 
 
 def offset_sql() -> str | None:
@@ -83,3 +86,18 @@ def server_offset_clock(url: Any) -> Iterator[ServerOffsetClock]:
     finally:
         _installed = None
         clock.drop()
+
+
+@contextmanager
+def following_clock() -> Iterator[None]:
+    """Testing only: the stores opened in the block run on the clock that ``server_offset_clock()`` moves in
+    another process, on the same database: a ``permits serve`` that a test started (tests/_clocked.py), so
+    that the model runs with time through the service too. The other process creates and drops the table."""
+    global _installed
+    if _installed is not None:
+        raise RuntimeError("a server offset clock is installed already")
+    _installed = FOLLOWED
+    try:
+        yield
+    finally:
+        _installed = None
