@@ -7,8 +7,11 @@ conditional UPDATEs on the same connection.
 The gap between the two lines is what the statements themselves cost (the lease and permit rows, their
 indexes, the larger commit); the gap between the permits line and ``client_cpu.py``'s wall time per cycle
 is what the library adds. A third line sends the same statements unprepared, as the library does behind
-a transaction pooler (``?pooler=transaction``): the gap to the second is parsing and planning them anew.
-Each variant runs ``--rounds`` times, alternating, after an uncounted warm-up.
+a transaction pooler would without its server functions: the gap to the second is parsing and planning
+them anew. A fourth calls the server functions made from them (``permits.dialects.pg_functions``),
+unprepared, as the library does behind a transaction pooler (``?pooler=transaction``): PL/pgSQL keeps the
+plans of their statements in the session. Each variant runs ``--rounds`` times, alternating, after an
+uncounted warm-up.
 The tables are dropped and created again first, on the database the URL names.
 """
 
@@ -20,10 +23,12 @@ import uuid
 from collections.abc import Callable
 
 import psycopg
+from sqlalchemy import text
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from systems import _reset
 
 import permits
+from permits.dialects.pg_functions import server_functions
 from permits.dialects.postgresql import PostgreSQL
 
 FLOOR_TAKE = "UPDATE permits_semaphore SET used = used + 1 WHERE name = 'floor' AND used + 1 <= capacity"
@@ -34,6 +39,11 @@ def _as_sent(dialect: PostgreSQL, name: str) -> str:
     """A statement compiled for psycopg as the store compiles it (``_driver_sql``): the exact text the
     library sends."""
     return str(dialect.clause(name).compile(dialect=psycopg_dialect()))
+
+
+def _as_called(call: str) -> str:
+    """A function call with the store's bound parameters, compiled for psycopg as the store compiles it."""
+    return str(text(call).compile(dialect=psycopg_dialect()))
 
 
 def main() -> None:
@@ -73,10 +83,24 @@ def main() -> None:
                 raise SystemExit("ACQUIRE_ONE granted nothing: is another client using this database?")
             conn.execute(release, {"owner": "cost", "key": key}, prepare=False).fetchall()
 
+        functions = {f.statement: f for f in server_functions(dialect)}
+        for function in functions.values():  # made as the library makes them, where missing
+            if conn.execute("SELECT to_regprocedure(%s)", (function.signature,)).fetchone() == (None,):
+                conn.execute(function.definition, prepare=False)
+        grant_call, release_call = (_as_called(functions[name].call) for name in ("ACQUIRE_ONE", "RELEASE"))
+
+        def functions_cycle() -> None:
+            key = uuid.uuid4().hex
+            params = {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000}
+            if len(conn.execute(grant_call, params, prepare=False).fetchall()) != 1:
+                raise SystemExit("the grant's function granted nothing: is another client using this database?")
+            conn.execute(release_call, {"owner": "cost", "key": key}, prepare=False).fetchall()
+
         variants: dict[str, Callable[[], None]] = {
             "floor": floor_cycle,
             "permits statements": permits_cycle,
             "unprepared": unprepared_cycle,
+            "server functions": functions_cycle,
         }
         for cycle in variants.values():
             for _ in range(args.cycles // 4):

@@ -82,7 +82,12 @@ def test_the_statement_and_client_cost_measurements_run() -> None:
     docs/benchmarks.md. They run on the benchmark's own database, whose tables statement_cost.py drops."""
     url = default_url("postgresql")
     out = _run_script("statement_cost.py", url, "--cycles", "40", "--rounds", "1")
-    assert [line.split("  ")[0] for line in out.splitlines()] == ["floor", "permits statements", "unprepared"], out
+    assert [line.split("  ")[0] for line in out.splitlines()] == [
+        "floor",
+        "permits statements",
+        "unprepared",
+        "server functions",
+    ], out
     assert all(line.endswith(" ms/cycle") for line in out.splitlines()), out
     out = _run_script("client_cpu.py", url, "--cycles", "40")
     assert "client CPU" in out and out.rstrip().endswith("ms/cycle"), out
