@@ -42,7 +42,7 @@ from permits._models import (
 )
 from permits.dialects.base import Fault, dialect_for_url
 from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
-from permits.dialects.pg_functions import ServerFunction, server_functions
+from permits.dialects.pg_functions import PROBE, ServerFunction, server_functions
 from permits.stores._engine import (
     READONLY,
     sync_driver_connection,
@@ -66,7 +66,8 @@ logger = logging.getLogger("permits.store")
 _CREATED_MEANWHILE = {"42723", "23505"}
 #: SQLSTATEs of a role that may not create functions where it is (insufficient_privilege), or of a server
 #: that takes no writes (read_only_sql_transaction: a standby)
-_MAY_NOT_CREATE = {"42501", "25006"}
+_READ_ONLY_SQLSTATE = "25006"
+_MAY_NOT_CREATE = {"42501", _READ_ONLY_SQLSTATE}
 
 IS_ASYNC = False
 #: A flow may restart itself (for example, to answer a retry from the lease that exists); more than this
@@ -219,38 +220,50 @@ class SQLStore:
     def _call_server_functions(self) -> None:
         """Behind a transaction pooler, send the grant and the release as calls of server functions made
         from them, whose plans each server session keeps (dialects/pg_functions.py); create those that are
-        missing. A role that may not create functions keeps sending the statements themselves."""
+        missing. A role that may not create or execute them keeps sending the statements themselves."""
+        if self._calls_functions:  # another open of this store (a retry, another thread) got here first
+            return
         functions = server_functions(self._dialect)
-        with self._engine.connect() as conn:
-            probe = ", ".join(
-                f"CASE WHEN to_regprocedure(:f{i}) IS NULL THEN 'missing'"
-                f" WHEN has_function_privilege(to_regprocedure(:f{i}), 'EXECUTE') THEN 'callable' ELSE 'denied' END"
-                for i in range(len(functions))
+        states = self._probe_functions(functions)
+        if "missing" in states:
+            for function, state in zip(functions, states, strict=True):
+                if state == "missing" and not self._create_function(function):
+                    return
+            states = self._probe_functions(functions)  # as they are now, whoever made them
+        unusable = [(f, state) for f, state in zip(functions, states, strict=True) if state != "callable"]
+        if unusable:
+            fixes = {
+                "denied": "the role may not execute it: GRANT EXECUTE ON FUNCTION {} to it",
+                "foreign": "a function of that name is not the one permits makes: DROP FUNCTION {}, and permits"
+                " will make its own",
+                "missing": "it is missing",
+            }
+            logger.warning(
+                "permits' server functions at %s cannot be used (%s): grants and releases are sent as statements,"
+                " planned anew at every call behind the transaction pooler (docs/deployment.md, Poolers)",
+                self.url,
+                "; ".join(f"{f.name}: {fixes[state].format(f.signature)}" for f, state in unusable),
             )
-            found = (
-                conn.execute(text(f"SELECT {probe}"), {f"f{i}": f.signature for i, f in enumerate(functions)})
-            ).one()
-            conn.rollback()
-        for function, state in zip(functions, found, strict=True):
-            if state == "denied":
-                logger.warning(
-                    "may not execute permits' server function %s at %s: grants and releases are sent as"
-                    " statements, planned anew at every call behind the transaction pooler. GRANT EXECUTE ON"
-                    " FUNCTION %s to the role (docs/deployment.md, Poolers)",
-                    function.name,
-                    self.url,
-                    function.signature,
-                )
-                return
-            if state == "missing" and not self._create_function(function):
-                return
+            return
         self._dialect = self._dialect.with_statements({f.statement: f.call for f in functions})
         self._driver_statements.clear()
         self._calls_functions = True
 
+    def _probe_functions(self, functions: list[ServerFunction]) -> list[str]:
+        """What the database has of each of ``functions``: see ``pg_functions.PROBE``."""
+        params = {
+            "signatures": [f.signature for f in functions],
+            "sources": [f.source for f in functions],
+            "results": [f.result for f in functions],
+        }
+        with self._engine.connect() as conn:
+            states = [str(state) for state in (conn.execute(text(PROBE), params)).scalars()]
+            conn.rollback()
+        return states
+
     def _create_function(self, function: ServerFunction) -> bool:
-        """Create ``function``; whether it exists now. Another client may create it at the same moment:
-        then this one's CREATE fails on the name, which is as good."""
+        """Create ``function``; whether it may exist now. Another client may create it at the same moment:
+        then this one's CREATE fails on the name, and the probe that follows says what the other made."""
         with self._engine.connect() as conn:
             try:
                 with conn.begin():
@@ -264,13 +277,19 @@ class SQLStore:
                 if state in _CREATED_MEANWHILE:
                     return True
                 if state in _MAY_NOT_CREATE:
+                    why = (
+                        "the server takes no writes"
+                        if state == _READ_ONLY_SQLSTATE
+                        else "let the role create functions in its schema, or run any permits command once,"
+                        " with ?pooler=transaction, as a role that may"
+                    )
                     logger.warning(
                         "cannot create permits' server functions at %s (%s): grants and releases are sent as"
-                        " statements, planned anew at every call behind the transaction pooler. Let the role"
-                        " create functions, or run any permits command once as a role that may"
+                        " statements, planned anew at every call behind the transaction pooler; %s"
                         " (docs/deployment.md, Poolers)",
                         self.url,
                         str(error.orig).strip(),
+                        why,
                     )
                     return False
                 raise error from exc

@@ -34,6 +34,24 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
     ),
 }
 
+#: What a client finds of each function, before it calls them: ``missing``; ``callable``; ``denied`` (the
+#: role may not execute it); or ``foreign``: a function of that name and arguments whose body, result or
+#: settings are not the ones permits makes (anybody who may create in the schema could have put it there
+#: first, since the names are no secret), which is never called.
+#: params: signatures, sources, results (arrays, one item per function) -> one state per function, in order
+PROBE = """
+    SELECT CASE
+        WHEN p.oid IS NULL THEN 'missing'
+        WHEN p.prosrc <> f.source OR pg_get_function_result(p.oid) <> f.result OR p.prosecdef
+             OR p.proconfig IS NOT NULL OR l.lanname <> 'plpgsql' THEN 'foreign'
+        WHEN has_function_privilege(p.oid, 'EXECUTE') THEN 'callable'
+        ELSE 'denied' END
+    FROM unnest(CAST(:signatures AS TEXT[]), CAST(:sources AS TEXT[]), CAST(:results AS TEXT[]))
+        WITH ORDINALITY AS f(signature, source, result, n)
+    LEFT JOIN pg_proc p ON p.oid = to_regprocedure(f.signature)
+    LEFT JOIN pg_language l ON l.oid = p.prolang
+    ORDER BY f.n"""
+
 #: A bound parameter in a statement's text, as SQLAlchemy's ``text()`` finds them (``::`` casts excluded).
 _BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")
 
@@ -44,6 +62,8 @@ class ServerFunction:
     name: str  #: the function's name, with the hash of its definition
     signature: str  #: name and argument types, as ``to_regprocedure`` reads them
     definition: str  #: the CREATE FUNCTION statement
+    source: str  #: its body, as ``pg_proc.prosrc`` keeps it
+    result: str  #: its result, as ``pg_get_function_result`` shows it
     call: str  #: the statement that calls it, with the replaced statement's bound parameters
 
 
@@ -64,10 +84,8 @@ def _function(dialect: Dialect, statement: str) -> ServerFunction:
     body = _BIND.sub(lambda bound: f"arg_{bound.group(1)}", body)
     arguments = ", ".join(f"arg_{param} {sql_type}" for param, sql_type in params)
     returns = ", ".join(f"out_{column} {sql_type}" for column, sql_type in columns)
-    shape = (
-        f"({arguments}) RETURNS TABLE ({returns}) LANGUAGE plpgsql"
-        f" AS $permits$\nBEGIN\nRETURN QUERY {body};\nEND\n$permits$"
-    )
+    source = f"\nBEGIN\nRETURN QUERY {body};\nEND\n"
+    shape = f"({arguments}) RETURNS TABLE ({returns}) LANGUAGE plpgsql AS $permits${source}$permits$"
     digest = hashlib.sha256(shape.encode()).hexdigest()[:16]
     name = f"permits_{statement.lower()}_{digest}"
     types = ", ".join(sql_type for _, sql_type in params)
@@ -77,5 +95,7 @@ def _function(dialect: Dialect, statement: str) -> ServerFunction:
         name=name,
         signature=f"{name}({types})",
         definition=f"CREATE FUNCTION {name}{shape}",
+        source=source,
+        result=f"TABLE({returns})",
         call=f"SELECT * FROM {name}({casts})",
     )
