@@ -76,12 +76,17 @@ def main() -> None:
             cur.execute(release, {"owner": "cost", "key": key})
             cur.fetchall()
 
-        def unprepared_cycle() -> None:
-            key = uuid.uuid4().hex
-            params = {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000}
-            if len(conn.execute(acquire, params, prepare=False).fetchall()) != 1:
-                raise SystemExit("ACQUIRE_ONE granted nothing: is another client using this database?")
-            conn.execute(release, {"owner": "cost", "key": key}, prepare=False).fetchall()
+        def unprepared(grant: str, give_back: str) -> Callable[[], None]:
+            """A cycle that sends ``grant`` and ``give_back`` unprepared, as behind a transaction pooler."""
+
+            def cycle() -> None:
+                key = uuid.uuid4().hex
+                params = {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000}
+                if len(conn.execute(grant, params, prepare=False).fetchall()) != 1:
+                    raise SystemExit("the grant granted nothing: is another client using this database?")
+                conn.execute(give_back, {"owner": "cost", "key": key}, prepare=False).fetchall()
+
+            return cycle
 
         functions = {f.statement: f for f in server_functions(dialect)}
         for function in functions.values():  # made as the library makes them, where missing
@@ -89,18 +94,11 @@ def main() -> None:
                 conn.execute(function.definition, prepare=False)
         grant_call, release_call = (_as_called(functions[name].call) for name in ("ACQUIRE_ONE", "RELEASE"))
 
-        def functions_cycle() -> None:
-            key = uuid.uuid4().hex
-            params = {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000}
-            if len(conn.execute(grant_call, params, prepare=False).fetchall()) != 1:
-                raise SystemExit("the grant's function granted nothing: is another client using this database?")
-            conn.execute(release_call, {"owner": "cost", "key": key}, prepare=False).fetchall()
-
         variants: dict[str, Callable[[], None]] = {
             "floor": floor_cycle,
             "permits statements": permits_cycle,
-            "unprepared": unprepared_cycle,
-            "server functions": functions_cycle,
+            "unprepared": unprepared(acquire, release),
+            "server functions": unprepared(grant_call, release_call),
         }
         for cycle in variants.values():
             for _ in range(args.cycles // 4):
