@@ -122,3 +122,17 @@ def test_permits_through_pgbouncer_runs() -> None:
     assert len(rows) == 2, out
     for row in rows:
         assert row[-3] == "0" and float(row[4]) > 0, out
+
+
+def test_the_row_queue_experiment_runs() -> None:
+    """row_queue:ROW_QUEUE (docs/benchmarks.md, releases on a row of their own) sets up, cycles with
+    waiters queued on the row lock, and leaves no permit in use."""
+    out = _run_script(
+        "harness.py",
+        *("--system", "row_queue:ROW_QUEUE", "--backend", "postgresql", "--scenario", "hot"),
+        *("--clients", "1,16", "--seconds", "0.5", "--warmup", "0", "--no-machine"),
+    )
+    rows = [line.split() for line in out.splitlines() if line.startswith("row_queue:ROW_QUEUE")]
+    assert len(rows) == 2, out
+    for row in rows:
+        assert row[-3] == "0" and float(row[4]) > 0, out
