@@ -93,46 +93,36 @@ def test_the_statement_and_client_cost_measurements_run() -> None:
     assert "client CPU" in out and out.rstrip().endswith("ms/cycle"), out
 
 
+def _cycles_without_errors(system: str, backend: str, clients: str) -> None:
+    """Runs ``system`` briefly through the harness, hot semaphore: every cell cycled, with no errors (the
+    harness also checks that nothing is left in use)."""
+    out = _run_script(
+        "harness.py",
+        *("--system", system, "--backend", backend, "--scenario", "hot"),
+        *("--clients", clients, "--seconds", "0.5", "--warmup", "0", "--no-machine"),
+    )
+    # system backend scenario clients cycles/s refused p50 p99 max jain errors history load
+    rows = [line.split() for line in out.splitlines() if line.startswith(system)]
+    assert len(rows) == len(clients.split(",")), out
+    for row in rows:
+        assert row[-3] == "0" and float(row[4]) > 0, out
+
+
 @pytest.mark.parametrize("backend", ["mariadb", "postgresql"])
 def test_the_lease_index_experiment_runs(backend: str) -> None:
     """systems:PERMITS_WITHOUT_LEASE_INDEXES (docs/benchmarks.md, the non-HOT release) sets up, cycles
     and leaves no drift, on the servers whose index names it drops."""
-    out = _run_script(
-        "harness.py",
-        *("--system", "systems:PERMITS_WITHOUT_LEASE_INDEXES", "--backend", backend, "--scenario", "hot"),
-        *("--clients", "1", "--seconds", "0.5", "--warmup", "0", "--no-machine"),
-    )
-    rows = [line.split() for line in out.splitlines() if line.startswith("systems:PERMITS_WITHOUT")]
-    assert len(rows) == 1, out
-    # system backend scenario clients cycles/s refused p50 p99 max jain errors history load
-    cycles, errors = float(rows[0][4]), rows[0][-3]
-    assert errors == "0" and cycles > 0, out
+    _cycles_without_errors("systems:PERMITS_WITHOUT_LEASE_INDEXES", backend, "1")
 
 
 def test_permits_through_pgbouncer_runs() -> None:
     """systems:PERMITS_THROUGH_PGBOUNCER (docs/benchmarks.md, behind a pooler) starts its own PgBouncer in
     transaction mode, cycles through it with no errors, and leaves no drift."""
     pgbouncer_version()  # a missing pgbouncer skips here (fails in CI), as in tests/poolers
-    out = _run_script(
-        "harness.py",
-        *("--system", "systems:PERMITS_THROUGH_PGBOUNCER", "--backend", "postgresql", "--scenario", "hot"),
-        *("--clients", "1,4", "--seconds", "0.5", "--warmup", "0", "--no-machine"),
-    )
-    rows = [line.split() for line in out.splitlines() if line.startswith("systems:PERMITS_THROUGH")]
-    assert len(rows) == 2, out
-    for row in rows:
-        assert row[-3] == "0" and float(row[4]) > 0, out
+    _cycles_without_errors("systems:PERMITS_THROUGH_PGBOUNCER", "postgresql", "1,4")
 
 
 def test_the_row_queue_experiment_runs() -> None:
     """row_queue:ROW_QUEUE (docs/benchmarks.md, releases on a row of their own) sets up, cycles with
     waiters queued on the row lock, and leaves no permit in use."""
-    out = _run_script(
-        "harness.py",
-        *("--system", "row_queue:ROW_QUEUE", "--backend", "postgresql", "--scenario", "hot"),
-        *("--clients", "1,16", "--seconds", "0.5", "--warmup", "0", "--no-machine"),
-    )
-    rows = [line.split() for line in out.splitlines() if line.startswith("row_queue:ROW_QUEUE")]
-    assert len(rows) == 2, out
-    for row in rows:
-        assert row[-3] == "0" and float(row[4]) > 0, out
+    _cycles_without_errors("row_queue:ROW_QUEUE", "postgresql", "1,16")
