@@ -42,7 +42,14 @@ from permits._models import (
 )
 from permits.dialects.base import Fault, dialect_for_url
 from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
-from permits.dialects.pg_functions import PROBE, ServerFunction, server_functions
+from permits.dialects.pg_functions import (
+    CREATED_MEANWHILE,
+    MAY_NOT_CREATE,
+    PROBE,
+    READ_ONLY,
+    ServerFunction,
+    server_functions,
+)
 from permits.stores._engine import (
     READONLY,
     sync_driver_connection,
@@ -60,14 +67,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 logger = logging.getLogger("permits.store")
-
-#: SQLSTATEs of a CREATE FUNCTION that another client's CREATE of the same function beat (duplicate_function;
-#: unique_violation on pg_proc, when both ran at once)
-_CREATED_MEANWHILE = {"42723", "23505"}
-#: SQLSTATEs of a role that may not create functions where it is (insufficient_privilege), or of a server
-#: that takes no writes (read_only_sql_transaction: a standby)
-_READ_ONLY_SQLSTATE = "25006"
-_MAY_NOT_CREATE = {"42501", _READ_ONLY_SQLSTATE}
 
 IS_ASYNC = False
 #: A flow may restart itself (for example, to answer a retry from the lease that exists); more than this
@@ -174,7 +173,7 @@ class SQLStore:
                     revision=revision,
                     head=head,
                 )
-        if self._settings.pooler == "transaction" and self._dialect.name == "postgresql" and not self._calls_functions:
+        if self._settings.pooler == "transaction" and self._dialect.name == "postgresql":
             self._with_retries(self._call_server_functions)
         self._opened = True
 
@@ -274,12 +273,12 @@ class SQLStore:
                 if error is None:
                     raise
                 state = getattr(error.orig, "sqlstate", None)
-                if state in _CREATED_MEANWHILE:
+                if state in CREATED_MEANWHILE:
                     return True
-                if state in _MAY_NOT_CREATE:
+                if state in MAY_NOT_CREATE:
                     why = (
                         "the server takes no writes"
-                        if state == _READ_ONLY_SQLSTATE
+                        if state == READ_ONLY
                         else "let the role create functions in its schema, or run any permits command once,"
                         " with ?pooler=transaction, as a role that may"
                     )

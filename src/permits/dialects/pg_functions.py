@@ -52,6 +52,14 @@ PROBE = """
     LEFT JOIN pg_language l ON l.oid = p.prolang
     ORDER BY f.n"""
 
+#: SQLSTATEs of a CREATE FUNCTION that another client's CREATE of the same function beat (duplicate_function;
+#: unique_violation on pg_proc, when both ran at once)
+CREATED_MEANWHILE = {"42723", "23505"}
+#: read_only_sql_transaction: a server that takes no writes (a standby)
+READ_ONLY = "25006"
+#: SQLSTATEs of a CREATE FUNCTION that this role cannot make here: insufficient_privilege, or a standby
+MAY_NOT_CREATE = {"42501", READ_ONLY}
+
 #: A bound parameter in a statement's text, as SQLAlchemy's ``text()`` finds them (``::`` casts excluded).
 _BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")
 
