@@ -10,8 +10,10 @@ is what the library adds. A third line sends the same statements unprepared, as 
 a transaction pooler would without its server functions: the gap to the second is parsing and planning
 them anew. A fourth calls the server functions made from them (``permits.dialects.pg_functions``),
 unprepared, as the library does behind a transaction pooler (``?pooler=transaction``): PL/pgSQL keeps the
-plans of their statements in the session. Each variant runs ``--rounds`` times, alternating, after an
-uncounted warm-up.
+plans of their statements in the session. The "queued grant" line sends the grant of a waiting acquire,
+which first waits for its turn in the server's lock queue (the function ``ACQUIRE_ONE_QUEUED``, prepared,
+as the library sends it straight to the server), with the plain release. Each variant runs ``--rounds``
+times, alternating, after an uncounted warm-up.
 The tables are dropped and created again first, on the database the URL names.
 """
 
@@ -28,7 +30,7 @@ from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from systems import _reset
 
 import permits
-from permits.dialects.pg_functions import server_functions
+from permits.dialects.pg_functions import POOLED_FUNCTIONS, server_functions
 from permits.dialects.postgresql import PostgreSQL
 
 FLOOR_TAKE = "UPDATE permits_semaphore SET used = used + 1 WHERE name = 'floor' AND used + 1 <= capacity"
@@ -68,13 +70,19 @@ def main() -> None:
             cur.execute(FLOOR_TAKE)
             cur.execute(FLOOR_GIVE)
 
-        def permits_cycle() -> None:
-            key = uuid.uuid4().hex
-            cur.execute(acquire, {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000})
-            if len(cur.fetchall()) != 1:
-                raise SystemExit("ACQUIRE_ONE granted nothing: is another client using this database?")
-            cur.execute(release, {"owner": "cost", "key": key})
-            cur.fetchall()
+        def prepared(grant: str, give_back: str) -> Callable[[], None]:
+            """A cycle that sends ``grant`` and ``give_back`` prepared, as the library does straight to the
+            server."""
+
+            def cycle() -> None:
+                key = uuid.uuid4().hex
+                cur.execute(grant, {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000})
+                if len(cur.fetchall()) != 1:
+                    raise SystemExit("the grant granted nothing: is another client using this database?")
+                cur.execute(give_back, {"owner": "cost", "key": key})
+                cur.fetchall()
+
+            return cycle
 
         def unprepared(grant: str, give_back: str) -> Callable[[], None]:
             """A cycle that sends ``grant`` and ``give_back`` unprepared, as behind a transaction pooler."""
@@ -88,15 +96,18 @@ def main() -> None:
 
             return cycle
 
-        functions = {f.statement: f for f in server_functions(dialect)}
+        functions = {f.statement: f for f in server_functions(dialect, POOLED_FUNCTIONS)}
         for function in functions.values():  # made as the library makes them, where missing
             if conn.execute("SELECT to_regprocedure(%s)", (function.signature,)).fetchone() == (None,):
                 conn.execute(function.definition, prepare=False)
-        grant_call, release_call = (_as_called(functions[name].call) for name in ("ACQUIRE_ONE", "RELEASE"))
+        grant_call, release_call, queued_call = (
+            _as_called(functions[name].call) for name in ("ACQUIRE_ONE", "RELEASE", "ACQUIRE_ONE_QUEUED")
+        )
 
         variants: dict[str, Callable[[], None]] = {
             "floor": floor_cycle,
-            "permits statements": permits_cycle,
+            "permits statements": prepared(acquire, release),
+            "queued grant": prepared(queued_call, release),
             "unprepared": unprepared(acquire, release),
             "server functions": unprepared(grant_call, release_call),
         }

@@ -195,7 +195,7 @@ def take_turns(args: dict[str, Any]) -> None:
         if hasattr(client._store, "after_statement"):
 
             def count(statement: str) -> None:
-                attempts[0] += statement in ("ACQUIRE_ONE", "SEM_TAKE")
+                attempts[0] += statement in ("ACQUIRE_ONE", "ACQUIRE_ONE_QUEUED", "SEM_TAKE")
 
             client._store.after_statement = count
         client.get_semaphore(args["name"])  # connected before the start signal

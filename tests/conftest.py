@@ -78,10 +78,11 @@ def count_function_calls(url: str) -> None:
     admin.dispose()
 
 
-def called_functions(url: str, within: float = 15.0) -> set[str]:
+def called_functions(url: str, within: float = 15.0, at_least: int = 2) -> set[str]:
     """Which of permits' server functions (dialects/pg_functions.py) sessions counted by
-    ``count_function_calls`` have called, by the statement each replaces (``acquire_one``, ``release``).
-    A session reports its counts at most once a second, or after 10 s idle: this waits until ``within``."""
+    ``count_function_calls`` have called, by their statement (``acquire_one``, ``release``,
+    ``acquire_one_queued``). A session reports its counts at most once a second, or after 10 s idle: this
+    waits until ``at_least`` were called, or ``within`` seconds."""
     engine = create_engine(sqlalchemy_url(url.split("?")[0]))
     deadline = time.monotonic() + within
     try:
@@ -91,11 +92,29 @@ def called_functions(url: str, within: float = 15.0) -> set[str]:
                     text("SELECT funcname FROM pg_stat_user_functions WHERE calls > 0 AND funcname LIKE 'permits_%'")
                 ).scalars()
                 called = {name.removeprefix("permits_").rsplit("_", 1)[0] for name in names}
-            if len(called) >= 2 or time.monotonic() > deadline:
+            if len(called) >= at_least or time.monotonic() > deadline:
                 return called
             time.sleep(0.5)
     finally:
         engine.dispose()
+
+
+def function_calls(url: str) -> dict[str, int]:
+    """How many times sessions counted by ``count_function_calls`` that have ended called each of permits'
+    server functions, by their statement (``acquire_one_queued``, say)."""
+    engine = create_engine(sqlalchemy_url(url.split("?")[0]))
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text("SELECT funcname, calls FROM pg_stat_user_functions WHERE funcname LIKE 'permits_%'")
+            ).all()
+    finally:
+        engine.dispose()
+    counts: dict[str, int] = {}
+    for name, calls in rows:
+        statement = name.removeprefix("permits_").rsplit("_", 1)[0]
+        counts[statement] = counts.get(statement, 0) + int(calls)
+    return counts
 
 
 class _Servers:

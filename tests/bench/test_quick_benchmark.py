@@ -85,6 +85,7 @@ def test_the_statement_and_client_cost_measurements_run() -> None:
     assert [line.split("  ")[0] for line in out.splitlines()] == [
         "floor",
         "permits statements",
+        "queued grant",
         "unprepared",
         "server functions",
     ], out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from permits._pacing import (
+    IN_LINE_TRIES,
     QUEUE_MAX_SLEEP,
     QUEUE_MIN_SLEEP,
     QUIET_AFTER_LOST_RACES,
@@ -90,3 +91,36 @@ def test_a_queue_that_stops_moving_slows_its_waiters_to_the_cap() -> None:
     assert p.rate == 0
     sleep, _ = p.next_sleep(12.0)  # back to the plain backoff, which by now is near its cap
     assert QUEUE_MAX_SLEEP / 2 <= sleep <= QUEUE_MAX_SLEEP
+
+
+def test_a_waiter_asks_in_the_servers_line_until_refused_there_in_line_tries_times_in_a_row() -> None:
+    p = pacer()
+    assert p.in_line_next()  # the first attempt goes in the line
+    for _ in range(IN_LINE_TRIES - 1):
+        p.refused(0.0, None)
+        assert p.in_line_next()  # refused in the line: ask again at once, in the line
+    p.refused(0.0, None)
+    assert not p.in_line_next()  # the permits are held longer than the line takes to turn: wait instead
+    p.refused(0.0, None)  # an attempt out of the line does not count against the line
+    assert p.in_line_refusals == IN_LINE_TRIES
+    assert not p.in_line_next()  # a sleep that ends without a release does not send it back
+
+
+def test_each_release_sends_a_waiter_that_left_the_line_back_for_one_try() -> None:
+    p = pacer()
+    for _ in range(IN_LINE_TRIES):
+        assert p.in_line_next()
+        p.refused(0.0, None)
+    assert not p.in_line_next()
+    p.woken()
+    assert p.in_line_next()  # one try
+    p.refused(0.0, None)
+    assert not p.in_line_next()  # and back to waiting for a release
+    p.woken()
+    assert p.in_line_next()
+
+
+def test_a_waiter_in_a_fair_queue_waits_for_its_turn_there_and_not_in_the_line() -> None:
+    p = pacer()
+    p.refused(0.0, 2)  # it holds a place, two permits short
+    assert not p.in_line_next()

@@ -1,5 +1,5 @@
-"""The server functions a client behind a transaction pooler calls (dialects/pg_functions.py): made from the
-dialect's statements, named by their definition. Running them is tested against a real PostgreSQL in
+"""The server functions permits calls on PostgreSQL (dialects/pg_functions.py): made from the dialect's
+statements, named by their definition. Running them is tested against a real PostgreSQL in
 tests/poolers/test_pgbouncer.py and by the model (tests/conformance/test_model.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ from typing import ClassVar
 import pytest
 
 from permits.dialects import pg_functions
-from permits.dialects.pg_functions import CALLED_STATEMENTS, server_functions
+from permits.dialects.pg_functions import (
+    CALLED_STATEMENTS,
+    DIRECT_FUNCTIONS,
+    POOLED_FUNCTIONS,
+    QUEUED_STATEMENTS,
+    server_functions,
+)
 from permits.dialects.postgresql import PostgreSQL
 
 BIND = re.compile(r"(?<![:\w]):(\w+)")
@@ -19,12 +25,13 @@ BIND = re.compile(r"(?<![:\w]):(\w+)")
 def test_each_function_is_its_statement_and_its_call_binds_the_same_parameters() -> None:
     dialect = PostgreSQL()
     functions = server_functions(dialect)
-    assert [f.statement for f in functions] == list(CALLED_STATEMENTS)
+    assert [f.statement for f in functions] == [*CALLED_STATEMENTS, *QUEUED_STATEMENTS]
     for function in functions:
-        statement = dialect.sql(function.statement)
+        statement = dialect.sql(function.made_from)
         renamed = BIND.sub(r"arg_\1", statement)
         assert f"RETURN QUERY {renamed};" in function.definition
-        assert set(BIND.findall(function.call)) == set(BIND.findall(statement))
+        extra = {param for param, _ in QUEUED_STATEMENTS.get(function.statement, ("", (), ""))[1]}
+        assert set(BIND.findall(function.call)) == set(BIND.findall(statement)) | extra
         assert function.call.startswith(f"SELECT * FROM {function.name}(")
         assert function.signature.startswith(f"{function.name}(")
 
@@ -60,3 +67,25 @@ def test_replacing_statements_leaves_the_dialect_it_came_from_alone() -> None:
     assert calling.sql("ACQUIRE_ONE") == calls["ACQUIRE_ONE"]
     assert dialect.sql("ACQUIRE_ONE") != calls["ACQUIRE_ONE"]
     assert calling.sql("LEASE_EXTEND") == dialect.sql("LEASE_EXTEND")
+
+
+def test_the_queued_grant_takes_its_semaphores_line_lock_before_the_grant_starts() -> None:
+    """The lock must be held before the grant's statement takes its snapshot and reads the count, so that
+    the attempt sees every commit of the waiters ahead of it in the line; and the grant is the plain one."""
+    dialect = PostgreSQL()
+    (queued,) = server_functions(dialect, DIRECT_FUNCTIONS)
+    (plain,) = server_functions(dialect, ["ACQUIRE_ONE"])
+    assert queued.statement == "ACQUIRE_ONE_QUEUED" and queued.made_from == "ACQUIRE_ONE"
+    lock = "PERFORM pg_advisory_xact_lock(1885696621, hashtext(arg_name));"
+    grant = plain.source.strip().removeprefix("BEGIN").removesuffix("END").strip()
+    assert grant.startswith("RETURN QUERY WITH taken AS (")
+    assert queued.source.index(lock) < queued.source.index(grant)
+    # the plain grant's arguments and one more, and the same result, so the flow reads either the same way
+    assert queued.signature.split("(", 1)[1] == plain.signature.split("(", 1)[1].replace(")", ", bigint)")
+    assert queued.result == plain.result
+    assert queued.call.endswith(", CAST(:wait_ms AS bigint))")
+
+
+def test_only_the_queued_grant_is_made_for_clients_that_reach_the_server_directly() -> None:
+    assert DIRECT_FUNCTIONS == ("ACQUIRE_ONE_QUEUED",)
+    assert set(POOLED_FUNCTIONS) == {"ACQUIRE_ONE", "RELEASE", "ACQUIRE_ONE_QUEUED"}

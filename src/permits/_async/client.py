@@ -138,7 +138,8 @@ class AsyncClient:
     ) -> Lease:
         """Take every wanted permit at once, waiting up to ``timeout`` seconds (``None``: for ever).
 
-        Attempts back off exponentially with jitter, so waiters do not hammer the database; a waiter in a
+        Attempts back off exponentially with jitter, so waiters do not hammer the database; on PostgreSQL a
+        waiter for one plain semaphore asks in the server's lock queue, which paces it; a waiter in a
         fair queue paces itself by its place, and waiters told of the same release spread their retries
         (see ``permits._pacing``). Every attempt uses the same key, so an attempt whose reply was lost can
         never grant twice. Raises ``AcquireTimeout`` when the time is up.
@@ -157,6 +158,8 @@ class AsyncClient:
         contended = tuple(names)
         lost_races, quiet_until = self._contention.get(contended, (0, 0.0))
         pacer = WaitPacer(lost_races=lost_races, quiet_until=quiet_until)
+        # Whether the next attempt waits for its turn in the server's lock queue (see _pacing).
+        in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
         while True:
             wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
             conflict: StorageConflict | None = None
@@ -165,7 +168,7 @@ class AsyncClient:
             asked = monotonic()
             try:
                 lease = await self._store.try_acquire(
-                    owner_, key_, wants_, ttl_ms, wait, recheck=pacer.recheck_due(monotonic())
+                    owner_, key_, wants_, ttl_ms, wait, recheck=pacer.recheck_due(monotonic()), in_line=in_line
                 )
             except StorageConflict as exc:
                 # Lock contention that outlasted the store's retries (a holder frozen inside its
@@ -192,6 +195,10 @@ class AsyncClient:
                         f"no room for {described} within {limit} s", key=key_, owner=owner_, timeout=limit
                     ) from conflict
                 delay = min(delay, remaining)
+            # Where the server has a lock queue for it, ask again at once, in that queue (see _pacing).
+            in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
+            if in_line:
+                continue
             if not listen:
                 await async_sleep(delay)
             elif await self._store.wait_for_room(names, delay, calls if called else None):
@@ -200,6 +207,7 @@ class AsyncClient:
                     spread = min(spread, max(0.0, deadline - monotonic()))
                 if spread > 0:
                     await async_sleep(spread)
+            in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
 
     def _remember_contention(self, contended: tuple[str, ...], pacer: WaitPacer) -> None:
         """Keep how contended a set of semaphores is across acquires, so each new waiter does not learn it

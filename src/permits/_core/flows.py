@@ -104,6 +104,10 @@ class Request:
     queued: bool = False
     #: the caller's wake channel (PostgreSQL), recorded in its places: a release calls it when its turn comes
     wake: str | None = None
+    #: not None: the attempt waits for its turn in the server's lock queue, the semaphore's line, and at its
+    #: head up to this many milliseconds for room (PostgreSQL's queued grant, for one semaphore; elsewhere
+    #: the attempt is the usual one)
+    line_wait_ms: int | None = None
 
 
 def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | None]:
@@ -271,8 +275,11 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
     """
     (want,) = req.wants
     params = {"owner": req.owner, "key": req.key, "name": want.name, "count": want.count, "ttl_ms": req.ttl_ms}
+    statement = "ACQUIRE_ONE"
+    if req.line_wait_ms is not None and d.has("ACQUIRE_ONE_QUEUED"):
+        statement, params["wait_ms"] = "ACQUIRE_ONE_QUEUED", req.line_wait_ms
     try:
-        done = yield Stmt("ACQUIRE_ONE", params, alone=True)
+        done = yield Stmt(statement, params, alone=True)
     except DuplicateKey:
         raise Restart(lambda: _replay(req.owner, req.key, req.wants)) from None
     if not done.rows:

@@ -96,9 +96,16 @@ class HTTPStore:
     # ------------------------------------------------------------------------------------------ operations
 
     def try_acquire(
-        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0, recheck: bool = True
+        self,
+        owner: str,
+        key: str,
+        wants: Sequence[Want],
+        ttl_ms: int,
+        wait: float = 0.0,
+        recheck: bool = True,
+        in_line: bool = False,
     ) -> Lease | None:
-        # ``recheck`` does not cross HTTP: the service runs its own waiting loop (a long poll).
+        # ``recheck`` and ``in_line`` do not cross HTTP: the service runs its own waiting loop (a long poll).
         self.open()
         wait = min(wait, self._max_wait)
         body = {
@@ -120,6 +127,9 @@ class HTTPStore:
     def wait_for_room(self, names: Sequence[str], seconds: float, since: int | None = None) -> bool:
         """Nothing to wait for here: the service waited for room itself (a long poll) before it answered."""
         return False
+
+    def queues_in_line(self, wants: Sequence[Want]) -> bool:
+        return False  # the service's pre-lock queues a semaphore's waiters in its own memory
 
     def queue_short(self, owner: str, key: str) -> int | None:
         return None  # the service paces its own waiting

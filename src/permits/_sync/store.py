@@ -40,11 +40,14 @@ from permits._models import (
     Waiter,
     Want,
 )
+from permits._pacing import LINE_HEAD_WAIT_SECONDS
 from permits.dialects.base import Fault, dialect_for_url
 from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
 from permits.dialects.pg_functions import (
     CREATED_MEANWHILE,
+    DIRECT_FUNCTIONS,
     MAY_NOT_CREATE,
+    POOLED_FUNCTIONS,
     PROBE,
     READ_ONLY,
     ServerFunction,
@@ -80,6 +83,12 @@ PERSIST_SECONDS = 30.0
 PLACE_MS = 5000
 #: At most this many queued requests are remembered for a later dequeue; older ones just expire.
 MAX_REMEMBERED_PLACES = 100_000
+#: What a PostgreSQL client does without its server functions, behind a transaction pooler (True) or not.
+_WITHOUT_FUNCTIONS = {
+    True: "grants and releases are sent as statements, planned anew at every call behind the transaction"
+    " pooler, and waiters do not queue on the server",
+    False: "waiters do not queue on the server, and wait for releases as on other databases",
+}
 
 
 class SQLStore:
@@ -173,7 +182,7 @@ class SQLStore:
                     revision=revision,
                     head=head,
                 )
-        if self._settings.pooler == "transaction" and self._dialect.name == "postgresql":
+        if self._dialect.name == "postgresql":
             self._with_retries(self._call_server_functions)
         self._opened = True
 
@@ -217,12 +226,14 @@ class SQLStore:
             )
 
     def _call_server_functions(self) -> None:
-        """Behind a transaction pooler, send the grant and the release as calls of server functions made
-        from them, whose plans each server session keeps (dialects/pg_functions.py); create those that are
-        missing. A role that may not create or execute them keeps sending the statements themselves."""
+        """Use permits' server functions on PostgreSQL (dialects/pg_functions.py), creating those that are
+        missing: the queued grant, through which waiters queue in the server's lock queue; and behind a
+        transaction pooler also the grant and the release, whose plans each server session keeps. A role that
+        may not create or execute them keeps sending the statements, and its waiters wait as elsewhere."""
         if self._calls_functions:  # another open of this store (a retry, another thread) got here first
             return
-        functions = server_functions(self._dialect)
+        pooled = self._settings.pooler == "transaction"
+        functions = server_functions(self._dialect, POOLED_FUNCTIONS if pooled else DIRECT_FUNCTIONS)
         states = self._probe_functions(functions)
         if "missing" in states:
             for function, state in zip(functions, states, strict=True):
@@ -238,10 +249,10 @@ class SQLStore:
                 "missing": "it is missing",
             }
             logger.warning(
-                "permits' server functions at %s cannot be used (%s): grants and releases are sent as statements,"
-                " planned anew at every call behind the transaction pooler (docs/deployment.md, Poolers)",
+                "permits' server functions at %s cannot be used (%s): %s (docs/deployment.md, Server functions)",
                 self.url,
                 "; ".join(f"{f.name}: {fixes[state].format(f.signature)}" for f, state in unusable),
+                _WITHOUT_FUNCTIONS[pooled],
             )
             return
         self._dialect = self._dialect.with_statements({f.statement: f.call for f in functions})
@@ -279,15 +290,15 @@ class SQLStore:
                     why = (
                         "the server takes no writes"
                         if state == READ_ONLY
-                        else "let the role create functions in its schema, or run any permits command once,"
-                        " with ?pooler=transaction, as a role that may"
+                        else "let the role create functions in its schema, or run `permits db upgrade` once"
+                        " (with the same ?pooler=) as a role that may"
                     )
                     logger.warning(
-                        "cannot create permits' server functions at %s (%s): grants and releases are sent as"
-                        " statements, planned anew at every call behind the transaction pooler; %s"
-                        " (docs/deployment.md, Poolers)",
+                        "cannot create permits' server functions at %s (%s): %s; %s (docs/deployment.md,"
+                        " Server functions)",
                         self.url,
                         str(error.orig).strip(),
+                        _WITHOUT_FUNCTIONS[self._settings.pooler == "transaction"],
                         why,
                     )
                     return False
@@ -311,10 +322,18 @@ class SQLStore:
     # ------------------------------------------------------------------------------------------ operations
 
     def try_acquire(
-        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0, recheck: bool = True
+        self,
+        owner: str,
+        key: str,
+        wants: Sequence[Want],
+        ttl_ms: int,
+        wait: float = 0.0,
+        recheck: bool = True,
+        in_line: bool = False,
     ) -> Lease | None:
         # This store never waits for room (the client's loop does); ``wait`` bounds how long it keeps
-        # retrying lock conflicts, so a caller's timeout holds behind a frozen lock holder.
+        # retrying lock conflicts, so a caller's timeout holds behind a frozen lock holder. An attempt
+        # ``in_line`` waits for its turn in the server's lock queue first, where it can (queues_in_line).
         deadline = monotonic() + wait if wait > 0 else None
         # A caller that waits keeps a place in the queue of each fair semaphore it asks for.
         queue_ms = PLACE_MS if wait > 0 else 0
@@ -328,6 +347,8 @@ class SQLStore:
             recheck = True
 
         full = recheck
+        # In the line, wait at its head for room as long as the caller still waits, up to the policy's bound.
+        line_wait_ms = round(min(wait, LINE_HEAD_WAIT_SECONDS) * 1000) if in_line else None
 
         def attempt() -> Flow[Lease | flows.Queued | None]:
             nonlocal tries, full
@@ -335,7 +356,7 @@ class SQLStore:
             # After a lost connection the last attempt may have been granted with its reply lost: only
             # the full recheck finds that lease under the key.
             full = recheck or tries > 1
-            request = flows.Request(owner, key, wants, ttl_ms, queue_ms, queued, wake)
+            request = flows.Request(owner, key, wants, ttl_ms, queue_ms, queued, wake, line_wait_ms)
             return flows.try_acquire(self._dialect, request, recheck=full)
 
         result: Any = self._run(attempt, deadline=deadline)
@@ -359,6 +380,11 @@ class SQLStore:
             self._queued.pop((owner, key), None)  # its place lapsed: the next full recheck takes another
         lease: Lease | None = result
         return lease
+
+    def queues_in_line(self, wants: Sequence[Want]) -> bool:
+        """Whether an attempt for ``wants`` can wait for its turn in the server's lock queue: PostgreSQL's
+        queued grant, for one semaphore (see ``dialects/pg_functions.py``)."""
+        return len(wants) == 1 and self._dialect.has("ACQUIRE_ONE_QUEUED")
 
     def queue_short(self, owner: str, key: str) -> int | None:
         """How many permits a waiting request was short of fitting at its last attempt, in its fair queues

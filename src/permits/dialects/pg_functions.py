@@ -1,4 +1,5 @@
-"""PostgreSQL's one-statement grant and release as server functions, for clients behind a transaction pooler.
+"""PostgreSQL's one-statement grant and release as server functions: behind a transaction pooler, and for
+waiters that queue in the server's lock queue.
 
 Behind a transaction pooler (PgBouncer's ``pool_mode = transaction``) a client cannot prepare statements on
 the server: its next transaction may run on another server connection, which has never seen them. Sent
@@ -11,12 +12,23 @@ Each function is made from the dialect's own statement, so its SQL is written on
 hash of its definition: a definition never changes under a name. Clients of two versions of permits, or a
 test that moved the server's clock, each call the functions of their own statements; a function no version
 calls any more is left in place, unused (docs/deployment.md, "Poolers").
+
+**Queued grants.** On a hot semaphore most waiters are refused, and how they wait decides the throughput.
+``ACQUIRE_ONE_QUEUED`` is the grant behind a transaction-level advisory lock of the semaphore, its line: a
+waiter sleeps in PostgreSQL's lock queue until the waiters ahead of it have been served, then runs
+``ACQUIRE_ONE`` with the count as their commits left it, and at the head of the line it waits a little for
+room (``QUEUED_STATEMENTS``). The queue costs nothing while they wait, and hands the turn on in order, with
+no wake-up message (docs/design.md, "Waiting"). Releases never take this lock, so they never queue behind
+waiters. The lock only orders attempts: capacity is still the conditional UPDATE's, and a lock lost or
+shared (two names whose hashes collide) changes no outcome. Only a function can queue this way in one
+round trip: the lock must be held before the grant statement starts, and until its commit.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from permits.dialects.base import Dialect
@@ -33,6 +45,45 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
         (("notified", "text"),),
     ),
 }
+#: The queued grant: the statement it runs, its parameters beyond that statement's, and its body around the
+#: statement (``{grant}``). It takes the semaphore's line lock, then grants as the statement does. Refused,
+#: it stays at the head of the line and asks again, pausing 0.1 ms and then twice as long each time up to
+#: 2 ms, for up to ``wait_ms``: a waiter keeps its place until room comes, and one who released and asks
+#: again queues behind it. It returns at once where waiting cannot help: a fair semaphore (its waiters wait
+#: in their own queue, and the head of that queue may be behind this one in the line), a deleted or missing
+#: one, or more permits than its capacity.
+#:
+#: The lock is the two-key form of the advisory lock: PostgreSQL keeps it apart from the one-key (bigint)
+#: form, which applications use most. The first key marks permits' locks (the letters "perm").
+QUEUED_STATEMENTS = {
+    "ACQUIRE_ONE_QUEUED": (
+        "ACQUIRE_ONE",
+        (("wait_ms", "bigint"),),
+        """
+DECLARE
+    until timestamptz;
+    pause double precision := 0.0001;
+BEGIN
+PERFORM pg_advisory_xact_lock(1885696621, hashtext(arg_name));
+until := clock_timestamp() + arg_wait_ms * interval '1 millisecond';
+LOOP
+    RETURN QUERY {grant};
+    IF FOUND OR clock_timestamp() >= until OR NOT EXISTS (
+        SELECT 1 FROM permits_semaphore
+        WHERE name = arg_name AND fair = 0 AND deleted = 0 AND arg_count <= capacity) THEN
+        RETURN;
+    END IF;
+    PERFORM pg_sleep(pause);
+    pause := least(pause * 2, 0.002);
+END LOOP;
+END
+""",
+    ),
+}
+#: Behind a transaction pooler, every statement above is called as a function; otherwise only the queued
+#: grant, which exists only as a function.
+POOLED_FUNCTIONS = (*CALLED_STATEMENTS, *QUEUED_STATEMENTS)
+DIRECT_FUNCTIONS = tuple(QUEUED_STATEMENTS)
 
 #: What a client finds of each function, before it calls them: ``missing``; ``callable``; ``denied`` (the
 #: role may not execute it); or ``foreign``: a function of that name and arguments whose body, result or
@@ -66,7 +117,8 @@ _BIND = re.compile(r"(?<![:\w\\]):(\w+)(?!:)")
 
 @dataclass(frozen=True)
 class ServerFunction:
-    statement: str  #: the dialect statement it replaces
+    statement: str  #: the dialect statement it replaces (or, for a queued grant, the one it adds)
+    made_from: str  #: the dialect statement its body runs
     name: str  #: the function's name, with the hash of its definition
     signature: str  #: name and argument types, as ``to_regprocedure`` reads them
     definition: str  #: the CREATE FUNCTION statement
@@ -75,12 +127,14 @@ class ServerFunction:
     call: str  #: the statement that calls it, with the replaced statement's bound parameters
 
 
-def server_functions(dialect: Dialect) -> list[ServerFunction]:
-    """The functions for ``dialect``'s hot statements, as it renders them (its clock included)."""
-    return [_function(dialect, statement) for statement in CALLED_STATEMENTS]
+def server_functions(dialect: Dialect, names: Sequence[str] = POOLED_FUNCTIONS) -> list[ServerFunction]:
+    """The functions ``names`` for ``dialect``, made from its statements as it renders them (its clock
+    included)."""
+    return [_function(dialect, name) for name in names]
 
 
-def _function(dialect: Dialect, statement: str) -> ServerFunction:
+def _function(dialect: Dialect, name: str) -> ServerFunction:
+    statement, extra, around = QUEUED_STATEMENTS.get(name, (name, (), "\nBEGIN\nRETURN QUERY {grant};\nEND\n"))
     params, columns = CALLED_STATEMENTS[statement]
     body = dialect.sql(statement)
     used = set(_BIND.findall(body))
@@ -90,20 +144,22 @@ def _function(dialect: Dialect, statement: str) -> ServerFunction:
     # Arguments and result columns get prefixes of their own, so that neither can be read as a column of
     # the statement's tables (PL/pgSQL would otherwise refuse the ambiguity at the first call).
     body = _BIND.sub(lambda bound: f"arg_{bound.group(1)}", body)
+    params = (*params, *extra)
     arguments = ", ".join(f"arg_{param} {sql_type}" for param, sql_type in params)
     returns = ", ".join(f"out_{column} {sql_type}" for column, sql_type in columns)
-    source = f"\nBEGIN\nRETURN QUERY {body};\nEND\n"
+    source = around.replace("{grant}", body)
     shape = f"({arguments}) RETURNS TABLE ({returns}) LANGUAGE plpgsql AS $permits${source}$permits$"
     digest = hashlib.sha256(shape.encode()).hexdigest()[:16]
-    name = f"permits_{statement.lower()}_{digest}"
+    function = f"permits_{name.lower()}_{digest}"
     types = ", ".join(sql_type for _, sql_type in params)
     casts = ", ".join(f"CAST(:{param} AS {sql_type})" for param, sql_type in params)
     return ServerFunction(
-        statement=statement,
-        name=name,
-        signature=f"{name}({types})",
-        definition=f"CREATE FUNCTION {name}{shape}",
+        statement=name,
+        made_from=statement,
+        name=function,
+        signature=f"{function}({types})",
+        definition=f"CREATE FUNCTION {function}{shape}",
         source=source,
         result=f"TABLE({returns})",
-        call=f"SELECT * FROM {name}({casts})",
+        call=f"SELECT * FROM {function}({casts})",
     )

@@ -184,8 +184,18 @@ class InstanceStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def queues_in_line(self, wants: Sequence[Want]) -> bool:
+        return False  # this instance lines up its waiters in its own memory (handoff.py)
+
     async def try_acquire(
-        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0, recheck: bool = True
+        self,
+        owner: str,
+        key: str,
+        wants: Sequence[Want],
+        ttl_ms: int,
+        wait: float = 0.0,
+        recheck: bool = True,
+        in_line: bool = False,
     ) -> Lease | None:
         if self.waker.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")

@@ -35,12 +35,26 @@ class AsyncStore(Protocol):
     async def open(self) -> None: ...
     async def close(self) -> None: ...
     async def try_acquire(
-        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0, recheck: bool = True
+        self,
+        owner: str,
+        key: str,
+        wants: Sequence[Want],
+        ttl_ms: int,
+        wait: float = 0.0,
+        recheck: bool = True,
+        in_line: bool = False,
     ) -> Lease | None:
         """One attempt: a lease, or ``None`` for no room. The store answers within about ``wait`` seconds
         (the SQL store never waits for room, and stops retrying lock conflicts at ``wait``; a store that
         can wait for room on the server side, such as the HTTP store, may wait up to ``wait``).
-        ``recheck=False``: a waiter asking again; a store may answer no room without finding out why."""
+        ``recheck=False``: a waiter asking again; a store may answer no room without finding out why.
+        ``in_line``: a waiter asking again at once, which waits for its turn in the server's lock queue
+        first where the store has one (``queues_in_line``)."""
+        ...
+
+    def queues_in_line(self, wants: Sequence[Want]) -> bool:
+        """Whether this store can make a waiter's attempt for ``wants`` wait for its turn in the server's
+        lock queue (PostgreSQL, one semaphore): then the waiter asks again at once instead of sleeping."""
         ...
 
     def wake_calls(self, names: Sequence[str]) -> int | None:
@@ -100,8 +114,16 @@ class Store(Protocol):
     def open(self) -> None: ...
     def close(self) -> None: ...
     def try_acquire(
-        self, owner: str, key: str, wants: Sequence[Want], ttl_ms: int, wait: float = 0.0, recheck: bool = True
+        self,
+        owner: str,
+        key: str,
+        wants: Sequence[Want],
+        ttl_ms: int,
+        wait: float = 0.0,
+        recheck: bool = True,
+        in_line: bool = False,
     ) -> Lease | None: ...
+    def queues_in_line(self, wants: Sequence[Want]) -> bool: ...
     def wake_calls(self, names: Sequence[str]) -> int | None: ...
     def wait_for_room(self, names: Sequence[str], seconds: float, since: int | None = None) -> bool: ...
     def queue_short(self, owner: str, key: str) -> int | None: ...

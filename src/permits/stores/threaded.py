@@ -52,6 +52,9 @@ class ThreadedSQLStore:
         await asyncio.sleep(seconds)  # never hold a worker thread just to wait
         return False
 
+    def queues_in_line(self, wants: Any) -> bool:
+        return False  # SQLite: no lock queue to wait in
+
     def queue_short(self, owner: str, key: str) -> int | None:
         result: int | None = self._inner.queue_short(owner, key)  # a memory lookup: no thread needed
         return result
