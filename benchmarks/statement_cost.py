@@ -70,13 +70,14 @@ def main() -> None:
             cur.execute(FLOOR_TAKE)
             cur.execute(FLOOR_GIVE)
 
-        def prepared(grant: str, give_back: str) -> Callable[[], None]:
-            """A cycle that sends ``grant`` and ``give_back`` prepared, as the library does straight to the
-            server."""
+        def prepared(grant: str, give_back: str, **more: int) -> Callable[[], None]:
+            """A cycle that sends ``grant`` (with ``more`` parameters) and ``give_back`` prepared, as the
+            library does straight to the server."""
 
             def cycle() -> None:
                 key = uuid.uuid4().hex
-                cur.execute(grant, {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000})
+                params = {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000, **more}
+                cur.execute(grant, params)
                 if len(cur.fetchall()) != 1:
                     raise SystemExit("the grant granted nothing: is another client using this database?")
                 cur.execute(give_back, {"owner": "cost", "key": key})
@@ -107,7 +108,7 @@ def main() -> None:
         variants: dict[str, Callable[[], None]] = {
             "floor": floor_cycle,
             "permits statements": prepared(acquire, release),
-            "queued grant": prepared(queued_call, release),
+            "queued grant": prepared(queued_call, release, wait_ms=5000, head_ms=50),
             "unprepared": unprepared(acquire, release),
             "server functions": unprepared(grant_call, release_call),
         }

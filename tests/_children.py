@@ -188,7 +188,8 @@ def fenced_writer(args: dict[str, Any]) -> None:
 def take_turns(args: dict[str, Any]) -> None:
     """Acquire ``name``, hold it ``hold`` seconds and release it, again and again for ``seconds``; then say
     how many grants and how many timeouts this process had, and how many attempts its acquires made (on a
-    database: the statements that try to take room), as one JSON line."""
+    database: the statements that try to take room, one per attempt, whether or not it waits in the
+    server's line), as one JSON line."""
     granted = timed_out = 0
     attempts = [0]
     with permits.connect(args["url"], owner=args["owner"]) as client:

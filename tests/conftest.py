@@ -99,12 +99,26 @@ def called_functions(url: str, within: float = 15.0, at_least: int = 2) -> set[s
         engine.dispose()
 
 
-def function_calls(url: str) -> dict[str, int]:
-    """How many times sessions counted by ``count_function_calls`` that have ended called each of permits'
-    server functions, by their statement (``acquire_one_queued``, say)."""
+def function_calls(url: str, within: float = 15.0) -> dict[str, int]:
+    """How many times sessions counted by ``count_function_calls`` called each of permits' server functions,
+    by their statement (``acquire_one_queued``, say). A session reports its counts as it exits, which may be
+    a little after its client closed: this waits (up to ``within``) until no other session is connected."""
     engine = create_engine(sqlalchemy_url(url.split("?")[0]))
+    deadline = time.monotonic() + within
     try:
         with engine.connect() as conn:
+            while time.monotonic() < deadline:
+                others = conn.execute(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    )
+                ).scalar_one()
+                conn.rollback()
+                if others == 0:
+                    break
+                time.sleep(0.2)
+            conn.execute(text("SELECT pg_stat_clear_snapshot()"))
             rows = conn.execute(
                 text("SELECT funcname, calls FROM pg_stat_user_functions WHERE funcname LIKE 'permits_%'")
             ).all()

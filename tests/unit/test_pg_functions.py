@@ -79,11 +79,14 @@ def test_the_queued_grant_takes_its_semaphores_line_lock_before_the_grant_starts
     lock = "PERFORM pg_advisory_xact_lock(1885696621, hashtext(arg_name));"
     grant = plain.source.strip().removeprefix("BEGIN").removesuffix("END").strip()
     assert grant.startswith("RETURN QUERY WITH taken AS (")
-    assert queued.source.index(lock) < queued.source.index(grant)
-    # the plain grant's arguments and one more, and the same result, so the flow reads either the same way
-    assert queued.signature.split("(", 1)[1] == plain.signature.split("(", 1)[1].replace(")", ", bigint)")
+    # once without the line (outside READ COMMITTED), then in it, after the lock
+    first, in_line = (m.start() for m in re.finditer(re.escape(grant), queued.source))
+    assert first < queued.source.index(lock) < in_line
+    # the plain grant's arguments and two more, and the same result, so the flow reads either the same way
+    more = ", bigint, bigint)"
+    assert queued.signature.split("(", 1)[1] == plain.signature.split("(", 1)[1].replace(")", more)
     assert queued.result == plain.result
-    assert queued.call.endswith(", CAST(:wait_ms AS bigint))")
+    assert queued.call.endswith(", CAST(:wait_ms AS bigint), CAST(:head_ms AS bigint))")
 
 
 def test_only_the_queued_grant_is_made_for_clients_that_reach_the_server_directly() -> None:

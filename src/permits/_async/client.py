@@ -154,6 +154,7 @@ class AsyncClient:
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
         limit = _validate.timeout(timeout)
         deadline = None if limit is None else monotonic() + limit
+        await self._store.open()  # what the store can do (queues_in_line) is known once it is open
         names = [w.name for w in wants_]
         contended = tuple(names)
         lost_races, quiet_until = self._contention.get(contended, (0, 0.0))

@@ -104,10 +104,11 @@ class Request:
     queued: bool = False
     #: the caller's wake channel (PostgreSQL), recorded in its places: a release calls it when its turn comes
     wake: str | None = None
-    #: not None: the attempt waits for its turn in the server's lock queue, the semaphore's line, and at its
-    #: head up to this many milliseconds for room (PostgreSQL's queued grant, for one semaphore; elsewhere
-    #: the attempt is the usual one)
+    #: not None: the attempt waits for its turn in the server's lock queue, the semaphore's line, for up to
+    #: this many milliseconds in all (PostgreSQL's queued grant, for one semaphore; elsewhere the attempt
+    #: is the usual one), and at the head of the line up to ``line_head_ms`` for room
     line_wait_ms: int | None = None
+    line_head_ms: int = 0
 
 
 def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | None]:
@@ -277,7 +278,8 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
     params = {"owner": req.owner, "key": req.key, "name": want.name, "count": want.count, "ttl_ms": req.ttl_ms}
     statement = "ACQUIRE_ONE"
     if req.line_wait_ms is not None and d.has("ACQUIRE_ONE_QUEUED"):
-        statement, params["wait_ms"] = "ACQUIRE_ONE_QUEUED", req.line_wait_ms
+        statement = "ACQUIRE_ONE_QUEUED"
+        params.update(wait_ms=req.line_wait_ms, head_ms=req.line_head_ms)
     try:
         done = yield Stmt(statement, params, alone=True)
     except DuplicateKey:

@@ -40,8 +40,8 @@ from permits._models import (
     Waiter,
     Want,
 )
-from permits._pacing import LINE_HEAD_WAIT_SECONDS
-from permits.dialects.base import Fault, dialect_for_url
+from permits._pacing import LINE_HEAD_WAIT_SECONDS, LINE_SEATS
+from permits.dialects.base import Dialect, Fault, dialect_for_url
 from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
 from permits.dialects.pg_functions import (
     CREATED_MEANWHILE,
@@ -83,12 +83,23 @@ PERSIST_SECONDS = 30.0
 PLACE_MS = 5000
 #: At most this many queued requests are remembered for a later dequeue; older ones just expire.
 MAX_REMEMBERED_PLACES = 100_000
-#: What a PostgreSQL client does without its server functions, behind a transaction pooler (True) or not.
-_WITHOUT_FUNCTIONS = {
-    True: "grants and releases are sent as statements, planned anew at every call behind the transaction"
-    " pooler, and waiters do not queue on the server",
-    False: "waiters do not queue on the server, and wait for releases as on other databases",
-}
+#: The warnings about server functions this process has given: each once, not at every open of a client.
+_WARNED: set[tuple[Any, ...]] = set()
+
+
+def _warn_once(message: str, *args: Any) -> None:
+    if (message, *args) in _WARNED:
+        logger.debug(message, *args)
+        return
+    _WARNED.add((message, *args))
+    logger.warning(message, *args)
+
+
+#: What a PostgreSQL client does without the server functions it cannot use.
+_WITHOUT_FUNCTIONS = (
+    "permits works on without them: it sends the statements they would run (planned anew at every call behind"
+    " a transaction pooler), and without the queued grant its waiters wait for releases as on other databases"
+)
 
 
 class SQLStore:
@@ -121,8 +132,11 @@ class SQLStore:
         # Server-side prepared statements on PostgreSQL's hot path, except behind a transaction pooler: the
         # next transaction may run on another server connection, which has never seen the statement.
         self._prepare = settings.pooler != "transaction"
-        #: behind a transaction pooler: the grant and the release are calls of server functions (open())
-        self._calls_functions = False
+        #: the dialect as it was before open() swapped in calls of server functions (PostgreSQL's queued grant,
+        #: and behind a transaction pooler the grant and the release): what the functions are made from
+        self._before_functions: Dialect | None = None
+        #: attempts of this store now waiting in a server line (see try_acquire)
+        self._in_line_now = 0
         # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling. Not through
         # a transaction pooler, which hands the LISTENing server connection on to other clients.
         self._listener: RoomListener | None = None
@@ -228,36 +242,38 @@ class SQLStore:
     def _call_server_functions(self) -> None:
         """Use permits' server functions on PostgreSQL (dialects/pg_functions.py), creating those that are
         missing: the queued grant, through which waiters queue in the server's lock queue; and behind a
-        transaction pooler also the grant and the release, whose plans each server session keeps. A role that
-        may not create or execute them keeps sending the statements, and its waiters wait as elsewhere."""
-        if self._calls_functions:  # another open of this store (a retry, another thread) got here first
-            return
+        transaction pooler also the grant and the release, whose plans each server session keeps. Each one
+        the role may not create or execute is left out, with a warning: the client sends the statement, or
+        its waiters wait as elsewhere."""
         pooled = self._settings.pooler == "transaction"
-        functions = server_functions(self._dialect, POOLED_FUNCTIONS if pooled else DIRECT_FUNCTIONS)
+        # Made from the statements themselves, also when a second open (a retry, another thread, the one
+        # after an upgrade) finds calls swapped in already: a function must never wrap a call of another.
+        plain = self._before_functions or self._dialect
+        functions = server_functions(plain, POOLED_FUNCTIONS if pooled else DIRECT_FUNCTIONS)
         states = self._probe_functions(functions)
         if "missing" in states:
             for function, state in zip(functions, states, strict=True):
                 if state == "missing" and not self._create_function(function):
-                    return
+                    break  # the others would fail the same way
             states = self._probe_functions(functions)  # as they are now, whoever made them
         unusable = [(f, state) for f, state in zip(functions, states, strict=True) if state != "callable"]
         if unusable:
             fixes = {
                 "denied": "the role may not execute it: GRANT EXECUTE ON FUNCTION {} to it",
-                "foreign": "a function of that name is not the one permits makes: DROP FUNCTION {}, and permits"
-                " will make its own",
+                "foreign": "a function of that name is not the one permits makes, or its owner is not trusted (the"
+                " role itself, the tables' owner or a superuser): DROP FUNCTION {}, and permits will make its own",
                 "missing": "it is missing",
             }
-            logger.warning(
+            _warn_once(
                 "permits' server functions at %s cannot be used (%s): %s (docs/deployment.md, Server functions)",
                 self.url,
                 "; ".join(f"{f.name}: {fixes[state].format(f.signature)}" for f, state in unusable),
-                _WITHOUT_FUNCTIONS[pooled],
+                _WITHOUT_FUNCTIONS,
             )
-            return
-        self._dialect = self._dialect.with_statements({f.statement: f.call for f in functions})
+        usable = {f.statement: f.call for f, state in zip(functions, states, strict=True) if state == "callable"}
+        self._before_functions = plain
+        self._dialect = plain.with_statements(usable) if usable else plain
         self._driver_statements.clear()
-        self._calls_functions = True
 
     def _probe_functions(self, functions: list[ServerFunction]) -> list[str]:
         """What the database has of each of ``functions``: see ``pg_functions.PROBE``."""
@@ -273,7 +289,8 @@ class SQLStore:
 
     def _create_function(self, function: ServerFunction) -> bool:
         """Create ``function``; whether it may exist now. Another client may create it at the same moment:
-        then this one's CREATE fails on the name, and the probe that follows says what the other made."""
+        then this one's CREATE fails on the name, and the probe that follows says what the other made. Any
+        other refusal leaves it out (with a warning): permits works without its functions, only slower."""
         with self._engine.connect() as conn:
             try:
                 with conn.begin():
@@ -286,23 +303,23 @@ class SQLStore:
                 state = getattr(error.orig, "sqlstate", None)
                 if state in CREATED_MEANWHILE:
                     return True
-                if state in MAY_NOT_CREATE:
+                if state == READ_ONLY:
+                    why = "the server takes no writes"
+                elif state in MAY_NOT_CREATE:
                     why = (
-                        "the server takes no writes"
-                        if state == READ_ONLY
-                        else "let the role create functions in its schema, or run `permits db upgrade` once"
-                        " (with the same ?pooler=) as a role that may"
+                        "let the role create functions in its schema, or run `permits db upgrade` once (with the"
+                        " same ?pooler=) as a role that may"
                     )
-                    logger.warning(
-                        "cannot create permits' server functions at %s (%s): %s; %s (docs/deployment.md,"
-                        " Server functions)",
-                        self.url,
-                        str(error.orig).strip(),
-                        _WITHOUT_FUNCTIONS[self._settings.pooler == "transaction"],
-                        why,
-                    )
-                    return False
-                raise error from exc
+                else:
+                    why = f"the server refused it (SQLSTATE {state})"
+                _warn_once(
+                    "cannot create permits' server functions at %s (%s): %s; %s (docs/deployment.md, Server functions)",
+                    self.url,
+                    str(error.orig).strip(),
+                    _WITHOUT_FUNCTIONS,
+                    why,
+                )
+                return False
         logger.info("created the server function %s at %s", function.name, self.url)
         return True
 
@@ -347,8 +364,12 @@ class SQLStore:
             recheck = True
 
         full = recheck
-        # In the line, wait at its head for room as long as the caller still waits, up to the policy's bound.
-        line_wait_ms = round(min(wait, LINE_HEAD_WAIT_SECONDS) * 1000) if in_line else None
+        # A waiter in the line holds a connection while it waits there: a few at a time per store, so that
+        # its releases (and everything else) always find one. The others ask outside the line. (The count is
+        # approximate in the sync store, whose threads share it without a lock: it only bounds a cost.)
+        in_line = in_line and self._in_line_now < LINE_SEATS
+        # The whole attempt, the wait in the line included, within the caller's time and the lock wait bound.
+        line_wait_ms = round(min(wait, self._settings.lock_wait_timeout) * 1000) if in_line else None
 
         def attempt() -> Flow[Lease | flows.Queued | None]:
             nonlocal tries, full
@@ -356,10 +377,16 @@ class SQLStore:
             # After a lost connection the last attempt may have been granted with its reply lost: only
             # the full recheck finds that lease under the key.
             full = recheck or tries > 1
-            request = flows.Request(owner, key, wants, ttl_ms, queue_ms, queued, wake, line_wait_ms)
+            request = flows.Request(
+                owner, key, wants, ttl_ms, queue_ms, queued, wake, line_wait_ms, round(LINE_HEAD_WAIT_SECONDS * 1000)
+            )
             return flows.try_acquire(self._dialect, request, recheck=full)
 
-        result: Any = self._run(attempt, deadline=deadline)
+        self._in_line_now += in_line
+        try:
+            result: Any = self._run(attempt, deadline=deadline)
+        finally:
+            self._in_line_now -= in_line
         if isinstance(result, flows.Queued):
             # Only a full attempt records (or refreshes) the place, and with it the wake channel.
             called = wake is not None if full else place is not None and place[1]
@@ -383,8 +410,9 @@ class SQLStore:
 
     def queues_in_line(self, wants: Sequence[Want]) -> bool:
         """Whether an attempt for ``wants`` can wait for its turn in the server's lock queue: PostgreSQL's
-        queued grant, for one semaphore (see ``dialects/pg_functions.py``)."""
-        return len(wants) == 1 and self._dialect.has("ACQUIRE_ONE_QUEUED")
+        queued grant, for one permit of one semaphore (see ``dialects/pg_functions.py``). A larger request at
+        the head of the line would hold it while single permits came back behind it."""
+        return len(wants) == 1 and wants[0].count == 1 and self._dialect.has("ACQUIRE_ONE_QUEUED")
 
     def queue_short(self, owner: str, key: str) -> int | None:
         """How many permits a waiting request was short of fitting at its last attempt, in its fair queues

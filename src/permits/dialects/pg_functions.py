@@ -11,17 +11,18 @@ permits calls functions made from those two statements instead.
 Each function is made from the dialect's own statement, so its SQL is written once, and it is named after a
 hash of its definition: a definition never changes under a name. Clients of two versions of permits, or a
 test that moved the server's clock, each call the functions of their own statements; a function no version
-calls any more is left in place, unused (docs/deployment.md, "Poolers").
+calls any more is left in place, unused (docs/deployment.md, "Server functions").
 
 **Queued grants.** On a hot semaphore most waiters are refused, and how they wait decides the throughput.
 ``ACQUIRE_ONE_QUEUED`` is the grant behind a transaction-level advisory lock of the semaphore, its line: a
 waiter sleeps in PostgreSQL's lock queue until the waiters ahead of it have been served, then runs
 ``ACQUIRE_ONE`` with the count as their commits left it, and at the head of the line it waits a little for
 room (``QUEUED_STATEMENTS``). The queue costs nothing while they wait, and hands the turn on in order, with
-no wake-up message (docs/design.md, "Waiting"). Releases never take this lock, so they never queue behind
-waiters. The lock only orders attempts: capacity is still the conditional UPDATE's, and a lock lost or
-shared (two names whose hashes collide) changes no outcome. Only a function can queue this way in one
-round trip: the lock must be held before the grant statement starts, and until its commit.
+no wake-up message (docs/design.md, "Waiters queue in the server's lock queue"). Releases never take this
+lock, so they never queue behind waiters. The lock only orders attempts: capacity is still the conditional
+UPDATE's, and a lock lost or shared (two names whose hashes collide) changes no outcome. Only a function
+can queue this way in one round trip: the lock must be held before the grant statement starts, and until
+its commit.
 """
 
 from __future__ import annotations
@@ -46,35 +47,57 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
     ),
 }
 #: The queued grant: the statement it runs, its parameters beyond that statement's, and its body around the
-#: statement (``{grant}``). It takes the semaphore's line lock, then grants as the statement does. Refused,
-#: it stays at the head of the line and asks again, pausing 0.1 ms and then twice as long each time up to
-#: 2 ms, for up to ``wait_ms``: a waiter keeps its place until room comes, and one who released and asks
-#: again queues behind it. It returns at once where waiting cannot help: a fair semaphore (its waiters wait
-#: in their own queue, and the head of that queue may be behind this one in the line), a deleted or missing
-#: one, or more permits than its capacity.
+#: statement (``{grant}``). It takes the semaphore's line lock, then grants as the statement does. Refused
+#: at the head of the line, it stays there and asks again every 1 ms and then every 2 ms (``pg_sleep``
+#: sleeps whole milliseconds), for up to ``head_ms``: a waiter keeps its place until room comes, and one
+#: who released and asks again queues behind it. ``wait_ms`` bounds the whole call, the wait in the line
+#: included (as its ``lock_timeout``): a caller whose time runs out in the line is refused, not failed.
+#: It stops at the first refusal where waiting at the head cannot help: a fair semaphore (its waiters wait
+#: in their own queue, whose head may be behind this one in the line), a deleted or missing one, or more
+#: permits than its capacity. Outside READ COMMITTED (a role's ``default_transaction_isolation``) the
+#: statement's snapshot would be older than the wait, so it grants once, without the line.
 #:
 #: The lock is the two-key form of the advisory lock: PostgreSQL keeps it apart from the one-key (bigint)
 #: form, which applications use most. The first key marks permits' locks (the letters "perm").
+LINE_LOCK_KEY = 1885696621
 QUEUED_STATEMENTS = {
     "ACQUIRE_ONE_QUEUED": (
         "ACQUIRE_ONE",
-        (("wait_ms", "bigint"),),
-        """
+        (("wait_ms", "bigint"), ("head_ms", "bigint")),
+        f"""
 DECLARE
+    entered timestamptz := clock_timestamp();
     until timestamptz;
-    pause double precision := 0.0001;
+    checked boolean := false;
 BEGIN
-PERFORM pg_advisory_xact_lock(1885696621, hashtext(arg_name));
-until := clock_timestamp() + arg_wait_ms * interval '1 millisecond';
+IF current_setting('transaction_isolation') <> 'read committed' THEN
+    RETURN QUERY {{grant}};
+    RETURN;
+END IF;
+PERFORM set_config('lock_timeout', CAST(GREATEST(arg_wait_ms, 1) AS text), true);
+BEGIN
+    PERFORM pg_advisory_xact_lock({LINE_LOCK_KEY}, hashtext(arg_name));
+EXCEPTION WHEN lock_not_available THEN
+    RETURN;
+END;
+until := LEAST(clock_timestamp() + arg_head_ms * interval '1 millisecond',
+               entered + arg_wait_ms * interval '1 millisecond');
 LOOP
-    RETURN QUERY {grant};
-    IF FOUND OR clock_timestamp() >= until OR NOT EXISTS (
-        SELECT 1 FROM permits_semaphore
-        WHERE name = arg_name AND fair = 0 AND deleted = 0 AND arg_count <= capacity) THEN
+    RETURN QUERY {{grant}};
+    IF FOUND OR clock_timestamp() >= until THEN
         RETURN;
     END IF;
-    PERFORM pg_sleep(pause);
-    pause := least(pause * 2, 0.002);
+    IF NOT checked THEN
+        IF NOT EXISTS (
+            SELECT 1 FROM permits_semaphore
+            WHERE name = arg_name AND fair = 0 AND deleted = 0 AND arg_count <= capacity) THEN
+            RETURN;
+        END IF;
+        checked := true;
+        PERFORM pg_sleep(0.001);
+    ELSE
+        PERFORM pg_sleep(0.002);
+    END IF;
 END LOOP;
 END
 """,
@@ -86,21 +109,27 @@ POOLED_FUNCTIONS = (*CALLED_STATEMENTS, *QUEUED_STATEMENTS)
 DIRECT_FUNCTIONS = tuple(QUEUED_STATEMENTS)
 
 #: What a client finds of each function, before it calls them: ``missing``; ``callable``; ``denied`` (the
-#: role may not execute it); or ``foreign``: a function of that name and arguments whose body, result or
-#: settings are not the ones permits makes (anybody who may create in the schema could have put it there
-#: first, since the names are no secret), which is never called.
+#: role may not execute it); or ``foreign``, never called: a function of that name and arguments whose body,
+#: result or settings are not the ones permits makes, or whose owner could change it into another (anybody
+#: who may create in the schema could have put it there first, since the names are no secret). A trusted
+#: owner is the role itself, the owner of permits' tables, or a superuser: only they can replace the body.
+#: (Not any role the client's is a member of: to a superuser client, every role would pass.)
 #: params: signatures, sources, results (arrays, one item per function) -> one state per function, in order
 PROBE = """
     SELECT CASE
         WHEN p.oid IS NULL THEN 'missing'
         WHEN p.prosrc <> f.source OR pg_get_function_result(p.oid) <> f.result OR p.prosecdef
              OR p.proconfig IS NOT NULL OR l.lanname <> 'plpgsql' THEN 'foreign'
+        WHEN NOT (p.proowner = to_regrole(current_user) OR o.rolsuper
+                  OR p.proowner = (SELECT relowner FROM pg_class WHERE oid = to_regclass('permits_semaphore')))
+             THEN 'foreign'
         WHEN has_function_privilege(p.oid, 'EXECUTE') THEN 'callable'
         ELSE 'denied' END
     FROM unnest(CAST(:signatures AS TEXT[]), CAST(:sources AS TEXT[]), CAST(:results AS TEXT[]))
         WITH ORDINALITY AS f(signature, source, result, n)
     LEFT JOIN pg_proc p ON p.oid = to_regprocedure(f.signature)
     LEFT JOIN pg_language l ON l.oid = p.prolang
+    LEFT JOIN pg_roles o ON o.oid = p.proowner
     ORDER BY f.n"""
 
 #: SQLSTATEs of a CREATE FUNCTION that another client's CREATE of the same function beat (duplicate_function;

@@ -60,6 +60,9 @@ def _call_fitting(rows: str, leaving: str = "") -> str:
     )
 
 
+#: How often a running statement's server checks that its client is still connected (PostgreSQL 14+).
+CLIENT_CHECK_MS = 1000
+
 #: The session settings whose absence matters behind a transaction pooler, in SESSION_TIMEOUTS' order. (The
 #: third one permits makes, timezone, changes nothing: every time permits keeps is epoch milliseconds.)
 _POOLED_SETTINGS = ("lock_timeout", "idle_in_transaction_session_timeout")
@@ -135,7 +138,7 @@ class PostgreSQL(Dialect):
         "ACQUIRE_ONE": """
             WITH taken AS (
                 UPDATE permits_semaphore
-                SET used = used + :count, last_token = last_token + 1, updated_at_ms = {now}
+                SET used = used + :count, last_token = last_token + 1, updated_at_ms = {clock_now}
                 WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
                 RETURNING id, last_token, {clock_now} AS granted_ms),
             lease AS (
@@ -249,14 +252,24 @@ class PostgreSQL(Dialect):
         ]
 
     def on_connect_sql(self, lock_wait_timeout: float, pooler: str | None = None) -> str | None:
-        if pooler != "session":
+        if pooler == "transaction":
             return None
+        # A waiter in a semaphore's line (pg_functions.py) waits inside a statement: a client killed there
+        # would be granted a lease it never sees, held until its TTL. From PostgreSQL 14 the server checks
+        # that the client is still there while a statement runs, and ends the statement when it is not.
+        # (After connecting: the setting would fail the connection to an older server in the startup packet.)
+        check = (
+            "CASE WHEN current_setting('server_version_num')::int >= 140000"
+            f" THEN set_config('client_connection_check_interval', '{CLIENT_CHECK_MS}', false) END"
+        )
+        if pooler is None:
+            return f"SELECT {check}"
         # A session pooler keeps the server connection for this client connection's life, and resets it
         # (DISCARD ALL) before the next client gets it, so the settings are this connection's alone.
         settings = ", ".join(
             f"set_config('{name}', '{value}', false)" for name, value in _session_settings(lock_wait_timeout)
         )
-        return f"SELECT {settings}"
+        return f"SELECT {settings}, {check}"
 
     def check_driver(self, asynchronous: bool) -> None:
         require_module("psycopg", self.extra)
