@@ -165,3 +165,27 @@ def test_a_queued_grant_made_by_a_role_that_could_change_it_is_never_called(
             with admin_engine.connect() as conn:
                 conn.execute(text(f"DROP ROLE {planter}"))
             admin_engine.dispose()
+
+
+def test_a_client_whose_queued_grant_is_dropped_under_it_waits_without_the_line(
+    ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator who drops permits' functions (deployment.md says how, for old versions) while a client
+    of this version runs: its next waiting acquire still gets its permit, with a warning, and its waiters
+    wait without the line from then on."""
+    with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as client:
+        client.create_semaphore(f"{ns}m", 1)
+        client.release(client.acquire(f"{ns}m", timeout=5))  # through the line
+        (queued,) = server_functions(PostgreSQL(), DIRECT_FUNCTIONS)
+        engine = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
+        with engine.connect() as conn:
+            conn.execute(text(f"DROP FUNCTION {queued.signature}"))
+        engine.dispose()
+        with caplog.at_level(logging.WARNING, logger="permits"):
+            lease = client.acquire(f"{ns}m", timeout=5)
+            client.release(lease)
+            client.release(client.acquire(f"{ns}m", timeout=5))
+        warned = [r.getMessage() for r in caplog.records if "queued grant" in r.getMessage()]
+        assert len(warned) == 1 and "does not exist" in warned[0], warned
+        assert lease.tokens == {f"{ns}m": 2}
+        assert client.get_semaphore(f"{ns}m").used == 0

@@ -49,6 +49,7 @@ from permits.dialects.pg_functions import (
     MAY_NOT_CREATE,
     POOLED_FUNCTIONS,
     PROBE,
+    QUEUED_GRANT_GONE,
     READ_ONLY,
     ServerFunction,
     server_functions,
@@ -135,6 +136,8 @@ class SQLStore:
         #: the dialect as it was before open() swapped in calls of server functions (PostgreSQL's queued grant,
         #: and behind a transaction pooler the grant and the release): what the functions are made from
         self._before_functions: Dialect | None = None
+        #: the calls swapped in, by the statement each replaces
+        self._function_calls: dict[str, str] = {}
         #: attempts of this store now waiting in a server line (see try_acquire)
         self._in_line_now = 0
         # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling. Not through
@@ -272,8 +275,31 @@ class SQLStore:
             )
         usable = {f.statement: f.call for f, state in zip(functions, states, strict=True) if state == "callable"}
         self._before_functions = plain
-        self._dialect = plain.with_statements(usable) if usable else plain
+        self._swap_in(usable)
+
+    def _swap_in(self, calls: dict[str, str]) -> None:
+        """Send ``calls`` (of server functions, by the statement each replaces) instead of the statements."""
+        plain = self._before_functions or self._dialect
+        self._function_calls = calls
+        self._dialect = plain.with_statements(calls) if calls else plain
         self._driver_statements.clear()
+
+    def _lost_queued_grant(self, exc: StorageError) -> bool:
+        """A call of the queued grant failed because the function is gone or refused at run time (dropped,
+        its EXECUTE revoked, an engine without advisory locks): from now on this store's waiters wait
+        without the line, as where it could not be made. Whether that was the failure."""
+        orig = getattr(exc.__cause__, "orig", None)
+        if type(exc) is not StorageError or getattr(orig, "sqlstate", None) not in QUEUED_GRANT_GONE:
+            return False
+        if "ACQUIRE_ONE_QUEUED" in self._function_calls:
+            self._swap_in({k: v for k, v in self._function_calls.items() if k != "ACQUIRE_ONE_QUEUED"})
+            _warn_once(
+                "permits' queued grant at %s failed (%s): waiters wait without the server's line from now on"
+                " (docs/deployment.md, Server functions)",
+                self.url,
+                str(orig).strip().splitlines()[0],
+            )
+        return True
 
     def _probe_functions(self, functions: list[ServerFunction]) -> list[str]:
         """What the database has of each of ``functions``: see ``pg_functions.PROBE``."""
@@ -384,7 +410,12 @@ class SQLStore:
 
         self._in_line_now += in_line
         try:
-            result: Any = self._run(attempt, deadline=deadline)
+            try:
+                result: Any = self._run(attempt, deadline=deadline)
+            except StorageError as exc:
+                if line_wait_ms is None or not self._lost_queued_grant(exc):
+                    raise
+                result = self._run(attempt, deadline=deadline)  # the plain grant, now
         finally:
             self._in_line_now -= in_line
         if isinstance(result, flows.Queued):

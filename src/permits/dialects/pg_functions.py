@@ -135,6 +135,10 @@ PROBE = """
 #: SQLSTATEs of a CREATE FUNCTION that another client's CREATE of the same function beat (duplicate_function;
 #: unique_violation on pg_proc, when both ran at once)
 CREATED_MEANWHILE = {"42723", "23505"}
+#: SQLSTATEs of a call of the queued grant that cannot work any more: undefined_function (dropped since the
+#: client checked), insufficient_privilege (EXECUTE revoked since), feature_not_supported (an engine that
+#: speaks PostgreSQL's protocol without advisory locks)
+QUEUED_GRANT_GONE = {"42883", "42501", "0A000"}
 #: read_only_sql_transaction: a server that takes no writes (a standby)
 READ_ONLY = "25006"
 #: SQLSTATEs of a CREATE FUNCTION that this role cannot make here: insufficient_privilege, or a standby
