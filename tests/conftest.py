@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -65,6 +65,29 @@ def own_database(backend: str, prefix: str) -> Iterator[str]:
         with admin.connect() as conn:
             force = " WITH (FORCE)" if backend == "postgresql" else ""
             conn.execute(text(f"DROP DATABASE IF EXISTS {name}{force}"))
+        admin.dispose()
+
+
+@contextlib.contextmanager
+def temporary_role(url: str, prefix: str, grants: Sequence[str]) -> Iterator[str]:
+    """A login role on the PostgreSQL server of ``url``, given ``grants`` (statements with ``{role}``) in its
+    database, dropped with everything it owns at the end: the URL of ``url``'s database as that role."""
+    role = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(_admin_url("postgresql"), isolation_level="AUTOCOMMIT")
+    inside = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE ROLE {role} LOGIN"))
+    try:
+        with inside.connect() as conn:
+            for grant in grants:
+                conn.execute(text(grant.format(role=role)))
+        yield make_url(url).set(username=role).render_as_string(hide_password=False)
+    finally:
+        with inside.connect() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+        inside.dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP ROLE {role}"))
         admin.dispose()
 
 

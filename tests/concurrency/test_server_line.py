@@ -14,21 +14,19 @@ from __future__ import annotations
 import logging
 import subprocess
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 import permits
 from permits._pacing import IN_LINE_TRIES
 from permits.dialects.pg_functions import DIRECT_FUNCTIONS, LINE_LOCK_KEY, server_functions
 from permits.dialects.postgresql import CLIENT_CHECK_MS, PostgreSQL
 from tests._children import run_take_turns, spawn
-from tests.conftest import _admin_url, count_function_calls, function_calls, own_database, sqlalchemy_url
+from tests.conftest import count_function_calls, function_calls, own_database, sqlalchemy_url, temporary_role
 
 pytestmark = [pytest.mark.usefixtures("servers"), pytest.mark.slow]
 
@@ -139,17 +137,9 @@ def test_a_queued_grant_made_by_a_role_that_could_change_it_is_never_called(
     role could make the right body first and replace it after the client's check. A client calls only
     functions of its own role, of the tables' owner, or of a superuser; here even a superuser client
     refuses another role's function, and its waiters wait as elsewhere."""
-    planter = f"permits_planter_{uuid.uuid4().hex[:8]}"
     with own_database("postgresql", "permits_line") as url:
         count_function_calls(url)
-        admin_engine = create_engine(_admin_url("postgresql"), isolation_level="AUTOCOMMIT")
-        inside = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
-        with admin_engine.connect() as conn:
-            conn.execute(text(f"CREATE ROLE {planter} LOGIN"))
-        try:
-            with inside.connect() as conn:
-                conn.execute(text(f"GRANT CREATE ON SCHEMA public TO {planter}"))
-            planted = make_url(url).set(username=planter).render_as_string(hide_password=False)
+        with temporary_role(url, "permits_planter", ["GRANT CREATE ON SCHEMA public TO {role}"]) as planted:
             with psycopg.connect(planted.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as c:
                 c.execute(server_functions(PostgreSQL(), DIRECT_FUNCTIONS)[0].definition)  # the right body
             with caplog.at_level(logging.WARNING, logger="permits"), permits.connect(url, auto_upgrade=True) as client:
@@ -158,13 +148,6 @@ def test_a_queued_grant_made_by_a_role_that_could_change_it_is_never_called(
             warned = [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
             assert len(warned) == 1 and "its owner is not trusted" in warned[0], warned
             assert function_calls(url) == {}
-        finally:
-            with inside.connect() as conn:
-                conn.execute(text(f"DROP OWNED BY {planter}"))
-            inside.dispose()
-            with admin_engine.connect() as conn:
-                conn.execute(text(f"DROP ROLE {planter}"))
-            admin_engine.dispose()
 
 
 def test_a_client_whose_queued_grant_is_dropped_under_it_waits_without_the_line(

@@ -40,6 +40,7 @@ from tests.conftest import (
     count_function_calls,
     own_database,
     sqlalchemy_url,
+    temporary_role,
 )
 
 pytestmark = pytest.mark.usefixtures("servers")
@@ -333,24 +334,13 @@ def test_behind_a_transaction_pooler_grants_and_releases_are_function_calls(
 def _role_that_may_not_create(url: str) -> Iterator[str]:
     """A role that may read and write permits' tables in the database of ``url`` (with its schema made)
     but not create anything there: its URL, with ``?pooler=transaction``."""
-    role = f"permits_dml_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(_admin_url("postgresql"), isolation_level="AUTOCOMMIT")
-    inside = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE ROLE {role} LOGIN"))
-    try:
-        with inside.connect() as conn:
-            conn.execute(text(f"REVOKE CREATE ON SCHEMA public FROM PUBLIC, {role}"))
-            conn.execute(text(f"GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}"))
-            conn.execute(text(f"GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}"))
-        yield make_url(url).set(username=role).render_as_string(hide_password=False) + "?pooler=transaction"
-    finally:
-        with inside.connect() as conn:
-            conn.execute(text(f"DROP OWNED BY {role}"))
-        inside.dispose()
-        with admin.connect() as conn:
-            conn.execute(text(f"DROP ROLE {role}"))
-        admin.dispose()
+    grants = [
+        "REVOKE CREATE ON SCHEMA public FROM PUBLIC, {role}",
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}",
+        "GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {role}",
+    ]
+    with temporary_role(url, "permits_dml", grants) as role_url:
+        yield role_url + "?pooler=transaction"
 
 
 def test_a_role_that_may_not_create_functions_sends_the_statements(ns: str, caplog: pytest.LogCaptureFixture) -> None:
