@@ -6,7 +6,9 @@ grant, dialects/pg_functions.py; the policy, permits/_pacing.py). Real processes
   leave the line, and plain semaphores promise no order. Fair semaphores do: test_fair_queue_processes.py.)
 - A waiter for a permit that is held for long does not spin through the line: its attempts stay few.
 - A waiter killed while it waits in the line is not granted a lease after its death.
-- A queued grant whose owner could change it is never called.
+- A queued grant whose owner could change it is never called, and one dropped under a running client
+  leaves its waiters waiting without the line.
+- A statement_timeout below the line's wait makes no error.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 import permits
 from permits._pacing import IN_LINE_TRIES
@@ -172,3 +175,26 @@ def test_a_client_whose_queued_grant_is_dropped_under_it_waits_without_the_line(
         assert len(warned) == 1 and "does not exist" in warned[0], warned
         assert lease.tokens == {f"{ns}m": 2}
         assert client.get_semaphore(f"{ns}m").used == 0
+
+
+def test_a_statement_timeout_below_the_lines_wait_makes_no_error(ns: str) -> None:
+    """A role's or a pooler's statement_timeout would cancel a waiter in the line into an error (StorageError
+    from the acquire): the queued grant keeps to half of it, so a line held up costs waiting time only."""
+    name = f"{ns}m"
+    with own_database("postgresql", "permits_line") as url:
+        with permits.connect(url, auto_upgrade=True) as admin:
+            admin.create_semaphore(name, 1)
+        engine = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
+        with engine.connect() as conn:
+            conn.execute(text(f"ALTER DATABASE {make_url(url).database} SET statement_timeout = '300ms'"))
+        engine.dispose()
+        blocker = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True)
+        try:
+            blocker.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (LINE_LOCK_KEY, name))
+            with permits.connect(url) as client:
+                # Refused in the held line (not failed), the waiter leaves it and gets the free permit.
+                lease = client.acquire(name, timeout=5)
+                assert lease.tokens == {name: 1}
+                client.release(lease)
+        finally:
+            blocker.close()

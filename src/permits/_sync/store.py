@@ -329,6 +329,8 @@ class SQLStore:
                 state = getattr(error.orig, "sqlstate", None)
                 if state in CREATED_MEANWHILE:
                     return True
+                if self._dialect.classify(error).retryable:  # a lost connection, a lock wait: open() retries
+                    raise error from exc
                 if state == READ_ONLY:
                     why = "the server takes no writes"
                 elif state in MAY_NOT_CREATE:
@@ -394,8 +396,6 @@ class SQLStore:
         # its releases (and everything else) always find one. The others ask outside the line. (The count is
         # approximate in the sync store, whose threads share it without a lock: it only bounds a cost.)
         in_line = in_line and self._in_line_now < LINE_SEATS
-        # The whole attempt, the wait in the line included, within the caller's time and the lock wait bound.
-        line_wait_ms = round(min(wait, self._settings.lock_wait_timeout) * 1000) if in_line else None
 
         def attempt() -> Flow[Lease | flows.Queued | None]:
             nonlocal tries, full
@@ -403,6 +403,10 @@ class SQLStore:
             # After a lost connection the last attempt may have been granted with its reply lost: only
             # the full recheck finds that lease under the key.
             full = recheck or tries > 1
+            # The whole attempt, its wait in the line included, within what is left of the caller's time (a
+            # retry after a conflict or a lost connection gets less) and the lock wait bound.
+            left = wait if deadline is None else max(0.0, deadline - monotonic())
+            line_wait_ms = round(min(left, self._settings.lock_wait_timeout) * 1000) if in_line else None
             request = flows.Request(
                 owner, key, wants, ttl_ms, queue_ms, queued, wake, line_wait_ms, round(LINE_HEAD_WAIT_SECONDS * 1000)
             )
@@ -413,7 +417,7 @@ class SQLStore:
             try:
                 result: Any = self._run(attempt, deadline=deadline)
             except StorageError as exc:
-                if line_wait_ms is None or not self._lost_queued_grant(exc):
+                if not in_line or not self._lost_queued_grant(exc):
                     raise
                 result = self._run(attempt, deadline=deadline)  # the plain grant, now
         finally:
@@ -441,9 +445,15 @@ class SQLStore:
 
     def queues_in_line(self, wants: Sequence[Want]) -> bool:
         """Whether an attempt for ``wants`` can wait for its turn in the server's lock queue: PostgreSQL's
-        queued grant, for one permit of one semaphore (see ``dialects/pg_functions.py``). A larger request at
-        the head of the line would hold it while single permits came back behind it."""
-        return len(wants) == 1 and wants[0].count == 1 and self._dialect.has("ACQUIRE_ONE_QUEUED")
+        queued grant, for one permit of one semaphore (see ``dialects/pg_functions.py``), while this store has
+        a seat in the lines for it (``LINE_SEATS``; a waiter without one waits as elsewhere). A larger request
+        at the head of the line would hold it while single permits came back behind it."""
+        return (
+            len(wants) == 1
+            and wants[0].count == 1
+            and self._dialect.has("ACQUIRE_ONE_QUEUED")
+            and self._in_line_now < LINE_SEATS  # see try_acquire
+        )
 
     def queue_short(self, owner: str, key: str) -> int | None:
         """How many permits a waiting request was short of fitting at its last attempt, in its fair queues

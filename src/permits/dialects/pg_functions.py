@@ -51,7 +51,9 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
 #: at the head of the line, it stays there and asks again every 1 ms and then every 2 ms (``pg_sleep``
 #: sleeps whole milliseconds), for up to ``head_ms``: a waiter keeps its place until room comes, and one
 #: who released and asks again queues behind it. ``wait_ms`` bounds the whole call, the wait in the line
-#: included (as its ``lock_timeout``): a caller whose time runs out in the line is refused, not failed.
+#: included (as its ``lock_timeout``, for the line and then for the grant's row lock, with what is left):
+#: a caller whose time runs out in the line is refused, not failed. Under a ``statement_timeout`` (a role's
+#: or a pooler's) the call keeps to half of it, so that waiting is never cancelled into an error.
 #: It stops at the first refusal where waiting at the head cannot help: a fair semaphore (its waiters wait
 #: in their own queue, whose head may be behind this one in the line), a deleted or missing one, or more
 #: permits than its capacity. Outside READ COMMITTED (a role's ``default_transaction_isolation``) the
@@ -66,7 +68,9 @@ QUEUED_STATEMENTS = {
         (("wait_ms", "bigint"), ("head_ms", "bigint")),
         f"""
 DECLARE
-    entered timestamptz := clock_timestamp();
+    budget interval := arg_wait_ms * interval '1 millisecond';
+    statement_limit interval := CAST(current_setting('statement_timeout') AS interval);
+    ends timestamptz;
     until timestamptz;
     checked boolean := false;
 BEGIN
@@ -74,14 +78,22 @@ IF current_setting('transaction_isolation') <> 'read committed' THEN
     RETURN QUERY {{grant}};
     RETURN;
 END IF;
-PERFORM set_config('lock_timeout', CAST(GREATEST(arg_wait_ms, 1) AS text), true);
+IF statement_limit > interval '0' THEN
+    budget := LEAST(budget, statement_limit / 2);
+END IF;
+ends := clock_timestamp() + budget;
+PERFORM set_config('lock_timeout', CAST(GREATEST(CEIL(EXTRACT(EPOCH FROM budget) * 1000), 1) AS text), true);
 BEGIN
     PERFORM pg_advisory_xact_lock({LINE_LOCK_KEY}, hashtext(arg_name));
 EXCEPTION WHEN lock_not_available THEN
     RETURN;
 END;
-until := LEAST(clock_timestamp() + arg_head_ms * interval '1 millisecond',
-               entered + arg_wait_ms * interval '1 millisecond');
+IF clock_timestamp() >= ends THEN
+    RETURN;
+END IF;
+PERFORM set_config('lock_timeout',
+    CAST(GREATEST(CEIL(EXTRACT(EPOCH FROM ends - clock_timestamp()) * 1000), 1) AS text), true);
+until := LEAST(clock_timestamp() + arg_head_ms * interval '1 millisecond', ends);
 LOOP
     RETURN QUERY {{grant}};
     IF FOUND OR clock_timestamp() >= until THEN
@@ -113,16 +125,17 @@ DIRECT_FUNCTIONS = tuple(QUEUED_STATEMENTS)
 #: result or settings are not the ones permits makes, or whose owner could change it into another (anybody
 #: who may create in the schema could have put it there first, since the names are no secret). A trusted
 #: owner is the role itself, the owner of permits' tables, or a superuser: only they can replace the body.
-#: (Not any role the client's is a member of: to a superuser client, every role would pass.)
+#: (Not any role the client's is a member of: to a superuser client, every role would pass. And a test that
+#: cannot tell, a NULL, counts as untrusted.)
 #: params: signatures, sources, results (arrays, one item per function) -> one state per function, in order
 PROBE = """
     SELECT CASE
         WHEN p.oid IS NULL THEN 'missing'
         WHEN p.prosrc <> f.source OR pg_get_function_result(p.oid) <> f.result OR p.prosecdef
              OR p.proconfig IS NOT NULL OR l.lanname <> 'plpgsql' THEN 'foreign'
-        WHEN NOT (p.proowner = to_regrole(current_user) OR o.rolsuper
-                  OR p.proowner = (SELECT relowner FROM pg_class WHERE oid = to_regclass('permits_semaphore')))
-             THEN 'foreign'
+        WHEN (p.proowner = (SELECT oid FROM pg_roles WHERE rolname = current_user) OR o.rolsuper
+              OR p.proowner = (SELECT relowner FROM pg_class WHERE oid = to_regclass('permits_semaphore')))
+             IS NOT TRUE THEN 'foreign'
         WHEN has_function_privilege(p.oid, 'EXECUTE') THEN 'callable'
         ELSE 'denied' END
     FROM unnest(CAST(:signatures AS TEXT[]), CAST(:sources AS TEXT[]), CAST(:results AS TEXT[]))

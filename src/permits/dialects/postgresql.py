@@ -257,19 +257,23 @@ class PostgreSQL(Dialect):
         # A waiter in a semaphore's line (pg_functions.py) waits inside a statement: a client killed there
         # would be granted a lease it never sees, held until its TTL. From PostgreSQL 14 the server checks
         # that the client is still there while a statement runs, and ends the statement when it is not.
-        # (After connecting: the setting would fail the connection to an older server in the startup packet.)
+        # After connecting, and only where the server has it and allows it: in the startup packet it would
+        # fail the connection to an older server, or to one whose platform cannot watch for a closed socket
+        # (Windows), which refuses any value but 0.
         check = (
-            "CASE WHEN current_setting('server_version_num')::int >= 140000"
-            f" THEN set_config('client_connection_check_interval', '{CLIENT_CHECK_MS}', false) END"
+            "IF current_setting('server_version_num')::int >= 140000 THEN BEGIN"
+            f" PERFORM set_config('client_connection_check_interval', '{CLIENT_CHECK_MS}', false);"
+            " EXCEPTION WHEN invalid_parameter_value THEN NULL; END; END IF;"
         )
-        if pooler is None:
-            return f"SELECT {check}"
-        # A session pooler keeps the server connection for this client connection's life, and resets it
-        # (DISCARD ALL) before the next client gets it, so the settings are this connection's alone.
-        settings = ", ".join(
-            f"set_config('{name}', '{value}', false)" for name, value in _session_settings(lock_wait_timeout)
-        )
-        return f"SELECT {settings}, {check}"
+        settings = ""
+        if pooler == "session":
+            # A session pooler keeps the server connection for this client connection's life, and resets it
+            # (DISCARD ALL) before the next client gets it, so the settings are this connection's alone.
+            settings = " ".join(
+                f"PERFORM set_config('{name}', '{value}', false);"
+                for name, value in _session_settings(lock_wait_timeout)
+            )
+        return f"DO $permits$BEGIN {settings} {check} END$permits$"
 
     def check_driver(self, asynchronous: bool) -> None:
         require_module("psycopg", self.extra)
