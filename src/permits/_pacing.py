@@ -12,9 +12,9 @@ grant behind it); one that asks too rarely leaves returned permits idle. Three s
   release. Elsewhere the shortfall falls only as permits come back, so the pacer measures how fast it
   falls and sleeps about half the predicted time; only the request one permit short listens for a
   release. Either way the rest of the queue stays asleep instead of stampeding at every release.
-- **The server's lock queue.** On PostgreSQL a waiter for one plain semaphore asks through the queued
-  grant: it sleeps in the server's lock queue, the semaphore's line, until the waiters ahead of it have
-  been served, then asks with the count as their commits left it, and at the head of the line waits up to
+- **The server's lock queue.** On PostgreSQL a waiter for one permit of one plain semaphore asks through
+  the queued grant: it sleeps in the server's lock queue, the semaphore's line, until the waiters ahead of
+  it have been served, then asks with the count as their commits left it, and at the head of the line waits up to
   ``LINE_HEAD_WAIT_SECONDS`` for room (dialects/pg_functions.py). The line hands the turn on in order and
   with no wake-up message, so on a hot semaphore nobody sleeps while permits come back, and a process
   that releases and asks again queues behind those already waiting. A waiter refused ``IN_LINE_TRIES``
@@ -22,8 +22,8 @@ grant behind it); one that asks too rarely leaves returned permits idle. Three s
   below; each release that wakes it sends it back for one try. Plain semaphores promise no order past
   that; fair ones do. A waiting acquire's first attempt goes in the line too: asking ahead of it, a
   newcomer would take the permits that the waiters in the line are owed, and starve them (measured: Jain
-  0.17 at 64 clients). In an empty line the turn comes at once, and the queued grant costs what the plain
-  one does (``benchmarks/statement_cost.py``).
+  0.17 at 64 clients). In an empty line the turn comes at once, and the queued grant costs about 5% more
+  than the plain one (``benchmarks/statement_cost.py``).
 - **Lost races.** On PostgreSQL (and in the service) every waiter of a semaphore hears of every release.
   A waiter that was told of room and still found none lost a race to another waiter: it then spreads its
   next retries over a window that doubles with each lost race, as Ethernet spreads its retransmissions, so

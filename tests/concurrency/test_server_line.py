@@ -6,8 +6,9 @@ grant, dialects/pg_functions.py; the policy, permits/_pacing.py). Real processes
   leave the line, and plain semaphores promise no order. Fair semaphores do: test_fair_queue_processes.py.)
 - A waiter for a permit that is held for long does not spin through the line: its attempts stay few.
 - A waiter killed while it waits in the line is not granted a lease after its death.
-- A queued grant whose owner could change it is never called, and one dropped under a running client
-  leaves its waiters waiting without the line.
+- A queued grant whose owner could change it is never called, nor one of the same name made after the
+  client's check in a schema earlier on its search_path; and one dropped under a running client leaves its
+  waiters waiting without the line.
 - A statement_timeout below the line's wait makes no error.
 """
 
@@ -151,6 +152,39 @@ def test_a_queued_grant_made_by_a_role_that_could_change_it_is_never_called(
             warned = [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
             assert len(warned) == 1 and "its owner is not trusted" in warned[0], warned
             assert function_calls(url) == {}
+
+
+def test_the_queued_grant_called_is_the_one_checked_not_one_planted_earlier_on_the_search_path(ns: str) -> None:
+    """A role that may create in a schema earlier on a client's search_path than the one that holds permits'
+    function could make a function of the same name there after the client's check, and the client would
+    call it instead. The call names the schema of the function the client checked."""
+    name = f"{ns}m"
+    (queued,) = server_functions(PostgreSQL(), DIRECT_FUNCTIONS)
+    with own_database("postgresql", "permits_line") as url:
+        with permits.connect(url, auto_upgrade=True) as admin:  # makes the queued grant, in public
+            admin.create_semaphore(name, 1)
+        engine = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("CREATE SCHEMA early"))
+                conn.execute(text(f"ALTER DATABASE {make_url(url).database} SET search_path = early, public"))
+            engine.dispose()  # sessions from now on search early first
+            with permits.connect(url) as client:
+                # Opened, so the queued grant is checked; the plain grant does not call it, so that no
+                # statement prepared on the client's connection pins the function before the plant.
+                client.release(client.try_acquire(name))
+                heading = queued.definition.split(" AS $permits$")[0]
+                planted = heading.replace(f"FUNCTION {queued.name}", f"FUNCTION early.{queued.name}", 1)
+                with engine.connect() as conn:
+                    conn.execute(text(f"{planted} AS $$ BEGIN RAISE EXCEPTION 'planted'; END $$"))
+                    # the name alone now finds the planted one
+                    found = text("SELECT pronamespace::regnamespace::text FROM pg_proc WHERE oid = to_regprocedure(:s)")
+                    assert conn.execute(found, {"s": queued.signature}).scalar() == "early"
+                lease = client.acquire(name, timeout=5)
+                assert lease.tokens == {name: 2}
+                client.release(lease)
+        finally:
+            engine.dispose()
 
 
 def test_a_client_whose_queued_grant_is_dropped_under_it_waits_without_the_line(

@@ -92,3 +92,16 @@ def test_the_queued_grant_takes_its_semaphores_line_lock_before_the_grant_starts
 def test_only_the_queued_grant_is_made_for_clients_that_reach_the_server_directly() -> None:
     assert DIRECT_FUNCTIONS == ("ACQUIRE_ONE_QUEUED",)
     assert set(POOLED_FUNCTIONS) == {"ACQUIRE_ONE", "RELEASE", "ACQUIRE_ONE_QUEUED"}
+
+
+@pytest.mark.parametrize("schema", ["public", '"Mixed Case"', '"odd :name"'])
+def test_a_call_names_the_schema_and_binds_only_the_statements_parameters(schema: str) -> None:
+    """The schema comes quoted (``quote_ident``) from the probe; a colon in it must not read as a bound
+    parameter when SQLAlchemy compiles the call."""
+    from sqlalchemy import text
+
+    (queued,) = server_functions(PostgreSQL(), DIRECT_FUNCTIONS)
+    call = queued.call_in(schema)
+    escaped = schema.replace(":", "\\:")  # text() reads a backslashed colon as the colon itself
+    assert call.startswith(f"SELECT * FROM {escaped}.{queued.name}(")
+    assert set(text(call).compile().params) == set(BIND.findall(queued.call))

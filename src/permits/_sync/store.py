@@ -27,7 +27,7 @@ from permits._exceptions import (
     StorageUnavailable,
     UsageError,
 )
-from permits._io import sync_sleep, monotonic
+from permits._io import sync_mutex, sync_sleep, monotonic
 from permits._models import (
     CapacityChange,
     Drift,
@@ -138,8 +138,10 @@ class SQLStore:
         self._before_functions: Dialect | None = None
         #: the calls swapped in, by the statement each replaces
         self._function_calls: dict[str, str] = {}
-        #: attempts of this store now waiting in a server line (see try_acquire)
+        #: attempts of this store now waiting in a server line (see try_acquire), and its guard: the sync
+        #: store's threads share the count, and a lost update would leave it off for good
         self._in_line_now = 0
+        self._seats_mutex = sync_mutex()
         # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling. Not through
         # a transaction pooler, which hands the LISTENing server connection on to other clients.
         self._listener: RoomListener | None = None
@@ -253,12 +255,13 @@ class SQLStore:
         # after an upgrade) finds calls swapped in already: a function must never wrap a call of another.
         plain = self._before_functions or self._dialect
         functions = server_functions(plain, POOLED_FUNCTIONS if pooled else DIRECT_FUNCTIONS)
-        states = self._probe_functions(functions)
-        if "missing" in states:
-            for function, state in zip(functions, states, strict=True):
+        found = self._probe_functions(functions)
+        if any(state == "missing" for state, _ in found):
+            for function, (state, _) in zip(functions, found, strict=True):
                 if state == "missing" and not self._create_function(function):
                     break  # the others would fail the same way
-            states = self._probe_functions(functions)  # as they are now, whoever made them
+            found = self._probe_functions(functions)  # as they are now, whoever made them
+        states = [state for state, _ in found]
         unusable = [(f, state) for f, state in zip(functions, states, strict=True) if state != "callable"]
         if unusable:
             fixes = {
@@ -273,7 +276,12 @@ class SQLStore:
                 "; ".join(f"{f.name}: {fixes[state].format(f.signature)}" for f, state in unusable),
                 _WITHOUT_FUNCTIONS,
             )
-        usable = {f.statement: f.call for f, state in zip(functions, states, strict=True) if state == "callable"}
+        # Each call names the schema of the function the probe checked.
+        usable = {
+            f.statement: f.call_in(schema)
+            for f, (state, schema) in zip(functions, found, strict=True)
+            if state == "callable" and schema is not None  # always, for a function found
+        }
         self._before_functions = plain
         self._swap_in(usable)
 
@@ -301,17 +309,17 @@ class SQLStore:
             )
         return True
 
-    def _probe_functions(self, functions: list[ServerFunction]) -> list[str]:
-        """What the database has of each of ``functions``: see ``pg_functions.PROBE``."""
+    def _probe_functions(self, functions: list[ServerFunction]) -> list[tuple[str, str | None]]:
+        """What the database has of each of ``functions``, and in which schema: see ``pg_functions.PROBE``."""
         params = {
             "signatures": [f.signature for f in functions],
             "sources": [f.source for f in functions],
             "results": [f.result for f in functions],
         }
         with self._engine.connect() as conn:
-            states = [str(state) for state in (conn.execute(text(PROBE), params)).scalars()]
+            found = [(str(state), schema) for state, schema in (conn.execute(text(PROBE), params))]
             conn.rollback()
-        return states
+        return found
 
     def _create_function(self, function: ServerFunction) -> bool:
         """Create ``function``; whether it may exist now. Another client may create it at the same moment:
@@ -393,9 +401,8 @@ class SQLStore:
 
         full = recheck
         # A waiter in the line holds a connection while it waits there: a few at a time per store, so that
-        # its releases (and everything else) always find one. The others ask outside the line. (The count is
-        # approximate in the sync store, whose threads share it without a lock: it only bounds a cost.)
-        in_line = in_line and self._in_line_now < LINE_SEATS
+        # its releases (and everything else) always find one. The others ask outside the line.
+        in_line = in_line and self._take_line_seat()
 
         def attempt() -> Flow[Lease | flows.Queued | None]:
             nonlocal tries, full
@@ -412,7 +419,6 @@ class SQLStore:
             )
             return flows.try_acquire(self._dialect, request, recheck=full)
 
-        self._in_line_now += in_line
         try:
             try:
                 result: Any = self._run(attempt, deadline=deadline)
@@ -421,7 +427,8 @@ class SQLStore:
                     raise
                 result = self._run(attempt, deadline=deadline)  # the plain grant, now
         finally:
-            self._in_line_now -= in_line
+            if in_line:
+                self._leave_line_seat()
         if isinstance(result, flows.Queued):
             # Only a full attempt records (or refreshes) the place, and with it the wake channel.
             called = wake is not None if full else place is not None and place[1]
@@ -442,6 +449,17 @@ class SQLStore:
             self._queued.pop((owner, key), None)  # its place lapsed: the next full recheck takes another
         lease: Lease | None = result
         return lease
+
+    def _take_line_seat(self) -> bool:
+        with self._seats_mutex:
+            if self._in_line_now >= LINE_SEATS:
+                return False
+            self._in_line_now += 1
+            return True
+
+    def _leave_line_seat(self) -> None:
+        with self._seats_mutex:
+            self._in_line_now -= 1
 
     def queues_in_line(self, wants: Sequence[Want]) -> bool:
         """Whether an attempt for ``wants`` can wait for its turn in the server's lock queue: PostgreSQL's

@@ -127,7 +127,8 @@ DIRECT_FUNCTIONS = tuple(QUEUED_STATEMENTS)
 #: owner is the role itself, the owner of permits' tables, or a superuser: only they can replace the body.
 #: (Not any role the client's is a member of: to a superuser client, every role would pass. And a test that
 #: cannot tell, a NULL, counts as untrusted.)
-#: params: signatures, sources, results (arrays, one item per function) -> one state per function, in order
+#: params: signatures, sources, results (arrays, one item per function) -> one row per function, in order:
+#: its state, and the schema it is in (quoted as an identifier; NULL if missing)
 PROBE = """
     SELECT CASE
         WHEN p.oid IS NULL THEN 'missing'
@@ -137,21 +138,23 @@ PROBE = """
               OR p.proowner = (SELECT relowner FROM pg_class WHERE oid = to_regclass('permits_semaphore')))
              IS NOT TRUE THEN 'foreign'
         WHEN has_function_privilege(p.oid, 'EXECUTE') THEN 'callable'
-        ELSE 'denied' END
+        ELSE 'denied' END,
+        quote_ident(n.nspname)
     FROM unnest(CAST(:signatures AS TEXT[]), CAST(:sources AS TEXT[]), CAST(:results AS TEXT[]))
         WITH ORDINALITY AS f(signature, source, result, n)
     LEFT JOIN pg_proc p ON p.oid = to_regprocedure(f.signature)
     LEFT JOIN pg_language l ON l.oid = p.prolang
     LEFT JOIN pg_roles o ON o.oid = p.proowner
+    LEFT JOIN pg_namespace n ON n.oid = p.pronamespace
     ORDER BY f.n"""
 
 #: SQLSTATEs of a CREATE FUNCTION that another client's CREATE of the same function beat (duplicate_function;
 #: unique_violation on pg_proc, when both ran at once)
 CREATED_MEANWHILE = {"42723", "23505"}
 #: SQLSTATEs of a call of the queued grant that cannot work any more: undefined_function (dropped since the
-#: client checked), insufficient_privilege (EXECUTE revoked since), feature_not_supported (an engine that
-#: speaks PostgreSQL's protocol without advisory locks)
-QUEUED_GRANT_GONE = {"42883", "42501", "0A000"}
+#: client checked), invalid_schema_name (its schema dropped), insufficient_privilege (EXECUTE revoked since),
+#: feature_not_supported (an engine that speaks PostgreSQL's protocol without advisory locks)
+QUEUED_GRANT_GONE = {"42883", "3F000", "42501", "0A000"}
 #: read_only_sql_transaction: a server that takes no writes (a standby)
 READ_ONLY = "25006"
 #: SQLSTATEs of a CREATE FUNCTION that this role cannot make here: insufficient_privilege, or a standby
@@ -170,7 +173,20 @@ class ServerFunction:
     definition: str  #: the CREATE FUNCTION statement
     source: str  #: its body, as ``pg_proc.prosrc`` keeps it
     result: str  #: its result, as ``pg_get_function_result`` shows it
-    call: str  #: the statement that calls it, with the replaced statement's bound parameters
+    arguments: str  #: the call's arguments: the replaced statement's bound parameters, cast
+
+    @property
+    def call(self) -> str:
+        """The statement that calls it, found through the ``search_path``."""
+        return f"SELECT * FROM {self.name}({self.arguments})"
+
+    def call_in(self, schema: str) -> str:
+        """The statement that calls the function in ``schema`` (an identifier, quoted as needed), the one the
+        probe found and checked: a function of the same name that appears later in a schema earlier on the
+        ``search_path`` is never called in its place."""
+        # A colon in a quoted schema name would read as a bound parameter to SQLAlchemy's text().
+        escaped = schema.replace(":", "\\:")
+        return f"SELECT * FROM {escaped}.{self.name}({self.arguments})"
 
 
 def server_functions(dialect: Dialect, names: Sequence[str] = POOLED_FUNCTIONS) -> list[ServerFunction]:
@@ -207,5 +223,5 @@ def _function(dialect: Dialect, name: str) -> ServerFunction:
         definition=f"CREATE FUNCTION {function}{shape}",
         source=source,
         result=f"TABLE({returns})",
-        call=f"SELECT * FROM {function}({casts})",
+        arguments=casts,
     )
