@@ -167,6 +167,7 @@ class PooledPermitsSystem(PermitsSystem):
         database = make_url(backend_url).database
         conn.cursor().execute(f"ALTER DATABASE {database} SET lock_timeout = '5s'")
         conn.cursor().execute(f"ALTER DATABASE {database} SET idle_in_transaction_session_timeout = '30s'")
+        conn.cursor().execute(f"ALTER DATABASE {database} SET client_connection_check_interval = '1s'")
         conn.close()
         url = make_url(backend_url)
         PGBOUNCER.target = (url.host or "127.0.0.1", url.port or 5432, url.username or "postgres", url.password)
@@ -175,7 +176,7 @@ class PooledPermitsSystem(PermitsSystem):
     def teardown(self, backend_url: str, scenario: Scenario) -> None:
         conn = connect(backend_url)
         database = make_url(backend_url).database
-        for name in ("lock_timeout", "idle_in_transaction_session_timeout"):
+        for name in ("lock_timeout", "idle_in_transaction_session_timeout", "client_connection_check_interval"):
             conn.cursor().execute(f"ALTER DATABASE {database} RESET {name}")
         conn.close()
 

@@ -228,12 +228,14 @@ def test_a_transaction_pooler_warns_until_the_server_sets_the_timeouts(
     assert len(warned) == 1, warned
     assert "ALTER ROLE postgres SET lock_timeout = '5000ms';" in warned[0]
     assert "ALTER ROLE postgres SET idle_in_transaction_session_timeout = '30000ms';" in warned[0]
+    assert "ALTER ROLE postgres SET client_connection_check_interval = '1000ms';" in warned[0]  # PostgreSQL 14+
 
     admin = create_engine(_admin_url("postgresql"), isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:  # the database's own settings, for every session that opens on it
             conn.execute(text(f"ALTER DATABASE {pool_db} SET lock_timeout = '300ms'"))
             conn.execute(text(f"ALTER DATABASE {pool_db} SET idle_in_transaction_session_timeout = '30s'"))
+            conn.execute(text(f"ALTER DATABASE {pool_db} SET client_connection_check_interval = '1s'"))
         caplog.clear()
         with PgBouncer("transaction") as bouncer, caplog.at_level(logging.WARNING, logger="permits"):
             url = bouncer.url_for(pool_db, pooler="transaction")

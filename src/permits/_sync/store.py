@@ -228,9 +228,11 @@ class SQLStore:
 
     def _check_pooled_timeouts(self) -> None:
         """Behind a transaction pooler the session settings permits makes elsewhere must come from the
-        server (``ALTER ROLE``): say so when they do not. Without them a transaction frozen while it holds a
-        semaphore's row (a client stopped half-way through a multi-semaphore acquire) holds up every grant
-        on that semaphore until the pooler or TCP ends it, instead of for 30 s at most."""
+        server (``ALTER ROLE``): say so when they do not. Without the timeouts a transaction frozen while it
+        holds a semaphore's row (a client stopped half-way through a multi-semaphore acquire) holds up every
+        grant on that semaphore until the pooler or TCP ends it, instead of for 30 s at most. Without
+        ``client_connection_check_interval`` (PostgreSQL 14+) a waiter killed in a semaphore's line is granted
+        a permit for nobody, held until its TTL (dialects/pg_functions.py)."""
         with self._engine.connect() as conn:
             row = (conn.execute(self._dialect.clause("SESSION_TIMEOUTS"))).one()
             conn.rollback()
@@ -239,7 +241,8 @@ class SQLStore:
             logger.warning(
                 "through a transaction pooler permits cannot make its session settings, and the server lacks"
                 " some at %s: a transaction frozen while it holds a semaphore's row would hold up the semaphore"
-                " until the pooler or TCP ends it. Set them on the server: %s (docs/deployment.md, Poolers)",
+                " until the pooler or TCP ends it, or a waiter killed in a semaphore's line would be granted a"
+                " permit for nobody. Set them on the server: %s (docs/deployment.md, Poolers)",
                 self.url,
                 " ".join(fixes),
             )

@@ -64,8 +64,9 @@ def _call_fitting(rows: str, leaving: str = "") -> str:
 CLIENT_CHECK_MS = 1000
 
 #: The session settings whose absence matters behind a transaction pooler, in SESSION_TIMEOUTS' order. (The
-#: third one permits makes, timezone, changes nothing: every time permits keeps is epoch milliseconds.)
-_POOLED_SETTINGS = ("lock_timeout", "idle_in_transaction_session_timeout")
+#: one more permits makes, timezone, changes nothing: every time permits keeps is epoch milliseconds.) The
+#: last exists from PostgreSQL 14 only: before, the server shows none (NULL), and there is nothing to set.
+_POOLED_SETTINGS = ("lock_timeout", "idle_in_transaction_session_timeout", "client_connection_check_interval")
 
 
 def _session_settings(lock_wait_timeout: float) -> list[tuple[str, str]]:
@@ -220,10 +221,11 @@ class PostgreSQL(Dialect):
             SELECT name FROM stale WHERE id NOT IN (SELECT id FROM marked)""",
         # Behind a transaction pooler permits cannot make its session settings (see engine_options): the
         # role's or the database's own must do. -> one column per name of _POOLED_SETTINGS, as the server
-        # shows it ('0': none), then the role, quoted as an identifier (see pooled_settings_fixes)
+        # shows it ('0': none; NULL: not on this server), then the role, quoted as an identifier (see
+        # pooled_settings_fixes)
         "SESSION_TIMEOUTS": """
             SELECT current_setting('lock_timeout'), current_setting('idle_in_transaction_session_timeout'),
-                   quote_ident(current_user)""",
+                   current_setting('client_connection_check_interval', true), quote_ident(current_user)""",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }
@@ -244,11 +246,15 @@ class PostgreSQL(Dialect):
 
     def pooled_settings_fixes(self, row: tuple[Any, ...], lock_wait_timeout: float) -> list[str]:
         *values, role = row
-        wanted = dict(_session_settings(lock_wait_timeout))  # in milliseconds, the unit of both
+        # in milliseconds, the unit of each
+        wanted = {
+            **dict(_session_settings(lock_wait_timeout)),
+            "client_connection_check_interval": str(CLIENT_CHECK_MS),
+        }
         return [
             f"ALTER ROLE {role} SET {name} = '{wanted[name]}ms';"
             for name, value in zip(_POOLED_SETTINGS, values, strict=True)
-            if str(value) == "0"
+            if value is not None and str(value) == "0"
         ]
 
     def on_connect_sql(self, lock_wait_timeout: float, pooler: str | None = None) -> str | None:
