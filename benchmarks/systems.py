@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import Any
 
 from harness import Scenario, backend_of, connect, ensure_database
 from sqlalchemy.engine import make_url
@@ -167,7 +168,8 @@ class PooledPermitsSystem(PermitsSystem):
         database = make_url(backend_url).database
         conn.cursor().execute(f"ALTER DATABASE {database} SET lock_timeout = '5s'")
         conn.cursor().execute(f"ALTER DATABASE {database} SET idle_in_transaction_session_timeout = '30s'")
-        conn.cursor().execute(f"ALTER DATABASE {database} SET client_connection_check_interval = '1s'")
+        if _has_client_check(conn):  # PostgreSQL 14+
+            conn.cursor().execute(f"ALTER DATABASE {database} SET client_connection_check_interval = '1s'")
         conn.close()
         url = make_url(backend_url)
         PGBOUNCER.target = (url.host or "127.0.0.1", url.port or 5432, url.username or "postgres", url.password)
@@ -176,7 +178,9 @@ class PooledPermitsSystem(PermitsSystem):
     def teardown(self, backend_url: str, scenario: Scenario) -> None:
         conn = connect(backend_url)
         database = make_url(backend_url).database
-        for name in ("lock_timeout", "idle_in_transaction_session_timeout", "client_connection_check_interval"):
+        names = ["lock_timeout", "idle_in_transaction_session_timeout"]
+        names += ["client_connection_check_interval"] if _has_client_check(conn) else []
+        for name in names:
             conn.cursor().execute(f"ALTER DATABASE {database} RESET {name}")
         conn.close()
 
@@ -186,6 +190,12 @@ class PooledPermitsSystem(PermitsSystem):
         host, _, port = os.environ[PGBOUNCER.env_var].rpartition(":")
         pooled = make_url(backend_url).set(host=host, port=int(port)).update_query_dict({"pooler": "transaction"})
         return PermitsClient(pooled.render_as_string(hide_password=False), scenario.semaphores_for(client_index))
+
+
+def _has_client_check(conn: Any) -> bool:
+    cur = conn.cursor()
+    cur.execute("SELECT current_setting('client_connection_check_interval', true) IS NOT NULL")
+    return bool(cur.fetchone()[0])
 
 
 PERMITS = PermitsSystem()

@@ -27,6 +27,7 @@ import pytest
 from sqlalchemy import create_engine, make_url, text
 
 import permits
+from permits.dialects import postgresql
 from permits.dialects.pg_functions import DIRECT_FUNCTIONS, server_functions
 from permits.dialects.postgresql import PostgreSQL
 from tests._pgbouncer import PgBouncer, pgbouncer_version
@@ -247,6 +248,25 @@ def test_a_transaction_pooler_warns_until_the_server_sets_the_timeouts(
         with admin.connect() as conn:
             conn.execute(text(f"ALTER DATABASE {pool_db} RESET ALL"))
         admin.dispose()
+
+
+def test_a_setting_the_server_refuses_is_not_advised(
+    pool_db: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server whose platform cannot watch for closed sockets (Windows) refuses any
+    client_connection_check_interval but 0: advising it would give a warning that no one can make go away.
+    The client tries each value first; here a value out of range stands in for a refused one."""
+    monkeypatch.setattr(postgresql, "CLIENT_CHECK_MS", -5)
+    with (
+        PgBouncer("transaction") as bouncer,
+        caplog.at_level(logging.WARNING, logger="permits"),
+        permits.connect(bouncer.url_for(pool_db, pooler="transaction")) as client,
+    ):
+        client.list_semaphores()
+    warned = [r.getMessage() for r in caplog.records if "transaction pooler" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "ALTER ROLE postgres SET lock_timeout = '5000ms';" in warned[0]
+    assert "client_connection_check_interval" not in warned[0]
 
 
 @pytest.mark.parametrize(

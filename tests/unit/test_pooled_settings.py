@@ -8,7 +8,12 @@ from permits.dialects.postgresql import PostgreSQL
 
 def test_each_missing_setting_gets_its_statement_for_the_role() -> None:
     fixes = PostgreSQL().pooled_settings_fixes(("0", "0", "0", '"first.last"'), lock_wait_timeout=5)
-    assert fixes == [
+    assert [(f.name, f.value) for f in fixes] == [
+        ("lock_timeout", "5000ms"),
+        ("idle_in_transaction_session_timeout", "30000ms"),
+        ("client_connection_check_interval", "1000ms"),
+    ]
+    assert [f.statement for f in fixes] == [
         "ALTER ROLE \"first.last\" SET lock_timeout = '5000ms';",
         "ALTER ROLE \"first.last\" SET idle_in_transaction_session_timeout = '30000ms';",
         "ALTER ROLE \"first.last\" SET client_connection_check_interval = '1000ms';",

@@ -40,7 +40,7 @@ from permits._models import (
     Want,
 )
 from permits._pacing import LINE_HEAD_WAIT_SECONDS, LINE_SEATS
-from permits.dialects.base import Dialect, Fault, dialect_for_url
+from permits.dialects.base import Dialect, Fault, SettingFix, dialect_for_url
 from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
 from permits.dialects.pg_functions import (
     CREATED_MEANWHILE,
@@ -83,6 +83,8 @@ PERSIST_SECONDS = 30.0
 PLACE_MS = 5000
 #: At most this many queued requests are remembered for a later dequeue; older ones just expire.
 MAX_REMEMBERED_PLACES = 100_000
+#: SQLSTATE of a setting's value that the server refuses (``_server_takes``)
+INVALID_PARAMETER_VALUE = "22023"
 #: The warnings about server functions this process has given: each once, not at every open of a client.
 _WARNED: set[tuple[Any, ...]] = set()
 
@@ -234,8 +236,12 @@ class AsyncSQLStore:
         a permit for nobody, held until its TTL (dialects/pg_functions.py)."""
         async with self._engine.connect() as conn:
             row = (await conn.execute(self._dialect.clause("SESSION_TIMEOUTS"))).one()
-            await conn.rollback()
-        fixes = self._dialect.pooled_settings_fixes(tuple(row), self._settings.lock_wait_timeout)
+            fixes = []
+            for fix in self._dialect.pooled_settings_fixes(tuple(row), self._settings.lock_wait_timeout):
+                # Advise only what the server takes: a warning whose fix fails would never go away.
+                if await self._server_takes(conn, fix):
+                    fixes.append(fix.statement)
+            await conn.rollback()  # and with it every value tried
         if fixes:
             logger.warning(
                 "through a transaction pooler permits cannot make its session settings, and the server lacks"
@@ -245,6 +251,17 @@ class AsyncSQLStore:
                 self.url,
                 " ".join(fixes),
             )
+
+    async def _server_takes(self, conn: AsyncConnection, fix: SettingFix) -> bool:
+        """Whether the server accepts ``fix``'s value, tried in ``conn``'s transaction (``SETTING_TRY``)."""
+        try:
+            async with conn.begin_nested():
+                await conn.execute(self._dialect.clause("SETTING_TRY"), {"name": fix.name, "value": fix.value})
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) != INVALID_PARAMETER_VALUE:
+                raise
+            return False
+        return True
 
     async def _call_server_functions(self) -> None:
         """Use permits' server functions on PostgreSQL (dialects/pg_functions.py), creating those that are

@@ -41,7 +41,7 @@ from permits._models import (
     Want,
 )
 from permits._pacing import LINE_HEAD_WAIT_SECONDS, LINE_SEATS
-from permits.dialects.base import Dialect, Fault, dialect_for_url
+from permits.dialects.base import Dialect, Fault, SettingFix, dialect_for_url
 from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
 from permits.dialects.pg_functions import (
     CREATED_MEANWHILE,
@@ -84,6 +84,8 @@ PERSIST_SECONDS = 30.0
 PLACE_MS = 5000
 #: At most this many queued requests are remembered for a later dequeue; older ones just expire.
 MAX_REMEMBERED_PLACES = 100_000
+#: SQLSTATE of a setting's value that the server refuses (``_server_takes``)
+INVALID_PARAMETER_VALUE = "22023"
 #: The warnings about server functions this process has given: each once, not at every open of a client.
 _WARNED: set[tuple[Any, ...]] = set()
 
@@ -235,8 +237,12 @@ class SQLStore:
         a permit for nobody, held until its TTL (dialects/pg_functions.py)."""
         with self._engine.connect() as conn:
             row = (conn.execute(self._dialect.clause("SESSION_TIMEOUTS"))).one()
-            conn.rollback()
-        fixes = self._dialect.pooled_settings_fixes(tuple(row), self._settings.lock_wait_timeout)
+            fixes = []
+            for fix in self._dialect.pooled_settings_fixes(tuple(row), self._settings.lock_wait_timeout):
+                # Advise only what the server takes: a warning whose fix fails would never go away.
+                if self._server_takes(conn, fix):
+                    fixes.append(fix.statement)
+            conn.rollback()  # and with it every value tried
         if fixes:
             logger.warning(
                 "through a transaction pooler permits cannot make its session settings, and the server lacks"
@@ -246,6 +252,17 @@ class SQLStore:
                 self.url,
                 " ".join(fixes),
             )
+
+    def _server_takes(self, conn: Connection, fix: SettingFix) -> bool:
+        """Whether the server accepts ``fix``'s value, tried in ``conn``'s transaction (``SETTING_TRY``)."""
+        try:
+            with conn.begin_nested():
+                conn.execute(self._dialect.clause("SETTING_TRY"), {"name": fix.name, "value": fix.value})
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) != INVALID_PARAMETER_VALUE:
+                raise
+            return False
+        return True
 
     def _call_server_functions(self) -> None:
         """Use permits' server functions on PostgreSQL (dialects/pg_functions.py), creating those that are

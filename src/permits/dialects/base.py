@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import enum
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from sqlalchemy import TextClause, bindparam, text
@@ -46,6 +47,15 @@ FAIR_GATE = """
                     (SELECT m.ticket FROM permits_waiter m
                      WHERE m.semaphore_id = permits_semaphore.id AND m.owner = :owner AND m.lease_key = :key),
                     9223372036854775807)) <= capacity)"""
+
+
+@dataclass(frozen=True)
+class SettingFix:
+    """A session setting the server lacks, and the statement that would set it there for the role."""
+
+    name: str
+    value: str  #: as ``set_config`` takes it
+    statement: str
 
 
 class Fault(enum.Enum):
@@ -445,9 +455,10 @@ class Dialect:
         """SQLAlchemy ``create_engine`` options; ``pooler``: see ``Settings.pooler`` (PostgreSQL only)."""
         return {}
 
-    def pooled_settings_fixes(self, row: tuple[Any, ...], lock_wait_timeout: float) -> list[str]:
-        """Given the row of ``SESSION_TIMEOUTS``, the statements that would set on the server the session
-        settings that a transaction pooler keeps permits from making itself (none: all are there)."""
+    def pooled_settings_fixes(self, row: tuple[Any, ...], lock_wait_timeout: float) -> list[SettingFix]:
+        """Given the row of ``SESSION_TIMEOUTS``, the session settings that a transaction pooler keeps permits
+        from making itself and that the server lacks, each with the statement that would set it there (none:
+        all are there). The store tries each value (``SETTING_TRY``) before it advises the statement."""
         return []
 
     def on_connect_sql(self, lock_wait_timeout: float, pooler: str | None = None) -> str | None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from permits.dialects.base import IDLE_IN_TRANSACTION_SECONDS, PORTABLE_SQL, Dialect, Fault, require_module
+from permits.dialects.base import (
+    IDLE_IN_TRANSACTION_SECONDS,
+    PORTABLE_SQL,
+    Dialect,
+    Fault,
+    SettingFix,
+    require_module,
+)
 
 _CONFLICT = {
     "40001",  # serialization_failure
@@ -226,6 +233,11 @@ class PostgreSQL(Dialect):
         "SESSION_TIMEOUTS": """
             SELECT current_setting('lock_timeout'), current_setting('idle_in_transaction_session_timeout'),
                    current_setting('client_connection_check_interval', true), quote_ident(current_user)""",
+        # A setting's value tried for the rest of this transaction only (set_config's is_local), which the
+        # caller rolls back: whether the server takes it. A server whose platform cannot watch for closed
+        # sockets (Windows; on PostgreSQL 14 anything but Linux) refuses any client_connection_check_interval
+        # but 0, with invalid_parameter_value. params: name, value
+        "SETTING_TRY": "SELECT set_config(:name, :value, true)",
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }
@@ -244,7 +256,7 @@ class PostgreSQL(Dialect):
             connect_args["prepare_threshold"] = None
         return {"connect_args": connect_args}
 
-    def pooled_settings_fixes(self, row: tuple[Any, ...], lock_wait_timeout: float) -> list[str]:
+    def pooled_settings_fixes(self, row: tuple[Any, ...], lock_wait_timeout: float) -> list[SettingFix]:
         *values, role = row
         # in milliseconds, the unit of each
         wanted = {
@@ -252,7 +264,7 @@ class PostgreSQL(Dialect):
             "client_connection_check_interval": str(CLIENT_CHECK_MS),
         }
         return [
-            f"ALTER ROLE {role} SET {name} = '{wanted[name]}ms';"
+            SettingFix(name, f"{wanted[name]}ms", f"ALTER ROLE {role} SET {name} = '{wanted[name]}ms';")
             for name, value in zip(_POOLED_SETTINGS, values, strict=True)
             if value is not None and str(value) == "0"
         ]
