@@ -127,3 +127,10 @@ def test_the_row_queue_experiment_runs() -> None:
     """row_queue:ROW_QUEUE (docs/benchmarks.md, releases on a row of their own) sets up, cycles with
     waiters queued on the row lock, and leaves no permit in use."""
     _cycles_without_errors("row_queue:ROW_QUEUE", "postgresql", "1,16")
+
+
+@pytest.mark.parametrize("system", ["GET_LOCK_LINE", "GET_LOCK_LINE_FAIR", "GET_LOCK_LINE_GATED"])
+def test_the_get_lock_line_experiment_runs(system: str) -> None:
+    """get_lock_line (docs/benchmarks.md, a line for MariaDB's waiters) sets up, cycles with waiters queued
+    in GET_LOCK, and leaves no permit in use and no drift."""
+    _cycles_without_errors(f"get_lock_line:{system}", "mariadb", "1,16")
