@@ -103,6 +103,8 @@ _line: _Line | None = None
 #: ``when_contended``: a semaphore's waiters go in the line only within this many seconds of a refusal of
 #: this client's on it, so that uncontended acquires cost one round trip, not three
 CONTENDED_SECONDS = 1.0
+#: a wait for the line longer than this counts as contention, as a refusal does
+CONTENDED_LINE_WAIT = 0.001
 _when_contended = False
 #: ``pipelined``: see ``_Line.grant_and_leave``; ``one_request``: the wait in the line in that request too
 _pipelined = False
@@ -134,10 +136,13 @@ def _try_acquire(
     try:
         name = wants[0].name
         wait_s = min(wait, self._settings.lock_wait_timeout)
+        entered = time.monotonic()
         if _one_request:
             _line.connect()
         elif not _line.take(name, wait_s):
             return None
+        if time.monotonic() - entered > CONTENDED_LINE_WAIT:
+            _refused_at[name] = time.monotonic()  # others were ahead: the semaphore is still contended
         if _pipelined:
             row = _line.grant_and_leave(self, owner, key, wants[0], ttl_ms, wait_s)
             if row is None:
@@ -159,6 +164,8 @@ def _try_acquire(
             while True:
                 lease = _plain_try_acquire(self, owner, key, wants, ttl_ms, wait, recheck and tries == 0)
                 tries += 1
+                if lease is None:
+                    _refused_at[name] = time.monotonic()
                 if lease is not None or time.monotonic() >= head_until or self.queue_short(owner, key):
                     return lease
                 time.sleep(0.001 if tries < 10 else 0.002)
