@@ -26,6 +26,7 @@ from permits._exceptions import (
     ConfigurationError,
     InvalidArgument,
     PermitsError,
+    UsageError,
 )
 from permits._models import Want
 from permits._sync.client import Client
@@ -114,6 +115,27 @@ def db_upgrade(db: str | None) -> None:
     except PermitsError as exc:
         _fail(exc, EXIT_USAGE if isinstance(exc, InvalidArgument | ConfigurationError) else EXIT_FAILED)
     click.echo(f"schema at revision {revision} ({client.url})")
+
+
+@db.command("drop-old-functions")
+@click.option("--dry-run", is_flag=True, help="List them, and drop nothing.")
+@_db_option
+def db_drop_old_functions(dry_run: bool, db: str | None) -> None:
+    """Drop the server functions of other versions of permits (PostgreSQL).
+
+    Each version makes functions of its own, named after a hash of their definition, and leaves the
+    others' in place for clients that still run them. Run this once none does: a client of another
+    version would go on without them, slower.
+    """
+    try:
+        with permits.connect(db, auto_upgrade=False) as client:
+            dropped = client.drop_old_functions(dry_run=dry_run)
+    except PermitsError as exc:
+        _fail(exc, EXIT_USAGE if isinstance(exc, InvalidArgument | ConfigurationError | UsageError) else EXIT_FAILED)
+    for function in dropped:
+        click.echo(f"{'would drop' if dry_run else 'dropped'} {function}")
+    if not dropped:
+        click.echo("no server functions of other versions of permits")
 
 
 # ------------------------------------------------------------------------------------------ semaphores

@@ -27,7 +27,7 @@ from sqlalchemy.engine import make_url
 
 import permits
 from permits._pacing import IN_LINE_TRIES
-from permits.dialects.pg_functions import DIRECT_FUNCTIONS, LINE_LOCK_KEY, server_functions
+from permits.dialects.pg_functions import DIRECT_FUNCTIONS, LINE_LOCK_KEY, POOLED_FUNCTIONS, server_functions
 from permits.dialects.postgresql import CLIENT_CHECK_MS, PostgreSQL
 from tests._children import run_take_turns, spawn
 from tests.conftest import count_function_calls, function_calls, own_database, sqlalchemy_url, temporary_role
@@ -187,28 +187,34 @@ def test_the_queued_grant_called_is_the_one_checked_not_one_planted_earlier_on_t
             engine.dispose()
 
 
-def test_a_client_whose_queued_grant_is_dropped_under_it_waits_without_the_line(
-    ns: str, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("pooler", [None, "transaction"])
+def test_a_client_whose_functions_are_dropped_under_it_sends_its_statements(
+    ns: str, pooler: str | None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An operator who drops permits' functions (deployment.md says how, for old versions) while a client
-    of this version runs: its next waiting acquire still gets its permit, with a warning, and its waiters
-    wait without the line from then on."""
-    with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as client:
-        client.create_semaphore(f"{ns}m", 1)
-        client.release(client.acquire(f"{ns}m", timeout=5))  # through the line
-        (queued,) = server_functions(PostgreSQL(), DIRECT_FUNCTIONS)
-        engine = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
-        with engine.connect() as conn:
-            conn.execute(text(f"DROP FUNCTION {queued.signature}"))
-        engine.dispose()
-        with caplog.at_level(logging.WARNING, logger="permits"):
-            lease = client.acquire(f"{ns}m", timeout=5)
-            client.release(lease)
-            client.release(client.acquire(f"{ns}m", timeout=5))
-        warned = [r.getMessage() for r in caplog.records if "queued grant" in r.getMessage()]
-        assert len(warned) == 1 and "does not exist" in warned[0], warned
-        assert lease.tokens == {f"{ns}m": 2}
-        assert client.get_semaphore(f"{ns}m").used == 0
+    """An operator who drops permits' functions while a client of this version runs (deployment.md says
+    how, for old versions): its next acquire and release still work, with one warning, and from then on it
+    sends its statements and its waiters wait without the line. Behind a transaction pooler that includes the
+    grant and the release, which it sends as calls there (here the pooler parameter, straight to the server)."""
+    with own_database("postgresql", "permits_line") as url:
+        connect_url = url if pooler is None else f"{url}?pooler={pooler}"
+        with permits.connect(connect_url, auto_upgrade=True) as client:
+            client.create_semaphore(f"{ns}m", 1)
+            held = client.acquire(f"{ns}m", timeout=5)  # through the functions
+            functions = server_functions(PostgreSQL(), DIRECT_FUNCTIONS if pooler is None else POOLED_FUNCTIONS)
+            engine = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
+            with engine.connect() as conn:
+                for function in functions:
+                    conn.execute(text(f"DROP FUNCTION {function.signature}"))
+            engine.dispose()
+            with caplog.at_level(logging.WARNING, logger="permits"):
+                assert client.release(held) is permits.ReleaseOutcome.RELEASED  # behind the pooler: a call
+                lease = client.acquire(f"{ns}m", timeout=5)
+                client.release(lease)
+                client.release(client.acquire(f"{ns}m", timeout=5))
+            warned = [r.getMessage() for r in caplog.records if "server functions" in r.getMessage()]
+            assert len(warned) == 1 and "does not exist" in warned[0], warned
+            assert lease.tokens == {f"{ns}m": 2}
+            assert client.get_semaphore(f"{ns}m").used == 0
 
 
 def test_a_statement_timeout_below_the_lines_wait_makes_no_error(ns: str) -> None:

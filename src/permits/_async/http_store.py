@@ -206,6 +206,12 @@ class AsyncHTTPStore:
             "the schema belongs to the service's database: run `permits db upgrade --db DATABASE_URL` there"
         )
 
+    async def drop_old_functions(self, dry_run: bool) -> list[str]:
+        raise UsageError(
+            "server functions belong to the service's database: run `permits db drop-old-functions --db"
+            " DATABASE_URL` there"
+        )
+
     # --------------------------------------------------------------------------------------------- driver
 
     async def _call(self, method: str, path: str, *, waits: float = 0.0, **kwargs: Any) -> Any:

@@ -404,6 +404,13 @@ class Client:
         """Create or upgrade the schema (``permits db upgrade``); returns the revision."""
         return self._store.upgrade_schema()
 
+    def drop_old_functions(self, *, dry_run: bool = False) -> list[str]:
+        """Drop the server functions that other versions of permits made on PostgreSQL (``permits db
+        drop-old-functions``), and return them; with ``dry_run``, only list them. Run it once no client of
+        another version runs: such a client would go on without them, slower (docs/deployment.md, "Server
+        functions")."""
+        return self._store.drop_old_functions(bool(dry_run))
+
     # ------------------------------------------------------------------------------------------- helpers
 
     def _request(

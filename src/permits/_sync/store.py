@@ -46,10 +46,12 @@ from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_
 from permits.dialects.pg_functions import (
     CREATED_MEANWHILE,
     DIRECT_FUNCTIONS,
+    FUNCTION_GONE,
+    FUNCTION_NAME_PATTERN,
     MAY_NOT_CREATE,
+    OLD_FUNCTIONS,
     POOLED_FUNCTIONS,
     PROBE,
-    QUEUED_GRANT_GONE,
     READ_ONLY,
     ServerFunction,
     server_functions,
@@ -221,6 +223,33 @@ class SQLStore:
         self.open()
         return revision
 
+    def drop_old_functions(self, dry_run: bool) -> list[str]:
+        """Drop the server functions of other versions of permits (dialects/pg_functions.py): every
+        ``permits_<statement>_<hash>`` function in the schemas of the role's search_path, that it may drop,
+        that this version does not make. Returns them, schema-qualified with their arguments; with
+        ``dry_run``, only lists them. Nothing on databases without server functions."""
+        if self._closed:
+            raise UsageError("this client is closed")
+        if self._dialect.name != "postgresql":
+            return []
+        self.open()
+        plain = self._before_functions or self._dialect
+        current = [f.name for f in server_functions(plain, POOLED_FUNCTIONS)]
+        return list(self._with_retries(functools.partial(self._drop_old_functions, current, dry_run)))
+
+    def _drop_old_functions(self, current: list[str], dry_run: bool) -> list[str]:
+        # One transaction: all of them are dropped, or (a role's refusal, a lost connection) none.
+        with self._engine.connect() as conn, conn.begin():
+            found = conn.execute(text(OLD_FUNCTIONS), {"pattern": FUNCTION_NAME_PATTERN, "current": current})
+            old = [str(row[0]) for row in found]
+            if not dry_run:
+                driver = sync_driver_connection(conn)
+                for function in old:  # a name as PostgreSQL quoted it, with argument types: no parameters
+                    driver.execute(f"DROP FUNCTION IF EXISTS {function}")
+        if old and not dry_run:
+            logger.info("dropped %d server functions of other versions of permits at %s", len(old), self.url)
+        return old
+
     def _schema_revision(self) -> str | None:
         with self._engine.connect() as conn:
             conn.execution_options(**{READONLY: True})
@@ -312,18 +341,22 @@ class SQLStore:
         self._dialect = plain.with_statements(calls) if calls else plain
         self._driver_statements.clear()
 
-    def _lost_queued_grant(self, exc: StorageError) -> bool:
-        """A call of the queued grant failed because the function is gone or refused at run time (dropped,
-        its EXECUTE revoked, an engine without advisory locks): from now on this store's waiters wait
-        without the line, as where it could not be made. Whether that was the failure."""
+    def _lost_server_function(self, exc: StorageError) -> bool:
+        """A call of a server function failed because the function is gone or refused at run time (dropped,
+        by ``permits db drop-old-functions`` say, or its schema; its EXECUTE revoked; an engine without
+        advisory locks): whether that was the failure. If so, this store sends its statements instead of
+        every such call from now on, as where they could not be made: behind a transaction pooler the grant
+        and the release unprepared, and its waiters wait without the line. Such a call had no effect (it
+        failed before the function ran, or its transaction rolled back), so the caller sends the statement
+        at once."""
         orig = getattr(exc.__cause__, "orig", None)
-        if type(exc) is not StorageError or getattr(orig, "sqlstate", None) not in QUEUED_GRANT_GONE:
+        if type(exc) is not StorageError or getattr(orig, "sqlstate", None) not in FUNCTION_GONE:
             return False
-        if "ACQUIRE_ONE_QUEUED" in self._function_calls:
-            self._swap_in({k: v for k, v in self._function_calls.items() if k != "ACQUIRE_ONE_QUEUED"})
+        if self._function_calls:
+            self._swap_in({})
             _warn_once(
-                "permits' queued grant at %s failed (%s): waiters wait without the server's line from now on"
-                " (docs/deployment.md, Server functions)",
+                "permits' server functions at %s failed (%s): the client sends its statements instead from now"
+                " on, and its waiters wait without the server's line (docs/deployment.md, Server functions)",
                 self.url,
                 str(orig).strip().splitlines()[0],
             )
@@ -443,9 +476,9 @@ class SQLStore:
             try:
                 result: Any = self._run(attempt, deadline=deadline)
             except StorageError as exc:
-                if not in_line or not self._lost_queued_grant(exc):
+                if not self._function_calls or not self._lost_server_function(exc):
                     raise
-                result = self._run(attempt, deadline=deadline)  # the plain grant, now
+                result = self._run(attempt, deadline=deadline)  # the statement, now
         finally:
             if in_line:
                 self._leave_line_seat()
@@ -526,7 +559,12 @@ class SQLStore:
         return False
 
     def release(self, owner: str, key: str) -> ReleaseOutcome:
-        return self._run(lambda: flows.release(self._dialect, owner, key), persist=True)
+        try:
+            return self._run(lambda: flows.release(self._dialect, owner, key), persist=True)
+        except StorageError as exc:
+            if not self._function_calls or not self._lost_server_function(exc):
+                raise
+            return self._run(lambda: flows.release(self._dialect, owner, key), persist=True)
 
     def extend(self, owner: str, key: str, ttl_ms: int) -> Lease:
         return self._run(lambda: flows.extend(owner, key, ttl_ms), persist=True)

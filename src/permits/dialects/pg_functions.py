@@ -148,13 +148,31 @@ PROBE = """
     LEFT JOIN pg_namespace n ON n.oid = p.pronamespace
     ORDER BY f.n"""
 
+#: permits' functions of any version, by name: what ``_function`` names them, hash included
+FUNCTION_NAME_PATTERN = "^permits_(" + "|".join(name.lower() for name in POOLED_FUNCTIONS) + ")_[0-9a-f]{16}$"
+#: The functions of other versions of permits (or made under a moved test clock) that this role may drop:
+#: in a schema of its search_path, owned by a role it is a member of, and none of ``current`` (names).
+#: params: pattern, current -> the function as DROP FUNCTION takes it (schema-qualified, with its argument
+#: types), one row per function
+OLD_FUNCTIONS = """
+    SELECT CAST(quote_ident(n.nspname) || '.' || quote_ident(p.proname) || '('
+                || pg_get_function_identity_arguments(p.oid) || ')' AS TEXT)
+    FROM pg_proc p
+    JOIN pg_namespace n ON n.oid = p.pronamespace
+    WHERE p.proname ~ :pattern
+        AND n.nspname = ANY(current_schemas(false))
+        AND pg_has_role(current_user, p.proowner, 'MEMBER')
+        AND NOT (p.proname = ANY(CAST(:current AS TEXT[])))
+    ORDER BY 1"""
+
 #: SQLSTATEs of a CREATE FUNCTION that another client's CREATE of the same function beat (duplicate_function;
 #: unique_violation on pg_proc, when both ran at once)
 CREATED_MEANWHILE = {"42723", "23505"}
-#: SQLSTATEs of a call of the queued grant that cannot work any more: undefined_function (dropped since the
+#: SQLSTATEs of a call of a server function that cannot work any more: undefined_function (dropped since the
 #: client checked), invalid_schema_name (its schema dropped), insufficient_privilege (EXECUTE revoked since),
-#: feature_not_supported (an engine that speaks PostgreSQL's protocol without advisory locks)
-QUEUED_GRANT_GONE = {"42883", "3F000", "42501", "0A000"}
+#: feature_not_supported (the queued grant, on an engine that speaks PostgreSQL's protocol without advisory
+#: locks)
+FUNCTION_GONE = {"42883", "3F000", "42501", "0A000"}
 #: read_only_sql_transaction: a server that takes no writes (a standby)
 READ_ONLY = "25006"
 #: SQLSTATEs of a CREATE FUNCTION that this role cannot make here: insufficient_privilege, or a standby

@@ -1,0 +1,101 @@
+"""`permits db drop-old-functions`: the server functions of other versions of permits go, this version's
+and everyone else's stay (docs/deployment.md, "Server functions")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+import permits
+from tests.cli.test_cli import _permits
+from tests.conftest import own_database
+
+#: Functions named as another version of permits names its own (other hashes), in the search_path's schema.
+OLD = [
+    "permits_release_00000000deadbeef(arg_owner text, arg_key text)",
+    "permits_acquire_one_queued_0123456789abcdef(arg_name text)",
+]
+#: Functions that must stay: not named as permits names its functions, or in a schema off the search_path.
+OTHERS = [
+    "permits_release_by_hand(arg_owner text)",
+    "elsewhere.permits_release_00000000deadbeef(arg_owner text, arg_key text)",
+]
+
+
+def _functions(url: str) -> set[str]:
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT n.nspname || '.' || p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+                    " WHERE p.proname LIKE 'permits%'"
+                )
+            )
+            return {str(row[0]) for row in rows}
+    finally:
+        engine.dispose()
+
+
+def _create(url: str, signatures: list[str]) -> None:
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE SCHEMA IF NOT EXISTS elsewhere"))
+            for signature in signatures:
+                conn.execute(text(f"CREATE FUNCTION {signature} RETURNS integer LANGUAGE sql AS $$ SELECT 1 $$"))
+    finally:
+        engine.dispose()
+
+
+def test_only_the_functions_of_other_versions_are_dropped() -> None:
+    with own_database("postgresql", "permits_oldfn") as url:
+        pooled = f"{url}?pooler=transaction"
+        _permits(pooled, "db", "upgrade")  # this version's three functions: the queued grant, grant, release
+        current = {name for name in _functions(url) if name.startswith("public.")}
+        assert len(current) == 3, current
+        _create(url, OLD + OTHERS)
+        before = _functions(url)
+
+        listed = _permits(pooled, "db", "drop-old-functions", "--dry-run").stdout.splitlines()
+        assert sorted(listed) == sorted(f"would drop public.{signature}" for signature in OLD), listed
+        assert _functions(url) == before, "a dry run drops nothing"
+
+        dropped = _permits(pooled, "db", "drop-old-functions").stdout.splitlines()
+        assert sorted(dropped) == sorted(f"dropped public.{signature}" for signature in OLD), dropped
+        assert _functions(url) == before - {f"public.{signature.split('(')[0]}" for signature in OLD}
+        assert current <= _functions(url)
+        again = _permits(pooled, "db", "drop-old-functions").stdout.strip()
+        assert again == "no server functions of other versions of permits"
+
+        # This version's clients go on calling their own.
+        with permits.connect(pooled) as client:
+            client.create_semaphore("after", 1)
+            with client.lease("after", timeout=5) as lease:
+                assert lease.tokens == {"after": 1}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "mysql"])
+def test_databases_without_server_functions_have_none_to_drop(backend: str, tmp_path: Path) -> None:
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'permits.db'}"
+        _permits(url, "db", "upgrade")
+        assert _permits(url, "db", "drop-old-functions").stdout.strip() == (
+            "no server functions of other versions of permits"
+        )
+        return
+    with own_database(backend, "permits_oldfn") as url:
+        _permits(url, "db", "upgrade")
+        done = _permits(url, "db", "drop-old-functions")
+        assert done.stdout.strip() == "no server functions of other versions of permits"
+
+
+def test_a_client_of_the_service_is_told_where_to_run_it() -> None:
+    client = permits.connect("http://127.0.0.1:9/")
+    try:
+        with pytest.raises(permits.UsageError, match="drop-old-functions --db"):
+            client.drop_old_functions()
+    finally:
+        client.close()
