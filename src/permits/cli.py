@@ -124,8 +124,8 @@ def db_drop_old_functions(dry_run: bool, db: str | None) -> None:
     """Drop the server functions of other versions of permits (PostgreSQL).
 
     Each version makes functions of its own, named after a hash of their definition, and leaves the
-    others' in place for clients that still run them. Run this once none does: a client of another
-    version would go on without them, slower.
+    others' in place for clients that still run them. Run this once none does (a client of another
+    version would go on without them, slower), with the newest version of permits, as the clients' role.
     """
     try:
         with permits.connect(db, auto_upgrade=False) as client:

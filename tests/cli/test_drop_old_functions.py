@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, text
 
 import permits
 from tests.cli.test_cli import _permits
-from tests.conftest import own_database
+from tests.conftest import own_database, temporary_role
 
 #: Functions named as another version of permits names its own (other hashes), in the search_path's schema.
 OLD = [
@@ -22,6 +22,8 @@ OTHERS = [
     "permits_release_by_hand(arg_owner text)",
     "elsewhere.permits_release_00000000deadbeef(arg_owner text, arg_key text)",
 ]
+#: And a procedure named as permits names its functions: not one of them (DROP FUNCTION would refuse it).
+PROCEDURE = "permits_release_1111111111111111(arg_owner text)"
 
 
 def _functions(url: str) -> set[str]:
@@ -39,13 +41,16 @@ def _functions(url: str) -> set[str]:
         engine.dispose()
 
 
-def _create(url: str, signatures: list[str]) -> None:
+def _create(url: str, signatures: list[str], procedures: tuple[str, ...] = ()) -> None:
     engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
     try:
         with engine.begin() as conn:
-            conn.execute(text("CREATE SCHEMA IF NOT EXISTS elsewhere"))
+            if any(s.startswith("elsewhere.") for s in signatures):
+                conn.execute(text("CREATE SCHEMA IF NOT EXISTS elsewhere"))
             for signature in signatures:
                 conn.execute(text(f"CREATE FUNCTION {signature} RETURNS integer LANGUAGE sql AS $$ SELECT 1 $$"))
+            for signature in procedures:
+                conn.execute(text(f"CREATE PROCEDURE {signature} LANGUAGE sql AS $$ SELECT 1 $$"))
     finally:
         engine.dispose()
 
@@ -56,7 +61,7 @@ def test_only_the_functions_of_other_versions_are_dropped() -> None:
         _permits(pooled, "db", "upgrade")  # this version's three functions: the queued grant, grant, release
         current = {name for name in _functions(url) if name.startswith("public.")}
         assert len(current) == 3, current
-        _create(url, OLD + OTHERS)
+        _create(url, OLD + OTHERS, (PROCEDURE,))
         before = _functions(url)
 
         listed = _permits(pooled, "db", "drop-old-functions", "--dry-run").stdout.splitlines()
@@ -75,6 +80,24 @@ def test_only_the_functions_of_other_versions_are_dropped() -> None:
             client.create_semaphore("after", 1)
             with client.lease("after", timeout=5) as lease:
                 assert lease.tokens == {"after": 1}
+
+
+def test_a_role_drops_only_the_old_functions_whose_owners_privileges_it_has() -> None:
+    """Run as a role that is no superuser: an old function it owns goes; one owned by another role, which it
+    could not drop, is not even listed, so the rest are dropped rather than the whole command failing."""
+    with own_database("postgresql", "permits_oldfn") as url:
+        _permits(url, "db", "upgrade")
+        grants = [
+            "GRANT CREATE, USAGE ON SCHEMA public TO {role}",
+            "GRANT SELECT ON ALL TABLES IN SCHEMA public TO {role}",
+        ]
+        with temporary_role(url, "permits_dropper", grants) as role_url:
+            theirs, mine = OLD
+            _create(url, [theirs])  # owned by the superuser
+            _create(role_url, [mine])
+            dropped = _permits(role_url, "db", "drop-old-functions").stdout.splitlines()
+            assert dropped == [f"dropped public.{mine}"], dropped
+            assert f"public.{theirs.split('(')[0]}" in _functions(url)
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "mysql"])

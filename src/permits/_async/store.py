@@ -45,7 +45,6 @@ from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_
 from permits.dialects.pg_functions import (
     CREATED_MEANWHILE,
     DIRECT_FUNCTIONS,
-    FUNCTION_GONE,
     FUNCTION_NAME_PATTERN,
     MAY_NOT_CREATE,
     OLD_FUNCTIONS,
@@ -53,6 +52,7 @@ from permits.dialects.pg_functions import (
     PROBE,
     READ_ONLY,
     ServerFunction,
+    function_gone,
     server_functions,
 )
 from permits.stores._engine import (
@@ -106,6 +106,16 @@ _WITHOUT_FUNCTIONS = (
 )
 
 
+class _CallGone(Exception):
+    """A call of a server function cannot work any more (``pg_functions.function_gone``), or was given up
+    since the operation's flow was made: the store stops calling that function and runs the operation
+    again (``_run``)."""
+
+    def __init__(self, statement: str, reason: str, error: DBAPIError | None = None) -> None:
+        super().__init__(statement, reason)
+        self.statement, self.reason, self.error = statement, reason, error
+
+
 class AsyncSQLStore:
     """Carries out operations on SQLite, MariaDB/MySQL or PostgreSQL."""
 
@@ -121,8 +131,9 @@ class AsyncSQLStore:
         self.after_statement: Callable[[str], None] | None = None
         #: called with the fault's name each time a transaction is retried (the service counts them)
         self.on_retry: Callable[[str], None] | None = None
-        #: statements that run alone, compiled for the driver, by name
-        self._driver_statements: dict[str, tuple[str, tuple[str, ...] | None]] = {}
+        #: statements compiled for the driver, by name, and the dialect they were compiled from: replaced as a
+        #: whole when the dialect is, so that a thread that compiled from the old one never fills the new cache
+        self._compiled: tuple[Dialect, dict[str, tuple[str, tuple[str, ...] | None]]] = (self._dialect, {})
         #: SQLite's transactions skip SQLAlchemy's Connection (stores/direct.py). The asyncio store runs SQLite
         #: through the sync one, on a worker thread (stores/threaded.py), so only the sync store needs this.
         self._direct = (
@@ -187,7 +198,7 @@ class AsyncSQLStore:
                 logger.warning("cannot tell whether %s is a multi-primary cluster node (%s)", self.url, exc)
                 variables = []
             multi_primary = is_multi_primary(variables)
-            self._dialect = mysql_family_dialect(getattr(self._engine.dialect, "is_mariadb", True), multi_primary)
+            self._use_dialect(mysql_family_dialect(getattr(self._engine.dialect, "is_mariadb", True), multi_primary))
         head = _schema.head()
         if revision != head:
             if _schema.newer_than_this_code(revision):
@@ -337,29 +348,29 @@ class AsyncSQLStore:
         """Send ``calls`` (of server functions, by the statement each replaces) instead of the statements."""
         plain = self._before_functions or self._dialect
         self._function_calls = calls
-        self._dialect = plain.with_statements(calls) if calls else plain
-        self._driver_statements.clear()
+        self._use_dialect(plain.with_statements(calls) if calls else plain)
 
-    def _lost_server_function(self, exc: StorageError) -> bool:
+    def _use_dialect(self, dialect: Dialect) -> None:
+        self._dialect = dialect
+        self._compiled = (dialect, {})
+
+    def _lose_function(self, gone: _CallGone) -> None:
         """A call of a server function failed because the function is gone or refused at run time (dropped,
-        by ``permits db drop-old-functions`` say, or its schema; its EXECUTE revoked; an engine without
-        advisory locks): whether that was the failure. If so, this store sends its statements instead of
-        every such call from now on, as where they could not be made: behind a transaction pooler the grant
-        and the release unprepared, and its waiters wait without the line. Such a call had no effect (it
-        failed before the function ran, or its transaction rolled back), so the caller sends the statement
-        at once."""
-        orig = getattr(exc.__cause__, "orig", None)
-        if type(exc) is not StorageError or getattr(orig, "sqlstate", None) not in FUNCTION_GONE:
-            return False
-        if self._function_calls:
-            self._swap_in({})
-            _warn_once(
-                "permits' server functions at %s failed (%s): the client sends its statements instead from now"
-                " on, and its waiters wait without the server's line (docs/deployment.md, Server functions)",
-                self.url,
-                str(orig).strip().splitlines()[0],
-            )
-        return True
+        by ``permits db drop-old-functions`` say, or its schema; its EXECUTE revoked; the queued grant on an
+        engine without advisory locks). From now on this store sends the statement instead of that call, as
+        where the function could not be made: behind a transaction pooler the grant or the release
+        unprepared; for the queued grant, its waiters wait without the line. Calls sent before this one
+        failed may fail the same way: each then finds it done already."""
+        if gone.statement not in self._function_calls:
+            return
+        self._swap_in({k: v for k, v in self._function_calls.items() if k != gone.statement})
+        _warn_once(
+            "permits' server function for %s at %s failed (%s): the client sends the statement instead from now"
+            " on (docs/deployment.md, Server functions)",
+            gone.statement,
+            self.url,
+            gone.reason,
+        )
 
     async def _probe_functions(self, functions: list[ServerFunction]) -> list[tuple[str, str | None]]:
         """What the database has of each of ``functions``, and in which schema: see ``pg_functions.PROBE``."""
@@ -472,12 +483,7 @@ class AsyncSQLStore:
             return flows.try_acquire(self._dialect, request, recheck=full)
 
         try:
-            try:
-                result: Any = await self._run(attempt, deadline=deadline)
-            except StorageError as exc:
-                if not self._function_calls or not self._lost_server_function(exc):
-                    raise
-                result = await self._run(attempt, deadline=deadline)  # the statement, now
+            result: Any = await self._run(attempt, deadline=deadline)
         finally:
             if in_line:
                 self._leave_line_seat()
@@ -558,12 +564,7 @@ class AsyncSQLStore:
         return False
 
     async def release(self, owner: str, key: str) -> ReleaseOutcome:
-        try:
-            return await self._run(lambda: flows.release(self._dialect, owner, key), persist=True)
-        except StorageError as exc:
-            if not self._function_calls or not self._lost_server_function(exc):
-                raise
-            return await self._run(lambda: flows.release(self._dialect, owner, key), persist=True)
+        return await self._run(lambda: flows.release(self._dialect, owner, key), persist=True)
 
     async def extend(self, owner: str, key: str, ttl_ms: int) -> Lease:
         return await self._run(lambda: flows.extend(owner, key, ttl_ms), persist=True)
@@ -713,6 +714,14 @@ class AsyncSQLStore:
                 if restarts > MAX_RESTARTS:
                     raise StorageError("an operation kept restarting; giving up", url=self.url) from None
                 make_flow, readonly = restart.flow, restart.readonly
+            except _CallGone as gone:
+                # The call had no effect: it failed before the function ran, or its transaction rolled back
+                # (a server function runs alone, as one statement in autocommit). Run the same flow again,
+                # made anew, so with the statement in place of the call.
+                restarts += 1
+                if restarts > MAX_RESTARTS:
+                    raise StorageError("an operation kept restarting; giving up", url=self.url) from gone.error
+                self._lose_function(gone)
             except (DuplicateKey, Retry):
                 # A flow met a duplicate it does not expect, or found it had read a state that a concurrent
                 # commit had already moved on from. On a multi-primary cluster (Galera) a node may not yet
@@ -814,11 +823,14 @@ class AsyncSQLStore:
         the driver's own connection. SQLAlchemy never opens a transaction on ``conn``, so it adds no COMMIT
         of its own (PyMySQL sends one even when there is nothing to commit) and none of its per-statement
         work, which was most of a PostgreSQL client's CPU time per operation."""
-        sql, names = self._driver_sql(stmt.name)
+        calls, dialect = self._function_calls, self._dialect
+        if not dialect.has(stmt.name):  # a call the flow was made for, given up by another operation since
+            raise _CallGone(stmt.name, "given up meanwhile")
+        sql, names = self._driver_sql(stmt.name, dialect)
         given = dict(stmt.params)  # type: ignore[arg-type]
         params = given if names is None else tuple(given[n] for n in names)
         try:
-            if self._dialect.self_committing:
+            if dialect.self_committing:
                 result = await _send_batch(driver, sql, params)
             else:
                 result = await _send_autocommit(driver, sql, params, self._prepare)
@@ -837,6 +849,8 @@ class AsyncSQLStore:
                     await conn.invalidate()
             if error is None:
                 raise
+            if stmt.name in calls and function_gone(error.orig, calls[stmt.name]):
+                raise _CallGone(stmt.name, str(error.orig).strip().splitlines()[0], error) from exc
             raise error from exc
         if self.after_statement is not None:
             self.after_statement(stmt.name)
@@ -869,14 +883,18 @@ class AsyncSQLStore:
             self.after_statement(stmt.name)
         return result
 
-    def _driver_sql(self, name: str) -> tuple[str, tuple[str, ...] | None]:
-        """A statement compiled for the driver (its paramstyle and quoting), and the names of its positional
-        parameters in order (None: the paramstyle names them)."""
-        cached = self._driver_statements.get(name)
+    def _driver_sql(self, name: str, dialect: Dialect | None = None) -> tuple[str, tuple[str, ...] | None]:
+        """A statement of ``dialect`` (the store's, by default) compiled for the driver (its paramstyle and
+        quoting), and the names of its positional parameters in order (None: the paramstyle names them)."""
+        dialect = dialect or self._dialect
+        compiled_from, cache = self._compiled
+        cached = cache.get(name) if compiled_from is dialect else None
         if cached is None:
-            compiled = self._dialect.clause(name).compile(dialect=sync_engine(self._engine).dialect)
+            compiled = dialect.clause(name).compile(dialect=sync_engine(self._engine).dialect)
             order = None if compiled.positiontup is None else tuple(compiled.positiontup)
-            cached = self._driver_statements[name] = (compiled.string, order)
+            cached = (compiled.string, order)
+            if compiled_from is dialect:
+                cache[name] = cached
         return cached
 
     async def _drive(self, conn: AsyncConnection, flow: Flow[T], first: Stmt) -> T:

@@ -11,7 +11,8 @@ permits calls functions made from those two statements instead.
 Each function is made from the dialect's own statement, so its SQL is written once, and it is named after a
 hash of its definition: a definition never changes under a name. Clients of two versions of permits, or a
 test that moved the server's clock, each call the functions of their own statements; a function no version
-calls any more is left in place, unused (docs/deployment.md, "Server functions").
+calls any more is left in place, unused, until ``permits db drop-old-functions`` (``OLD_FUNCTIONS``) drops it
+(docs/deployment.md, "Server functions").
 
 **Queued grants.** On a hot semaphore most waiters are refused, and how they wait decides the throughput.
 ``ACQUIRE_ONE_QUEUED`` is the grant behind a transaction-level advisory lock of the semaphore, its line: a
@@ -151,7 +152,8 @@ PROBE = """
 #: permits' functions of any version, by name: what ``_function`` names them, hash included
 FUNCTION_NAME_PATTERN = "^permits_(" + "|".join(name.lower() for name in POOLED_FUNCTIONS) + ")_[0-9a-f]{16}$"
 #: The functions of other versions of permits (or made under a moved test clock) that this role may drop:
-#: in a schema of its search_path, owned by a role it is a member of, and none of ``current`` (names).
+#: in a schema of its search_path, owned by a role whose privileges it has (``USAGE``: a member that does
+#: not inherit them may not drop), and none of ``current`` (names). Procedures of such a name are not ours.
 #: params: pattern, current -> the function as DROP FUNCTION takes it (schema-qualified, with its argument
 #: types), one row per function
 OLD_FUNCTIONS = """
@@ -161,7 +163,8 @@ OLD_FUNCTIONS = """
     JOIN pg_namespace n ON n.oid = p.pronamespace
     WHERE p.proname ~ :pattern
         AND n.nspname = ANY(current_schemas(false))
-        AND pg_has_role(current_user, p.proowner, 'MEMBER')
+        AND p.prokind = 'f'
+        AND pg_has_role(current_user, p.proowner, 'USAGE')
         AND NOT (p.proname = ANY(CAST(:current AS TEXT[])))
     ORDER BY 1"""
 
@@ -171,8 +174,29 @@ CREATED_MEANWHILE = {"42723", "23505"}
 #: SQLSTATEs of a call of a server function that cannot work any more: undefined_function (dropped since the
 #: client checked), invalid_schema_name (its schema dropped), insufficient_privilege (EXECUTE revoked since),
 #: feature_not_supported (the queued grant, on an engine that speaks PostgreSQL's protocol without advisory
-#: locks)
+#: locks). The first three must name the function or its schema (``function_gone``): the same codes from the
+#: statement inside (a table the role may not write) are the statement's own failure, and would fail it too.
 FUNCTION_GONE = {"42883", "3F000", "42501", "0A000"}
+_CALLED = re.compile(r"FROM (.+)\.(permits_\w+)\(")
+
+
+def function_gone(error: object, call: str) -> bool:
+    """Whether ``error`` (the driver's exception) says that the server function that ``call`` calls cannot
+    work any more, rather than that its statement failed: see ``FUNCTION_GONE``."""
+    state = getattr(error, "sqlstate", None)
+    if state not in FUNCTION_GONE:
+        return False
+    if state == "0A000":
+        return True
+    called = _CALLED.search(call)
+    if called is None:  # pragma: no cover - every call is made by ServerFunction.call_in
+        return False
+    schema, name = called.group(1).replace("\\:", ":").strip('"'), called.group(2)
+    diag = getattr(error, "diag", None)
+    message = (getattr(diag, "message_primary", None) or str(error)) if diag is not None else str(error)
+    return name in message or (state == "3F000" and schema in message)
+
+
 #: read_only_sql_transaction: a server that takes no writes (a standby)
 READ_ONLY = "25006"
 #: SQLSTATEs of a CREATE FUNCTION that this role cannot make here: insufficient_privilege, or a standby
