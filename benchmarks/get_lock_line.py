@@ -11,13 +11,16 @@ as on PostgreSQL (one permit of one semaphore, a seat free), and an attempt in t
 - ``GET_LOCK_LINE`` (and ``_FAIR``): take the semaphore's named lock on a connection of its own, waiting
   up to what is left of the caller's time (within ``lock_wait_timeout``; a timeout there is a refusal);
   holding it, grant as usual, refused ask again every 1-2 ms for up to ``LINE_HEAD_WAIT_SECONDS`` as the
-  queued grant does on the server, then let the lock go. Three round trips per grant.
-- ``_WHEN_CONTENDED``: the same, but only within ``CONTENDED_SECONDS`` of a refusal on the semaphore, so
-  that an uncontended acquire costs one round trip.
+  queued grant does on the server (not once the request holds a place in a fair queue), then let the lock
+  go. Three round trips per grant.
+- ``_WHEN_CONTENDED``: the same, but only within ``CONTENDED_SECONDS`` of a refusal on the semaphore in
+  this client process, or of a wait for the line longer than ``CONTENDED_LINE_WAIT``, so that an
+  uncontended acquire costs one round trip.
 - ``_GATED``: as ``_WHEN_CONTENDED``, and the plain grant is refused while another session holds the line,
   so that an acquire that skips the line cannot take the room the line is owed.
 - ``_PIPELINED``: the named lock in one round trip, then the grant, the lock's release and the commit in
-  one request on the line's connection: the line is held for less than a round trip.
+  one request on the line's connection: the line is held over one round trip instead of two. Refused, it
+  does not wait at the head: it has left the line, and runs the plain attempt's slow path once.
 - ``_ONE_REQUEST``: the wait in the line in that same request too, as PostgreSQL's queued grant does. Not
   safe to build as it is: a waiter killed while it waits in the line would still be granted, and hold a
   permit for nobody until its TTL (MariaDB has no ``client_connection_check_interval``).
@@ -140,6 +143,7 @@ def _try_acquire(
         if _one_request:
             _line.connect()
         elif not _line.take(name, wait_s):
+            _refused_at[name] = time.monotonic()  # timed out in the line: contended
             return None
         if time.monotonic() - entered > CONTENDED_LINE_WAIT:
             _refused_at[name] = time.monotonic()  # others were ahead: the semaphore is still contended
