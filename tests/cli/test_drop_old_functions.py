@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, text
 
 import permits
 from tests.cli.test_cli import _permits
-from tests.conftest import own_database, temporary_role
+from tests.conftest import own_database, sqlalchemy_url, temporary_role
 
 #: Functions named as another version of permits names its own (other hashes), in the search_path's schema.
 OLD = [
@@ -27,7 +27,7 @@ PROCEDURE = "permits_release_1111111111111111(arg_owner text)"
 
 
 def _functions(url: str) -> set[str]:
-    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    engine = create_engine(sqlalchemy_url(url))
     try:
         with engine.connect() as conn:
             rows = conn.execute(
@@ -42,7 +42,7 @@ def _functions(url: str) -> set[str]:
 
 
 def _create(url: str, signatures: list[str], procedures: tuple[str, ...] = ()) -> None:
-    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    engine = create_engine(sqlalchemy_url(url))
     try:
         with engine.begin() as conn:
             if any(s.startswith("elsewhere.") for s in signatures):

@@ -246,7 +246,8 @@ class SQLStore:
         self.open()
         plain = self._before_functions or self._dialect
         current = [f.name for f in server_functions(plain, POOLED_FUNCTIONS)]
-        return list(self._with_retries(functools.partial(self._drop_old_functions, current, dry_run)))
+        dropped: list[str] = self._with_retries(functools.partial(self._drop_old_functions, current, dry_run))
+        return dropped
 
     def _drop_old_functions(self, current: list[str], dry_run: bool) -> list[str]:
         # One transaction: all of them are dropped, or (a role's refusal, a lost connection) none.
