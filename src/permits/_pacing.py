@@ -11,7 +11,9 @@ grant behind it); one that asks too rarely leaves returned permits idle. Three s
   (see ``_async/listener.py``): the request sleeps until called, and only the queue's head wakes at a
   release. Elsewhere the shortfall falls only as permits come back, so the pacer measures how fast it
   falls and sleeps about half the predicted time; only the request one permit short listens for a
-  release. Either way the rest of the queue stays asleep instead of stampeding at every release.
+  release. Either way the rest of the queue stays asleep instead of stampeding at every release. On
+  SQLite, where every attempt takes the database's write lock, a poll reads the shortfall first and asks
+  only once it is 0 (the store's ``try_acquire``).
 - **The server's lock queue.** On PostgreSQL a waiter for one permit of one plain semaphore asks through
   the queued grant: it sleeps in the server's lock queue, the semaphore's line, until the waiters ahead of
   it have been served, then asks with the count as their commits left it, and at the head of the line waits up to

@@ -52,6 +52,28 @@ def test_a_waiting_acquire_still_finds_its_earlier_grant_at_once(db_url: str, ns
         client.release(again)
 
 
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_on_sqlite_a_queued_waiter_reads_its_place_until_it_fits(db_url: str, ns: str) -> None:
+    """On SQLite every attempt takes the database's one write lock, which the grants and releases ahead of
+    a queued waiter need. So between full checks a waiter that is still short of fitting reads its place
+    (which takes no lock) and asks only once the read says it fits: while a holder keeps the fair mutex,
+    the only attempts are the full checks' own."""
+    name = f"{ns}fairfull"
+    with permits.connect(db_url, owner=f"{ns}h") as holder, permits.connect(db_url, owner=f"{ns}w") as waiter:
+        holder.create_semaphore(name, 1, fair=True)
+        held = holder.acquire(name, ttl=30)
+        counts: collections.Counter[str] = collections.Counter()
+        waiter._store.after_statement = lambda statement: counts.update([statement])  # type: ignore[attr-defined]
+        with pytest.raises(permits.AcquireTimeout):
+            waiter.acquire(name, ttl=30, timeout=2.5)
+        holder.release(held)
+        assert holder.waiters(name) == []  # the timeout gave its place up
+    attempts = counts["ACQUIRE_ONE"] or counts["SEM_TAKE"]
+    rechecks = counts[WHY_REFUSED]
+    assert attempts == rechecks, counts
+    assert counts["WAITER_SHORT"] >= rechecks + 4, counts  # it kept asking, by reading
+
+
 def _queue_behind_a_holder(
     db_url: str, ns: str, name: str, waiters: int, settle: float = 0.0
 ) -> tuple[list[int], dict[int, int]]:

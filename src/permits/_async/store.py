@@ -464,6 +464,17 @@ class AsyncSQLStore:
             recheck = True
 
         full = recheck
+        polls = place is not None and not place[1] and place[0] is not None and place[0] > 0
+        if polls and not recheck and self._dialect.cheaper_readonly:
+            # A queued waiter that polls (no release calls it) reads its place before it asks, where a read
+            # takes no lock: while it is still short the attempt would be refused, and on SQLite every
+            # attempt takes the database's one write lock from the grants and releases it waits for. Fair
+            # mode at 64 clients: +20% on SQLite. On MariaDB it was measured slower and less fair, so
+            # there the waiter asks as before (docs/benchmarks.md, "Polling a fair queue by reading").
+            short = await self._read_place(owner, key)
+            if short is not None and short > 0:
+                self._queued[(owner, key)] = (short, False)
+                return None
         # A waiter in the line holds a connection while it waits there: a few at a time per store, so that
         # its releases (and everything else) always find one. The others ask outside the line.
         in_line = in_line and self._take_line_seat()
@@ -508,6 +519,14 @@ class AsyncSQLStore:
             self._queued.pop((owner, key), None)  # its place lapsed: the next full recheck takes another
         lease: Lease | None = result
         return lease
+
+    async def _read_place(self, owner: str, key: str) -> int | None:
+        """How many permits a queued request is short of fitting now, read without a lock; ``None`` when it
+        holds no live place (it lapsed: the attempt then finds out, as it would have without the read)."""
+        place = await self._run(
+            lambda: flows.queue_place(owner, key, alone=self._dialect.free_autocommit), readonly=True
+        )
+        return None if place is None else place.short
 
     def _take_line_seat(self) -> bool:
         with self._seats_mutex:

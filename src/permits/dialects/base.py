@@ -364,7 +364,8 @@ class Dialect:
     #: switching a pooled connection to autocommit and back costs no round trip (see Stmt.alone)
     free_autocommit: ClassVar[bool] = False
     #: a read-only transaction is cheaper than one that may write (SQLite: it takes no write lock), so a flow
-    #: that found it must write restarts in a writing one rather than writing where it is
+    #: that found it must write restarts in a writing one rather than writing where it is, and a queued
+    #: waiter that polls reads its place before it asks (``try_acquire``)
     cheaper_readonly: ClassVar[bool] = False
     #: a statement that runs alone (Stmt.alone) is a batch of statements ending in its own COMMIT. The store
     #: sends it as one request on the driver's connection, outside SQLAlchemy's transaction, whose COMMIT
