@@ -3,6 +3,10 @@ and everyone else's stay (docs/deployment.md, "Server functions")."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +84,52 @@ def test_only_the_functions_of_other_versions_are_dropped() -> None:
             client.create_semaphore("after", 1)
             with client.lease("after", timeout=5) as lease:
                 assert lease.tokens == {"after": 1}
+
+
+def test_runs_at_the_same_time_all_succeed_and_drop_each_function_once() -> None:
+    """Four runs at once, as when several hosts run it from a deploy script. Each lists the same functions
+    and drops them in one transaction, in name order, so none waits for another in a cycle. The test holds
+    a lock on the first old function until all four are waiting for it: the first to go on drops them,
+    and the others find them gone (DROP FUNCTION IF EXISTS) and exit 0 as well."""
+    old = [f"permits_release_{i:016x}(arg_owner text, arg_key text)" for i in range(12)]
+    with own_database("postgresql", "permits_oldfn") as url:
+        _permits(url, "db", "upgrade")
+        current = _functions(url)
+        _create(url, old)
+        env = {**os.environ, "PERMITS_DATABASE_URL": url, "PERMITS_OWNER": "cli-tests"}
+        engine = create_engine(sqlalchemy_url(url))
+        try:
+            with engine.connect() as holder:
+                holder.execute(text(f"COMMENT ON FUNCTION {old[0]} IS 'held by the test'"))  # locks it
+                runs = [
+                    subprocess.Popen(
+                        [sys.executable, "-m", "permits", "db", "drop-old-functions"],
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                    for _ in range(4)
+                ]
+                with engine.connect() as watcher:
+                    waiting = (
+                        "SELECT count(*) FROM pg_locks WHERE NOT granted"
+                        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                    )
+                    deadline = time.monotonic() + 60
+                    while watcher.execute(text(waiting)).scalar_one() < 4:
+                        assert time.monotonic() < deadline, "the four runs never all waited for the lock"
+                        assert all(run.poll() is None for run in runs), [run.communicate() for run in runs]
+                        time.sleep(0.1)
+                        watcher.rollback()
+                holder.rollback()  # let them go
+            outputs = [run.communicate(timeout=60) for run in runs]
+        finally:
+            engine.dispose()
+        assert [run.returncode for run in runs] == [0] * 4, outputs
+        assert _functions(url) == current
+        for stdout, _ in outputs:  # each run reports what it found and dropped or found gone
+            assert sorted(stdout.splitlines()) == sorted(f"dropped public.{signature}" for signature in old)
 
 
 def test_a_role_drops_only_the_old_functions_whose_owners_privileges_it_has() -> None:
