@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,11 +95,19 @@ def test_sixteen_processes_two_semaphores(db_url: str, ns: str, tmp_path: Path) 
 
 
 def run_and_check(
-    db_url: str, ns: str, tmp_path: Path, processes: int, cycles: int, child_urls: list[str] | None = None
+    db_url: str,
+    ns: str,
+    tmp_path: Path,
+    processes: int,
+    cycles: int,
+    child_urls: list[str] | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> None:
     """``processes`` children each run ``cycles`` acquire-hold-release cycles on ``a`` and ``b``; then every
     check above runs on what they recorded, and the database is checked to hold nothing. ``child_urls``:
-    child i talks to ``child_urls[i % len(child_urls)]`` (the nodes of a cluster); default ``db_url``."""
+    child i talks to ``child_urls[i % len(child_urls)]`` (the nodes of a cluster); default ``db_url``.
+    ``meanwhile`` runs once all children have been told to start, while they run. Each child's stderr is
+    left in ``tmp_path / f"child{i}.err"``."""
     urls = child_urls or [db_url]
     names = {short: f"{ns}{short}" for short in CAPACITIES}
     with permits.connect(db_url) as client:
@@ -139,6 +148,8 @@ def run_and_check(
                 assert proc.stdin is not None
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
+            if meanwhile is not None:
+                meanwhile()
             # (c) every child exits 0 having completed every cycle
             for i, proc in enumerate(procs):
                 code = proc.wait(timeout=max(1.0, RUN_TIMEOUT - (time.monotonic() - started)))

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -31,6 +33,7 @@ from permits._pacing import IN_LINE_TRIES
 from permits.dialects.pg_functions import DIRECT_FUNCTIONS, LINE_LOCK_KEY, POOLED_FUNCTIONS, server_functions
 from permits.dialects.postgresql import CLIENT_CHECK_MS, PostgreSQL
 from tests._children import run_take_turns, spawn
+from tests.concurrency.test_many_processes import run_and_check
 from tests.conftest import count_function_calls, function_calls, own_database, sqlalchemy_url, temporary_role
 
 pytestmark = [pytest.mark.usefixtures("servers"), pytest.mark.slow]
@@ -242,6 +245,43 @@ def test_calls_in_flight_when_the_functions_go_all_end_well(ns: str) -> None:
     with own_database("postgresql", "permits_line") as url:
         for round_ in range(3):  # the race is a matter of timing: three rounds, each on fresh functions
             asyncio.run(run(f"{url}?pooler=transaction", f"{ns}s{round_}"))
+
+
+@pytest.mark.parametrize("pooler", [None, "transaction"])
+def test_processes_whose_functions_go_while_they_run_keep_every_guarantee(
+    ns: str, pooler: str | None, tmp_path: Path
+) -> None:
+    """Six processes run acquire-hold-release cycles (test_many_processes) while the test drops permits'
+    functions under them: every cycle completes, capacity and token order hold, nothing is left held, and
+    each process warns once per function it lost, then sends the statement. Behind a transaction pooler the
+    grant and the release are calls; straight to the server, the queued grant of the waiters."""
+    functions = server_functions(PostgreSQL(), DIRECT_FUNCTIONS if pooler is None else POOLED_FUNCTIONS)
+
+    with own_database("postgresql", "permits_line") as url:
+        with permits.connect(url, auto_upgrade=True) as admin:
+            admin.ping()  # makes the functions (the children then only check them)
+
+        def drop_them() -> None:
+            time.sleep(0.5)  # the children are well into their cycles, through the functions
+            engine = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
+            with engine.connect() as conn:
+                for function in functions:
+                    conn.execute(text(f"DROP FUNCTION {function.signature}"))
+            engine.dispose()
+
+        child_url = url if pooler is None else f"{url}?pooler={pooler}"
+        run_and_check(url, ns, tmp_path, processes=6, cycles=60, child_urls=[child_url], meanwhile=drop_them)
+        engine = create_engine(sqlalchemy_url(url))
+        with engine.connect() as conn:
+            left = conn.execute(text("SELECT proname FROM pg_proc WHERE proname LIKE 'permits%'")).scalars().all()
+        engine.dispose()
+        assert not {f.name for f in functions} & set(left), "the children made the dropped functions again"
+        warned = 0
+        for i in range(6):
+            lost = re.findall(r"server function for (\w+) at", (tmp_path / f"child{i}.err").read_text())
+            assert len(lost) == len(set(lost)), lost  # once per function, at most
+            warned += len(lost)
+        assert warned >= 1, "no child lost a function while it ran: the drop came too late to test anything"
 
 
 def test_a_privilege_the_statement_lacks_is_its_own_failure_not_a_lost_function(ns: str) -> None:
