@@ -79,6 +79,9 @@ class WaitPacer:
     rate: float | None = None
     _short_at: float = 0.0
     _woken: bool = field(default=False, repr=False)
+    #: refusals in a row of a request that fitted its fair queues (``short`` 0 or less): something else
+    #: holds it back, such as a plain semaphore of the same request that is full
+    fitting_refusals: int = 0
     #: refusals in a row of attempts made in the server's lock queue
     in_line_refusals: int = 0
     _in_line: bool = field(default=False, repr=False)
@@ -110,6 +113,7 @@ class WaitPacer:
             self.rate = sample if self.rate is None else 0.5 * self.rate + 0.5 * sample
         if short is None:
             self.rate = None
+        self.fitting_refusals = self.fitting_refusals + 1 if short is not None and short <= 0 else 0
         self.short, self._short_at = short, now
 
     def in_line_next(self) -> bool:
@@ -131,7 +135,11 @@ class WaitPacer:
         if self.short is None:
             return backoff, listen
         if self.short <= 0:
-            return 0.0, False  # it fits now: room came back between the attempt and the place read
+            if self.fitting_refusals <= 1:
+                return 0.0, False  # it fits now: room came back between the attempt and the place read
+            # It fitted its fair queues and was refused again: the room it lacks is elsewhere (another
+            # semaphore of the request is full). Asking at once would loop, a write each time.
+            return WAIT_BACKOFF.delay(self.fitting_refusals - 2, self.rng), listen
         # Only the request one permit short listens: the next permit back is its own.
         listen = listen and self.short == 1
         if not self.rate:

@@ -83,6 +83,24 @@ def test_a_queued_waiter_sleeps_by_its_place_and_only_the_next_in_line_listens()
     assert p.next_sleep(0.2) == (0.0, False)
 
 
+def test_a_waiter_that_fits_its_fair_queue_but_is_refused_again_backs_off() -> None:
+    """Fitting its fair queue and still refused: the room it lacks is elsewhere (a plain semaphore of the
+    same request is full). It asks again at once only the first time, then backs off as any waiter does,
+    instead of a write per loop (measured: 18,000 attempts in 2 s on SQLite before)."""
+    p = pacer()
+    p.refused(0.0, 0)
+    assert p.next_sleep(0.0) == (0.0, False)
+    delays = []
+    for step in range(1, 8):
+        p.refused(step * 0.1, 0)
+        delay, listen = p.next_sleep(step * 0.1)
+        assert listen
+        delays.append(delay)
+    assert 0.01 <= delays[0] <= 0.02 and delays[-1] >= 0.5, delays
+    p.refused(1.0, 3)  # its queue moved on without it: short again, and the count starts over
+    assert p.fitting_refusals == 0
+
+
 def test_a_queue_that_stops_moving_slows_its_waiters_to_the_cap() -> None:
     p = pacer()
     p.refused(0.0, 5)

@@ -471,7 +471,7 @@ class AsyncSQLStore:
             # attempt takes the database's one write lock from the grants and releases it waits for. Fair
             # mode at 64 clients: +20% on SQLite. On MariaDB it was measured slower and less fair, so
             # there the waiter asks as before (docs/benchmarks.md, "Polling a fair queue by reading").
-            short = await self._read_place(owner, key)
+            short = await self._read_place(owner, key, deadline)
             if short is not None and short > 0:
                 self._queued[(owner, key)] = (short, False)
                 return None
@@ -520,11 +520,12 @@ class AsyncSQLStore:
         lease: Lease | None = result
         return lease
 
-    async def _read_place(self, owner: str, key: str) -> int | None:
+    async def _read_place(self, owner: str, key: str, deadline: float | None) -> int | None:
         """How many permits a queued request is short of fitting now, read without a lock; ``None`` when it
-        holds no live place (it lapsed: the attempt then finds out, as it would have without the read)."""
+        holds no live place (it lapsed: the attempt then finds out, as it would have without the read).
+        Within the caller's time, like the attempt it stands for (a locked database is not retried past it)."""
         place = await self._run(
-            lambda: flows.queue_place(owner, key, alone=self._dialect.free_autocommit), readonly=True
+            lambda: flows.queue_place(owner, key, alone=self._dialect.free_autocommit), readonly=True, deadline=deadline
         )
         return None if place is None else place.short
 

@@ -157,14 +157,16 @@ PORTABLE_SQL: dict[str, str] = {
             (semaphore_id, ticket, owner, lease_key, count, enqueued_at_ms, expires_at_ms, wake_channel)
         VALUES (:sem_id, :ticket, :owner, :key, :count, {now}, {now} + :place_ms, :wake)""",
     # How many permits a queued request is short of fitting, per fair semaphore it waits on: in use, plus
-    # wanted by the live waiters ahead and by itself, minus the capacity (see flows.Queued).
-    # params: owner, key -> short (one row per live place; none: the request holds no live place)
+    # wanted by the live waiters ahead and by itself, minus the capacity (see flows.Queued). Exactly when
+    # it is above 0, the fair gate refuses the request. params: owner, key -> short (one row per live
+    # place; none: the request holds no live place)
     "WAITER_SHORT": """
         SELECT s.used + m.count - s.capacity + COALESCE((
             SELECT SUM(w.count) FROM permits_waiter w
             WHERE w.semaphore_id = m.semaphore_id AND w.ticket < m.ticket AND w.expires_at_ms > {now}), 0)
         FROM permits_waiter m JOIN permits_semaphore s ON s.id = m.semaphore_id
-        WHERE m.owner = :owner AND m.lease_key = :key AND m.expires_at_ms > {now}""",
+        WHERE m.owner = :owner AND m.lease_key = :key AND m.expires_at_ms > {now}
+            AND s.fair = 1 AND s.deleted = 0""",
     # A waiter keeps its place by asking again (and says where to call it now). params: owner, key,
     # place_ms, wake -> rowcount
     "WAITERS_REFRESH": """
