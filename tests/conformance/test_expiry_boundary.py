@@ -3,10 +3,11 @@ held: one that still let its holder release or extend it while another had alrea
 would let two holders in. The rule is that a lease is held while ``expires_at > now`` and expired once
 ``now >= expires_at``, on the database's clock.
 
-The database's clock is frozen for this: the test runs in a child process under libfaketime with a fixed
-wall clock (its monotonic clock runs, so timeouts work), on SQLite, whose clock is that process's, and moves
-it by whole milliseconds with ``offset_clock``. A server's clock cannot be frozen from here; its statements
-use the same comparisons.
+The database's clock is frozen for this. On SQLite the test runs in a child process under libfaketime with
+a fixed wall clock (its monotonic clock runs, so timeouts work), since SQLite's clock is that process's, and
+moves it by whole milliseconds with ``offset_clock``. A server's own clock cannot be frozen, so on MariaDB
+and PostgreSQL the statements read the test's clock instead (``server_clock``), held still at one
+millisecond after another with ``freeze``: the statements are production's, with the clock swapped.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+import permits
+from permits.dialects.server_clock import server_offset_clock
+from tests.conftest import own_database
 from tests.faults.harness import LIBFAKETIME
 
 CHILD = """
@@ -66,6 +70,19 @@ print(json.dumps(seen))
 """
 
 
+#: What each case finds, a lease's TTL (1,000 ms) less 1 ms and exactly, after its grant.
+EXPECTED = {
+    "release-999": "released",
+    "release-1000": "lost",
+    "extend-999": "extended",
+    "extend-1000": "lost",
+    "reclaim-999": "refused",
+    "reclaim-1000": "granted to the next",
+    "sweep-999": 0,
+    "sweep-1000": 1,
+}
+
+
 def test_a_lease_is_held_until_the_millisecond_of_its_expiry_and_no_longer(tmp_path: Path) -> None:
     if not os.path.exists(LIBFAKETIME):
         pytest.fail(f"{LIBFAKETIME} missing (apt-get install faketime)", pytrace=False)
@@ -86,14 +103,51 @@ def test_a_lease_is_held_until_the_millisecond_of_its_expiry_and_no_longer(tmp_p
     )
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen == {
-        "clock stood still": True,
-        "release-999": "released",
-        "release-1000": "lost",
-        "extend-999": "extended",
-        "extend-1000": "lost",
-        "reclaim-999": "refused",
-        "reclaim-1000": "granted to the next",
-        "sweep-999": 0,
-        "sweep-1000": 1,
-    }, seen
+    assert seen == {"clock stood still": True, **EXPECTED}, seen
+
+
+@pytest.mark.parametrize("backend", ["mysql", "postgresql"])
+def test_on_a_server_a_lease_is_held_until_the_millisecond_of_its_expiry_and_no_longer(backend: str) -> None:
+    """The same cases on MariaDB and PostgreSQL, in a database of the test's own (the sweeps must find only
+    its leases), directly and, on PostgreSQL, through the server functions a pooled client calls."""
+    with own_database(backend, "permits_boundary") as url:
+        urls = [url] if backend == "mysql" else [url, f"{url}?pooler=transaction"]
+        for index, client_url in enumerate(urls):
+            with (
+                server_offset_clock(url) as clock,
+                permits.connect(client_url, auto_upgrade=True, owner="boundary") as client,
+            ):
+                now_ms = int(client.get_semaphore(_first(client, f"u{index}")).created_at.timestamp() * 1000)
+                at = now_ms + 1000
+                clock.freeze(at)
+                seen: dict[str, object] = {}
+                for case, ms in [(c.rsplit("-", 1)[0], int(c.rsplit("-", 1)[1])) for c in EXPECTED]:
+                    name = f"{case}-{ms}-{index}"
+                    client.create_semaphore(name, 1)
+                    lease = client.try_acquire(name, key=f"{name}-holder", ttl=1)
+                    assert lease is not None
+                    assert int(lease.acquired_at.timestamp() * 1000) == at, "the clock did not stand still"
+                    clock.freeze(at + ms)
+                    if case == "release":
+                        seen[f"{case}-{ms}"] = str(client.release(lease))
+                    elif case == "extend":
+                        try:
+                            client.extend(lease, 30)
+                            seen[f"{case}-{ms}"] = "extended"
+                        except permits.LeaseLost:
+                            seen[f"{case}-{ms}"] = "lost"
+                    elif case == "reclaim":
+                        other = client.try_acquire(name, key=f"{name}-next", ttl=30)
+                        seen[f"{case}-{ms}"] = "granted to the next" if other is not None else "refused"
+                    else:
+                        seen[f"{case}-{ms}"] = client.sweep().leases
+                    at += ms + 60_000  # the next case starts with every lease before it long expired
+                    clock.freeze(at)
+                    client.sweep()
+                assert seen == EXPECTED, (client_url, seen)
+
+
+def _first(client: permits.Client, name: str) -> str:
+    """A semaphore created on the server's running clock, to read that clock from."""
+    client.create_semaphore(name, 1)
+    return name

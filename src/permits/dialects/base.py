@@ -407,7 +407,7 @@ class Dialect:
         offset = server_clock.offset_sql()
         if offset is None or self.name == "sqlite":
             return now, clock_now
-        return f"({now} + {offset})", f"({clock_now} + {offset})"
+        return server_clock.clock_sql(now), server_clock.clock_sql(clock_now)
 
     def with_statements(self, replacements: Mapping[str, str]) -> Dialect:
         """This dialect, sending ``replacements`` (SQL by statement name) instead of those statements: on

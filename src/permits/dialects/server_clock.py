@@ -22,6 +22,8 @@ from typing import Any
 TABLE = "permits_test_clock"
 #: What a server dialect built inside the block adds to its clock, in milliseconds.
 OFFSET_SQL = f"(SELECT offset_ms FROM {TABLE})"
+#: The time it reads instead of its clock while the test holds the clock still (``freeze``), or NULL.
+FROZEN_SQL = f"(SELECT frozen_ms FROM {TABLE})"
 
 #: the clock this process moves, or ``FOLLOWED`` when another process moves it (``following_clock``)
 _installed: ServerOffsetClock | str | None = None
@@ -31,6 +33,12 @@ FOLLOWED = "moved by another process"
 def offset_sql() -> str | None:
     """The SQL of the installed clock's offset, or ``None`` (always, outside the tests)."""
     return None if _installed is None else OFFSET_SQL
+
+
+def clock_sql(now: str) -> str:
+    """``now``, a server dialect's clock, as the installed clock reads it: the time the test froze it at,
+    else the server's clock plus the offset."""
+    return f"COALESCE({FROZEN_SQL}, {now} + {OFFSET_SQL})"
 
 
 class ServerOffsetClock:
@@ -53,8 +61,8 @@ class ServerOffsetClock:
         self.offset_ms = 0
         with self._engine.begin() as conn:
             conn.execute(text(f"DROP TABLE IF EXISTS {TABLE}"))
-            conn.execute(text(f"CREATE TABLE {TABLE} (offset_ms BIGINT NOT NULL)"))
-            conn.execute(text(f"INSERT INTO {TABLE} (offset_ms) VALUES (0)"))
+            conn.execute(text(f"CREATE TABLE {TABLE} (offset_ms BIGINT NOT NULL, frozen_ms BIGINT)"))
+            conn.execute(text(f"INSERT INTO {TABLE} (offset_ms, frozen_ms) VALUES (0, NULL)"))
 
     def advance(self, seconds: float) -> None:
         if not seconds >= 0:
@@ -63,6 +71,17 @@ class ServerOffsetClock:
         with self._engine.begin() as conn:
             conn.execute(self._text(f"UPDATE {TABLE} SET offset_ms = offset_ms + :step"), {"step": step})
         self.offset_ms += step
+
+    def freeze(self, at_ms: int) -> None:
+        """Hold the clock still at ``at_ms`` (milliseconds since the epoch): every statement reads exactly
+        that, however long it runs, until ``freeze`` moves it. For a test of the millisecond a lease expires
+        at, which a running clock would blur. Only forward, like ``advance`` (which moves nothing while the
+        clock is frozen); it cannot be undone."""
+        with self._engine.begin() as conn:
+            frozen = conn.execute(self._text(f"SELECT frozen_ms FROM {TABLE}")).scalar_one()
+            if frozen is not None and at_ms < frozen:
+                raise ValueError(f"the clock only moves forward, not from {frozen} back to {at_ms}")
+            conn.execute(self._text(f"UPDATE {TABLE} SET frozen_ms = :at"), {"at": at_ms})
 
     def drop(self) -> None:
         with self._engine.begin() as conn:
