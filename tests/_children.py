@@ -186,34 +186,39 @@ def fenced_writer(args: dict[str, Any]) -> None:
 
 
 def take_turns(args: dict[str, Any]) -> None:
-    """Acquire ``name``, hold it ``hold`` seconds and release it, again and again for ``seconds``; then say
-    how many grants and how many timeouts this process had, and how many attempts its acquires made (on a
-    database: the statements that try to take room, one per attempt, whether or not it waits in the
-    server's line), as one JSON line."""
+    """Acquire ``name`` (or one permit of each of ``names``), hold it ``hold`` seconds and release it, again
+    and again for ``seconds``; then say how many grants and how many timeouts this process had, how many
+    attempts its acquires made (on a database: the statements that try to take room, one per attempt and
+    semaphore, whether or not it waits in the server's line), and how many of them waited in the lines of
+    several semaphores, as one JSON line."""
     granted = timed_out = 0
     attempts = [0]
+    lines = [0]
+    # ``names`` instead of ``name``: one permit of each, in one acquire
+    wants: Any = dict.fromkeys(args["names"], 1) if "names" in args else args["name"]
     with permits.connect(args["url"], owner=args["owner"]) as client:
         if hasattr(client._store, "after_statement"):
 
             def count(statement: str) -> None:
                 attempts[0] += statement in ("ACQUIRE_ONE", "ACQUIRE_ONE_QUEUED", "SEM_TAKE")
+                lines[0] += statement == "LINES_ENTER"
 
             client._store.after_statement = count
-        client.get_semaphore(args["name"])  # connected before the start signal
+        client.get_semaphore(args["names"][0] if "names" in args else args["name"])  # connected before the start
         _say("ready")
         if sys.stdin.readline().strip() != "go":
             raise SystemExit("no start signal")
         end = time.monotonic() + args["seconds"]
         while time.monotonic() < end:
             try:
-                lease = client.acquire(args["name"], ttl=30, timeout=args["timeout"])
+                lease = client.acquire(wants, ttl=30, timeout=args["timeout"])
             except permits.AcquireTimeout:
                 timed_out += 1
                 continue
             time.sleep(args["hold"])
             client.release(lease)
             granted += 1
-    _say(json.dumps({"granted": granted, "timed_out": timed_out, "attempts": attempts[0]}))
+    _say(json.dumps({"granted": granted, "timed_out": timed_out, "attempts": attempts[0], "lines": lines[0]}))
 
 
 def run_take_turns(processes: int, args: dict[str, Any]) -> list[dict[str, int]]:

@@ -133,6 +133,9 @@ def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | 
         return (yield from _acquire_one(d, req, recheck))
     tokens: dict[str, int] = {}
     places = req.queued  # whether the request may hold places in fair queues
+    if req.line_wait_ms is not None and d.has("LINES_ENTER"):
+        # Wait for its turn in each semaphore's line, then ask (see the dialect's LINES_ENTER).
+        yield Stmt("LINES_ENTER", {"wait_ms": req.line_wait_ms, "names": sorted({w.name for w in req.wants})})
     for want in req.wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": req.owner, "key": req.key})
         if taken.rowcount == 0:

@@ -487,9 +487,12 @@ class SQLStore:
             # the full recheck finds that lease under the key.
             full = recheck or tries > 1
             # The whole attempt, its wait in the line included, within what is left of the caller's time (a
-            # retry after a conflict or a lost connection gets less) and the lock wait bound.
+            # retry after a conflict or a lost connection gets less) and the lock wait bound. A retry asks
+            # outside the line: a grant over several semaphores whose wait in the lines timed out (a session
+            # holds one up, or a statement_timeout bounds the wait) fails into a retry, and must then be
+            # able to take room that is free (the queued grant of one semaphore refuses instead).
             left = wait if deadline is None else max(0.0, deadline - monotonic())
-            line_wait_ms = round(min(left, self._settings.lock_wait_timeout) * 1000) if in_line else None
+            line_wait_ms = round(min(left, self._settings.lock_wait_timeout) * 1000) if in_line and tries == 1 else None
             request = flows.Request(
                 owner, key, wants, ttl_ms, queue_ms, queued, wake, line_wait_ms, round(LINE_HEAD_WAIT_SECONDS * 1000)
             )
@@ -543,15 +546,16 @@ class SQLStore:
 
     def queues_in_line(self, wants: Sequence[Want]) -> bool:
         """Whether an attempt for ``wants`` can wait for its turn in the server's lock queue: PostgreSQL's
-        queued grant, for one permit of one semaphore (see ``dialects/pg_functions.py``), while this store has
-        a seat in the lines for it (``LINE_SEATS``; a waiter without one waits as elsewhere). A larger request
-        at the head of the line would hold it while single permits came back behind it."""
-        return (
-            len(wants) == 1
-            and wants[0].count == 1
-            and self._dialect.has("ACQUIRE_ONE_QUEUED")
-            and self._in_line_now < LINE_SEATS  # see try_acquire
-        )
+        queued grant, for one permit of one semaphore (see ``dialects/pg_functions.py``), or its lines of
+        several semaphores (``LINES_ENTER``), while this store has a seat in the lines for it
+        (``LINE_SEATS``; a waiter without one waits as elsewhere). Not one semaphore with a larger count: the
+        queued grant waits at the head of the line, and would hold it while single permits came back behind
+        it."""
+        if len(wants) == 1:
+            queues = wants[0].count == 1 and self._dialect.has("ACQUIRE_ONE_QUEUED")
+        else:
+            queues = self._dialect.has("LINES_ENTER")
+        return queues and self._in_line_now < LINE_SEATS  # see try_acquire
 
     def queue_short(self, owner: str, key: str) -> int | None:
         """How many permits a waiting request was short of fitting at its last attempt, in its fair queues

@@ -12,6 +12,7 @@ from permits.dialects.base import (
     SettingFix,
     require_module,
 )
+from permits.dialects.pg_functions import LINE_LOCK_KEY
 
 _CONFLICT = {
     "40001",  # serialization_failure
@@ -176,6 +177,34 @@ class PostgreSQL(Dialect):
             """
         + _notify_while_listened("left_behind")
         + _call_fitting("left_behind", " AND NOT (q.owner = :owner AND q.lease_key = :key)"),
+        # A grant over several semaphores that waits takes its turn in each one's line first (the lock the
+        # queued grant takes, pg_functions.py), in the order of the lock keys, so that no two requests wait
+        # for each other in a cycle; then it grants, a statement per step, and the commit lets the lines go.
+        # The wait is bounded by what is left of the caller's time (its lock_timeout, set first: the lateral
+        # join orders the two), kept to half of a statement_timeout, which would cancel it into an error.
+        # Then the grant's row locks get what the wait left of that time (the last lock_timeout, set once
+        # every lock is held: it is computed from their count). One statement, one round trip. Outside READ
+        # COMMITTED it takes no lock: the transaction's snapshot, taken as this statement starts, would be
+        # older than the wait, and its grant would then fail to serialize (the queued grant does the same).
+        # params: wait_ms, names (distinct)
+        "LINES_ENTER": f"""
+            SELECT set_config('lock_timeout', CAST(GREATEST(1, 0 * held.n + limited.ms
+                - CAST(EXTRACT(EPOCH FROM clock_timestamp() - statement_timestamp()) * 1000 AS bigint)) AS text),
+                true)
+            FROM (SELECT GREATEST(1, LEAST(:wait_ms, CASE
+                    WHEN CAST(current_setting('statement_timeout') AS interval) > interval '0'
+                    THEN CAST(EXTRACT(EPOCH FROM CAST(current_setting('statement_timeout') AS interval)) * 500
+                              AS bigint)
+                    ELSE :wait_ms END)) AS ms) AS limited,
+            LATERAL (
+                SELECT count(*) AS n FROM (
+                    SELECT pg_advisory_xact_lock({LINE_LOCK_KEY}, k.h) AS locked
+                    FROM (SELECT set_config('lock_timeout', CAST(limited.ms AS text), true) AS setting) AS bound,
+                    LATERAL (
+                        SELECT DISTINCT hashtext(n) AS h FROM unnest(CAST(:names AS TEXT[])) AS n
+                        WHERE bound.setting IS NOT NULL
+                            AND current_setting('transaction_isolation') = 'read committed'
+                        ORDER BY h) AS k) AS taken) AS held""",
         # A fair queue's ticket from a sequence (migration 0005), one per request for all its queues:
         # nextval locks no row, so an arriving waiter does not hold the semaphore row, which every grant
         # and release writes, through its enqueue and commit. -> ticket
