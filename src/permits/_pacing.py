@@ -14,8 +14,8 @@ grant behind it); one that asks too rarely leaves returned permits idle. Three s
   release. Either way the rest of the queue stays asleep instead of stampeding at every release. On
   SQLite, where every attempt takes the database's write lock, a poll reads the shortfall first and asks
   only once it is 0 (the store's ``try_acquire``).
-- **The server's lock queue.** On PostgreSQL a waiter for several semaphores takes its turn in each one's
-  line before it asks (``LINES_ENTER``), without waiting at the heads for room. A waiter for one permit of
+- **The server's lock queue.** On PostgreSQL a waiter for several semaphores takes its turn in the line of
+  the first of them before it asks (``LINES_ENTER``), without waiting at the head for room. A waiter for one permit of
   one plain semaphore asks through the queued grant: it sleeps in the server's lock queue, the semaphore's
   line, until the waiters ahead of it have been served, then asks with the count as their commits left it,
   and at the head of the line waits up to ``LINE_HEAD_WAIT_SECONDS`` for room (dialects/pg_functions.py).

@@ -123,10 +123,10 @@ def test_a_waiter_killed_in_the_line_is_not_granted_a_lease_after_it_died(ns: st
 
 
 def test_processes_asking_for_several_semaphores_take_even_turns_through_their_lines(ns: str) -> None:
-    """A grant over several semaphores that waits takes its turn in each one's line (dialects/postgresql.py,
-    LINES_ENTER). Before, such waiters heard of releases and raced: on the benchmark's three hot semaphores
-    at 64 clients, 103 cycles/s with Jain 0.82-0.85, against 340-347 and 1.00 with the lines
-    (docs/benchmarks.md)."""
+    """A grant over several semaphores that waits takes its turn in the line of the first of them
+    (dialects/postgresql.py, LINES_ENTER). Before, such waiters heard of releases and raced: on the
+    benchmark's three hot semaphores at 64 clients, 103 cycles/s with Jain 0.82-0.85, against 332-335 and
+    1.00 with the line (docs/benchmarks.md)."""
     names = [f"{ns}a", f"{ns}b"]
     with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as admin:
         for name in names:
@@ -143,17 +143,20 @@ def test_processes_asking_for_several_semaphores_take_even_turns_through_their_l
     assert sum(r["lines"] for r in results) >= 0.9 * sum(turns), results
 
 
-def test_a_grant_over_several_semaphores_waits_in_each_line_within_the_callers_time(ns: str) -> None:
-    """A session holds the line of one of the two semaphores, which both have room: a waiter waits in that
-    line for as long as its caller's time allows (then times out, with no error), and one with more time is
-    granted as soon as the line is free."""
+def test_a_grant_over_several_semaphores_waits_in_its_line_within_the_callers_time(ns: str) -> None:
+    """A session holds the line of the first of two semaphores (in lock-key order), which both have room: a
+    waiter waits in that line for as long as its caller's time allows (then times out, with no error), and
+    one with more time is granted as soon as the line is free."""
     a, b = f"{ns}a", f"{ns}b"
     with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as client:
         client.create_semaphore(a, 1)
         client.create_semaphore(b, 1)
         blocker = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True)
         try:
-            blocker.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (LINE_LOCK_KEY, b))
+            (first,) = blocker.execute(  # the line it waits in: the first in lock-key order
+                "SELECT n FROM unnest(CAST(%s AS TEXT[])) AS n ORDER BY hashtext(n) LIMIT 1", ([a, b],)
+            ).fetchone() or (b,)
+            blocker.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (LINE_LOCK_KEY, first))
             started = time.monotonic()
             with pytest.raises(permits.AcquireTimeout):  # not a StorageError: the wait was the caller's time
                 client.acquire({a: 1, b: 1}, timeout=0.5)
@@ -165,12 +168,50 @@ def test_a_grant_over_several_semaphores_waits_in_each_line_within_the_callers_t
             assert _wait_until(lambda: _line_waiters(blocker) == 1, 10), "the waiter never got in line"
             time.sleep(0.3)
             assert got == [], "granted while its line was held"
-            blocker.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", (LINE_LOCK_KEY, b))
+            blocker.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", (LINE_LOCK_KEY, first))
             waiter.join(5)
             assert got and got[0].counts == {a: 1, b: 1}
             client.release(got[0])
         finally:
             blocker.close()
+
+
+def test_a_grant_over_several_semaphores_waits_in_one_line_only(ns: str) -> None:
+    """Three sessions hold the lines of three semaphores that all have room. The waiter waits in the line of
+    the first (in lock-key order) for as long as its caller's time allows, not that long per line: a first
+    version, which waited in each in turn, timed out after three times the caller's time. Once the first
+    line is free, the waiter takes its room although the other two lines are still held: it tries them and
+    goes on, holding no line while it waits for one."""
+    names = [f"{ns}a", f"{ns}b", f"{ns}c"]
+    with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as client:
+        for name in names:
+            client.create_semaphore(name, 1)
+        plain = url.replace("postgresql+psycopg://", "postgresql://")
+        holders = [psycopg.connect(plain, autocommit=True) for _ in names]
+        try:
+            for holder, name in zip(holders, names, strict=True):
+                holder.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (LINE_LOCK_KEY, name))
+            started = time.monotonic()
+            with pytest.raises(permits.AcquireTimeout):
+                client.acquire(dict.fromkeys(names, 1), timeout=0.6)
+            waited = time.monotonic() - started
+            assert 0.55 <= waited < 1.2, waited
+            (first,) = holders[0].execute(
+                "SELECT n FROM unnest(CAST(%s AS TEXT[])) AS n ORDER BY hashtext(n) LIMIT 1", (names,)
+            ).fetchone() or (None,)
+            index = names.index(first)
+            threading.Timer(
+                0.3,
+                holders[index].execute,
+                args=("SELECT pg_advisory_unlock(%s, hashtext(%s))", (LINE_LOCK_KEY, first)),
+            ).start()
+            started = time.monotonic()
+            lease = client.acquire(dict.fromkeys(names, 1), timeout=5)
+            assert 0.25 <= time.monotonic() - started < 2.0
+            client.release(lease)
+        finally:
+            for holder in holders:
+                holder.close()
 
 
 def _line_waiters(conn: psycopg.Connection[Any]) -> int:
@@ -375,7 +416,8 @@ def test_a_statement_timeout_below_the_lines_wait_makes_no_error(ns: str, severa
         engine.dispose()
         blocker = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True)
         try:
-            blocker.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (LINE_LOCK_KEY, name))
+            for held in (name, other) if several else (name,):  # whichever comes first in lock-key order
+                blocker.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (LINE_LOCK_KEY, held))
             with permits.connect(url) as client:
                 # Refused in the held line (not failed), the waiter leaves it and gets the free permit.
                 started = time.monotonic()

@@ -96,7 +96,8 @@ def test_an_extend_that_commits_while_the_lease_is_being_ended_keeps_the_lease(
         assert stored.held and stored.end_reason is None, stored
         assert stored.expires_in > 25, stored
         if ender == "sweep":
-            assert ended["value"].leases == 0, ended
+            # (The database is shared: other tests' expired leases may be swept with it, this one not.)
+            assert (f"{ns}holder", lease.key) not in ended["value"].keys, ended
         elif ender == "reclaim":
             assert "error" not in ended and ended["value"] is None, "an acquire took the room of an extended lease"
         else:

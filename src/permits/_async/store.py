@@ -487,9 +487,10 @@ class AsyncSQLStore:
             full = recheck or tries > 1
             # The whole attempt, its wait in the line included, within what is left of the caller's time (a
             # retry after a conflict or a lost connection gets less) and the lock wait bound. A retry asks
-            # outside the line: a grant over several semaphores whose wait in the lines timed out (a session
-            # holds one up, or a statement_timeout bounds the wait) fails into a retry, and must then be
-            # able to take room that is free (the queued grant of one semaphore refuses instead).
+            # outside the line: a grant over several semaphores whose wait in the line timed out (a session
+            # holds it up, or a statement_timeout bounds the wait) fails into a retry, and must then be able
+            # to take room that is free. (The queued grant of one semaphore refuses instead, so it retries
+            # only after other failures, and then outside the line too.)
             left = wait if deadline is None else max(0.0, deadline - monotonic())
             line_wait_ms = round(min(left, self._settings.lock_wait_timeout) * 1000) if in_line and tries == 1 else None
             request = flows.Request(

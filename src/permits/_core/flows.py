@@ -105,8 +105,9 @@ class Request:
     #: the caller's wake channel (PostgreSQL), recorded in its places: a release calls it when its turn comes
     wake: str | None = None
     #: not None: the attempt waits for its turn in the server's lock queue, the semaphore's line, for up to
-    #: this many milliseconds in all (PostgreSQL's queued grant, for one semaphore; elsewhere the attempt
-    #: is the usual one), and at the head of the line up to ``line_head_ms`` for room
+    #: this many milliseconds in all, and at the head of the line up to ``line_head_ms`` for room
+    #: (PostgreSQL's queued grant, for one semaphore); for several semaphores, in the line of the first of
+    #: them (``LINES_ENTER``). Elsewhere the attempt is the usual one.
     line_wait_ms: int | None = None
     line_head_ms: int = 0
 
@@ -134,7 +135,7 @@ def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | 
     tokens: dict[str, int] = {}
     places = req.queued  # whether the request may hold places in fair queues
     if req.line_wait_ms is not None and d.has("LINES_ENTER"):
-        # Wait for its turn in each semaphore's line, then ask (see the dialect's LINES_ENTER).
+        # Wait for its turn in the line of the first semaphore, then ask (see the dialect's LINES_ENTER).
         yield Stmt("LINES_ENTER", {"wait_ms": req.line_wait_ms, "names": sorted({w.name for w in req.wants})})
     for want in req.wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": req.owner, "key": req.key})
