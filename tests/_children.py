@@ -190,7 +190,7 @@ def take_turns(args: dict[str, Any]) -> None:
     and again for ``seconds``; then say how many grants and how many timeouts this process had, how many
     attempts its acquires made (on a database: the statements that try to take room, one per attempt and
     semaphore, whether or not it waits in the server's line), and how many of them waited in the lines of
-    several semaphores, as one JSON line."""
+    several semaphores (LINES_ENTER, or the queued grant that takes its line), as one JSON line."""
     granted = timed_out = 0
     attempts = [0]
     lines = [0]
@@ -201,7 +201,9 @@ def take_turns(args: dict[str, Any]) -> None:
 
             def count(statement: str) -> None:
                 attempts[0] += statement in ("ACQUIRE_ONE", "ACQUIRE_ONE_QUEUED", "SEM_TAKE")
-                lines[0] += statement == "LINES_ENTER"
+                if statement in ("ACQUIRE_MANY", "ACQUIRE_MANY_QUEUED"):  # one statement for all the semaphores
+                    attempts[0] += len(wants)
+                lines[0] += statement in ("LINES_ENTER", "ACQUIRE_MANY_QUEUED")
 
             client._store.after_statement = count
         client.get_semaphore(args["names"][0] if "names" in args else args["name"])  # connected before the start

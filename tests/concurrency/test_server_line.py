@@ -40,6 +40,15 @@ from tests.conftest import count_function_calls, function_calls, own_database, s
 pytestmark = [pytest.mark.usefixtures("servers"), pytest.mark.slow]
 
 
+@pytest.fixture(params=["function", "statement"])
+def several_line(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How a grant over several semaphores waits in its line: through the queued grant (a server function,
+    one round trip), or, where a client could not make it, LINES_ENTER and the grant in one transaction."""
+    if request.param == "statement":
+        monkeypatch.setattr("permits._sync.store.DIRECT_FUNCTIONS", ("ACQUIRE_ONE_QUEUED",))
+    return str(request.param)
+
+
 def _jain(turns: list[int]) -> float:
     return sum(turns) ** 2 / (len(turns) * sum(t * t for t in turns))
 
@@ -90,21 +99,25 @@ def test_a_waiter_for_a_permit_held_all_along_asks_only_a_few_times(ns: str) -> 
     assert calls.get("acquire_one_queued", 0) == 4 * 2 * IN_LINE_TRIES + 1, calls
 
 
-def test_a_waiter_killed_in_the_line_is_not_granted_a_lease_after_it_died(ns: str) -> None:
+@pytest.mark.parametrize("several", [False, True], ids=["one-semaphore", "two-semaphores"])
+def test_a_waiter_killed_in_the_line_is_not_granted_a_lease_after_it_died(ns: str, several: bool) -> None:
     """A waiter waits in the line inside a statement. Killed there, its server session would go on waiting
     and take the next permit for a client that no longer exists, held until its TTL. The server checks
-    that the client is still connected (client_connection_check_interval) and ends the statement instead."""
-    name = f"{ns}m"
+    that the client is still connected (client_connection_check_interval) and ends the statement instead.
+    So for a waiter over two semaphores, which waits in the line of the first."""
+    names = [f"{ns}m", f"{ns}n"] if several else [f"{ns}m"]
     with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as admin:
-        admin.create_semaphore(name, 1)
-        held = admin.acquire(name, ttl=60)
+        for each in names:
+            admin.create_semaphore(each, 1)
+        held = admin.acquire(names, ttl=60)
         blocker = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True)
         try:
-            # A session that holds the line: the waiter's attempt waits in it, inside its statement.
-            blocker.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (LINE_LOCK_KEY, name))
+            # A session that holds the lines: the waiter's attempt waits in one, inside its statement.
+            for each in names:
+                blocker.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (LINE_LOCK_KEY, each))
             waiter = spawn(
                 "hold",
-                {"url": url, "owner": f"{ns}dead", "key": "k", "wants": name, "ttl": 600},
+                {"url": url, "owner": f"{ns}dead", "key": "k", "wants": names, "ttl": 600},
                 stdout=subprocess.PIPE,
             )
             try:
@@ -113,18 +126,20 @@ def test_a_waiter_killed_in_the_line_is_not_granted_a_lease_after_it_died(ns: st
                 waiter.kill()
                 waiter.wait()
             time.sleep(3 * CLIENT_CHECK_MS / 1000)  # the server notices within one check
-            blocker.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", (LINE_LOCK_KEY, name))
+            for each in names:
+                blocker.execute("SELECT pg_advisory_unlock(%s, hashtext(%s))", (LINE_LOCK_KEY, each))
             admin.release(held)
             time.sleep(0.5)
-            assert [h.owner for h in admin.holders(name)] == []
-            assert admin.get_semaphore(name).used == 0
+            for each in names:
+                assert [h.owner for h in admin.holders(each)] == []
+                assert admin.get_semaphore(each).used == 0
         finally:
             blocker.close()
 
 
 def test_processes_asking_for_several_semaphores_take_even_turns_through_their_lines(ns: str) -> None:
     """A grant over several semaphores that waits takes its turn in the line of the first of them
-    (dialects/postgresql.py, LINES_ENTER). Before, such waiters heard of releases and raced: on the
+    (the queued grant ACQUIRE_MANY_QUEUED, pg_functions.py). Before, such waiters heard of releases and raced: on the
     benchmark's three hot semaphores at 64 clients, 103 cycles/s with Jain 0.82-0.85, against 332-335 and
     1.00 with the line (docs/benchmarks.md)."""
     names = [f"{ns}a", f"{ns}b"]
@@ -143,7 +158,7 @@ def test_processes_asking_for_several_semaphores_take_even_turns_through_their_l
     assert sum(r["lines"] for r in results) >= 0.9 * sum(turns), results
 
 
-def test_a_grant_over_several_semaphores_waits_in_its_line_within_the_callers_time(ns: str) -> None:
+def test_a_grant_over_several_semaphores_waits_in_its_line_within_the_callers_time(ns: str, several_line: str) -> None:
     """A session holds the line of the first of two semaphores (in lock-key order), which both have room: a
     waiter waits in that line for as long as its caller's time allows (then times out, with no error), and
     one with more time is granted as soon as the line is free."""
@@ -176,7 +191,7 @@ def test_a_grant_over_several_semaphores_waits_in_its_line_within_the_callers_ti
             blocker.close()
 
 
-def test_a_grant_over_several_semaphores_waits_in_one_line_only(ns: str) -> None:
+def test_a_grant_over_several_semaphores_waits_in_one_line_only(ns: str, several_line: str) -> None:
     """Three sessions hold the lines of three semaphores that all have room. The waiter waits in the line of
     the first (in lock-key order) for as long as its caller's time allows, not that long per line: a first
     version, which waited in each in turn, timed out after three times the caller's time. Once the first
@@ -212,6 +227,70 @@ def test_a_grant_over_several_semaphores_waits_in_one_line_only(ns: str) -> None
         finally:
             for holder in holders:
                 holder.close()
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["try", "waiting"])
+def test_a_refused_grant_over_several_semaphores_holds_up_nobody(ns: str, waits: bool) -> None:
+    """A grant over ``a`` and ``b`` when ``b`` is full, while another transaction holds ``b``'s row (a release
+    or a grant in flight): it is refused at once, without queueing for that row, and holds ``a`` meanwhile in
+    no way, so a grant of ``a`` goes through at once. A first version locked the rows before it knew it had
+    no room: refused only once the row was free, it held up a grant of the free semaphore as long."""
+    a, b = f"{ns}a", f"{ns}b"
+    with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as client:
+        client.create_semaphore(a, 1)
+        client.create_semaphore(b, 1)
+        full = client.acquire(b, timeout=5)
+        blocker = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"))
+        try:
+            blocker.execute("SELECT 1 FROM permits_semaphore WHERE name = %s FOR NO KEY UPDATE", (b,))
+            took: dict[str, float] = {}
+
+            def several() -> None:
+                started = time.monotonic()
+                if waits:  # its attempts go through the queued grant, in the line of the first semaphore
+                    with pytest.raises(permits.AcquireTimeout):
+                        client.acquire({a: 1, b: 1}, timeout=1.0)
+                else:
+                    assert client.try_acquire({a: 1, b: 1}) is None
+                took["several"] = time.monotonic() - started
+
+            waiter = threading.Thread(target=several)
+            waiter.start()
+            time.sleep(0.2)
+            started = time.monotonic()
+            lease = client.acquire(a, timeout=5)
+            took["a"] = time.monotonic() - started
+            client.release(lease)
+            waiter.join(10)
+            blocker.rollback()
+            assert took["a"] < 0.3, took
+            if not waits:
+                assert took["several"] < 0.3, took
+            assert client.get_semaphore(a).used == 0
+            client.release(full)
+        finally:
+            blocker.close()
+
+
+def test_a_queued_grant_whose_turn_came_with_no_time_left_still_asks(ns: str) -> None:
+    """The caller's time may run out just as its turn in the line comes: the queued grants then ask once,
+    rather than refuse without asking (a first version refused a call with ``wait_ms`` 0 on a free
+    semaphore)."""
+    a, b = f"{ns}a", f"{ns}b"
+    with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as client:
+        client.create_semaphore(a, 2)
+        client.create_semaphore(b, 1)
+        one, several = server_functions(PostgreSQL(), ["ACQUIRE_ONE_QUEUED", "ACQUIRE_MANY_QUEUED"])
+        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+            granted = conn.execute(
+                f"SELECT * FROM {one.name}(%s, %s, %s, %s, %s, %s, %s)", ("o", "k1", a, 1, 30_000, 0, 50)
+            ).fetchall()
+            assert len(granted) == 1
+            granted = conn.execute(
+                f"SELECT * FROM {several.name}(%s, %s, %s, %s, %s, %s)", ("o", "k2", [a, b], [1, 1], 30_000, 0)
+            ).fetchall()
+            assert sorted(row[3] for row in granted) == [a, b]
+        assert client.get_semaphore(a).used == 2 and client.get_semaphore(b).used == 1
 
 
 def _line_waiters(conn: psycopg.Connection[Any]) -> int:
@@ -256,7 +335,7 @@ def test_the_queued_grant_called_is_the_one_checked_not_one_planted_earlier_on_t
     function could make a function of the same name there after the client's check, and the client would
     call it instead. The call names the schema of the function the client checked."""
     name = f"{ns}m"
-    (queued,) = server_functions(PostgreSQL(), DIRECT_FUNCTIONS)
+    (queued,) = server_functions(PostgreSQL(), ["ACQUIRE_ONE_QUEUED"])
     with own_database("postgresql", "permits_line") as url:
         with permits.connect(url, auto_upgrade=True) as admin:  # makes the queued grant, in public
             admin.create_semaphore(name, 1)
@@ -296,6 +375,7 @@ def test_a_client_whose_functions_are_dropped_under_it_sends_its_statements(
         connect_url = url if pooler is None else f"{url}?pooler={pooler}"
         with permits.connect(connect_url, auto_upgrade=True) as client:
             client.create_semaphore(f"{ns}m", 1)
+            client.create_semaphore(f"{ns}n", 1)
             held = client.acquire(f"{ns}m", timeout=5)  # through the functions
             functions = server_functions(PostgreSQL(), DIRECT_FUNCTIONS if pooler is None else POOLED_FUNCTIONS)
             engine = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
@@ -308,6 +388,7 @@ def test_a_client_whose_functions_are_dropped_under_it_sends_its_statements(
                 lease = client.acquire(f"{ns}m", timeout=5)
                 client.release(lease)
                 client.release(client.acquire(f"{ns}m", timeout=5))
+                client.release(client.acquire({f"{ns}m": 1, f"{ns}n": 1}, timeout=5))  # several semaphores
             # One warning per function lost, as each call fails the first time.
             warned = [r.getMessage() for r in caplog.records if "server function for" in r.getMessage()]
             assert len(warned) == len(functions) and all("does not exist" in w for w in warned), warned
@@ -401,7 +482,7 @@ def test_a_privilege_the_statement_lacks_is_its_own_failure_not_a_lost_function(
 
 
 @pytest.mark.parametrize("several", [False, True], ids=["one-semaphore", "two-semaphores"])
-def test_a_statement_timeout_below_the_lines_wait_makes_no_error(ns: str, several: bool) -> None:
+def test_a_statement_timeout_below_the_lines_wait_makes_no_error(ns: str, several: bool, several_line: str) -> None:
     """A role's or a pooler's statement_timeout would cancel a waiter in the line into an error (StorageError
     from the acquire): the queued grant keeps to half of it, and so does a grant over several semaphores, so
     a line held up costs waiting time only."""

@@ -55,6 +55,22 @@ def test_tokens_strictly_increase(client: Any, ns: str) -> None:
     assert client.get_semaphore(f"{ns}s").last_token == seen[-1]
 
 
+@pytest.mark.parametrize("several", [False, True], ids=["one-semaphore", "two-semaphores"])
+def test_a_zero_timeout_is_one_attempt_that_grants_when_there_is_room(client: Any, ns: str, several: bool) -> None:
+    """``timeout=0`` asks once and does not wait. On PostgreSQL such a waiting acquire's attempt went through
+    the queued grant with no time to wait in the line, and the queued grant refused it after taking its
+    turn, without asking: a free semaphore answered AcquireTimeout."""
+    client.create_semaphore(f"{ns}a", 1)
+    client.create_semaphore(f"{ns}b", 1)
+    wants = {f"{ns}a": 1, f"{ns}b": 1} if several else f"{ns}a"
+    lease = client.acquire(wants, timeout=0)
+    with pytest.raises(permits.AcquireTimeout):
+        client.acquire(wants, timeout=0)
+    client.release(lease)
+    client.release(client.acquire(wants, timeout=0))
+    assert client.get_semaphore(f"{ns}a").used == 0
+
+
 def test_retry_with_same_key_never_grants_twice(client: Any, ns: str) -> None:
     client.create_semaphore(f"{ns}s", 1)
     lease = client.try_acquire(f"{ns}s", key=f"{ns}job-42")

@@ -47,7 +47,7 @@ def test_a_changed_statement_gets_a_function_of_another_name() -> None:
         }
 
     assert server_functions(PostgreSQL()) == server_functions(PostgreSQL())
-    before, after = server_functions(PostgreSQL())[1], server_functions(Changed())[1]
+    before, after = server_functions(PostgreSQL(), ["RELEASE"])[0], server_functions(Changed(), ["RELEASE"])[0]
     assert before.statement == after.statement == "RELEASE"
     assert before.name != after.name
 
@@ -73,7 +73,7 @@ def test_the_queued_grant_takes_its_semaphores_line_lock_before_the_grant_starts
     """The lock must be held before the grant's statement takes its snapshot and reads the count, so that
     the attempt sees every commit of the waiters ahead of it in the line; and the grant is the plain one."""
     dialect = PostgreSQL()
-    (queued,) = server_functions(dialect, DIRECT_FUNCTIONS)
+    (queued,) = server_functions(dialect, ["ACQUIRE_ONE_QUEUED"])
     (plain,) = server_functions(dialect, ["ACQUIRE_ONE"])
     assert queued.statement == "ACQUIRE_ONE_QUEUED" and queued.made_from == "ACQUIRE_ONE"
     lock = "PERFORM pg_advisory_xact_lock(1885696621, hashtext(arg_name));"
@@ -89,9 +89,35 @@ def test_the_queued_grant_takes_its_semaphores_line_lock_before_the_grant_starts
     assert queued.call.endswith(", CAST(:wait_ms AS bigint), CAST(:head_ms AS bigint))")
 
 
-def test_only_the_queued_grant_is_made_for_clients_that_reach_the_server_directly() -> None:
-    assert DIRECT_FUNCTIONS == ("ACQUIRE_ONE_QUEUED",)
-    assert set(POOLED_FUNCTIONS) == {"ACQUIRE_ONE", "RELEASE", "ACQUIRE_ONE_QUEUED"}
+def test_the_queued_grant_over_several_semaphores_waits_in_the_first_line_then_tries_the_others() -> None:
+    """Like the one-semaphore queued grant, it holds its line before the grant starts, and it waits in one line
+    only: the first in lock-key order; the others it only tries (a wait in each would cost the caller's time
+    once per line, and hold lines while it waits for another). Nor does it wait at the head for room, which
+    would hold its lines, and the rows it locked, meanwhile."""
+    dialect = PostgreSQL()
+    (queued,) = server_functions(dialect, ["ACQUIRE_MANY_QUEUED"])
+    (plain,) = server_functions(dialect, ["ACQUIRE_MANY"])
+    assert queued.made_from == "ACQUIRE_MANY"
+    grant = plain.source.strip().removeprefix("BEGIN").removesuffix("END").strip()
+    first, in_line = (m.start() for m in re.finditer(re.escape(grant), queued.source))
+    wait = queued.source.index("PERFORM pg_advisory_xact_lock(1885696621, first_line);")
+    tries = queued.source.index("PERFORM pg_try_advisory_xact_lock(1885696621, h)")
+    assert first < wait < tries < in_line
+    assert queued.source.count("pg_advisory_xact_lock(") == 1
+    assert "LOOP" not in queued.source and "pg_sleep" not in queued.source  # no wait at the head for room
+    assert queued.result == plain.result
+    assert queued.call.endswith(", CAST(:ttl_ms AS bigint), CAST(:wait_ms AS bigint))")
+
+
+def test_only_the_queued_grants_are_made_for_clients_that_reach_the_server_directly() -> None:
+    assert DIRECT_FUNCTIONS == ("ACQUIRE_ONE_QUEUED", "ACQUIRE_MANY_QUEUED")
+    assert set(POOLED_FUNCTIONS) == {
+        "ACQUIRE_ONE",
+        "ACQUIRE_MANY",
+        "RELEASE",
+        "ACQUIRE_ONE_QUEUED",
+        "ACQUIRE_MANY_QUEUED",
+    }
 
 
 @pytest.mark.parametrize("schema", ["public", '"Mixed Case"', '"odd :name"'])
@@ -100,7 +126,7 @@ def test_a_call_names_the_schema_and_binds_only_the_statements_parameters(schema
     parameter when SQLAlchemy compiles the call."""
     from sqlalchemy import text
 
-    (queued,) = server_functions(PostgreSQL(), DIRECT_FUNCTIONS)
+    queued = server_functions(PostgreSQL(), DIRECT_FUNCTIONS)[0]
     call = queued.call_in(schema)
     escaped = schema.replace(":", "\\:")  # text() reads a backslashed colon as the colon itself
     assert call.startswith(f"SELECT * FROM {escaped}.{queued.name}(")

@@ -492,7 +492,9 @@ class AsyncSQLStore:
             # to take room that is free. (The queued grant of one semaphore refuses instead, so it retries
             # only after other failures, and then outside the line too.)
             left = wait if deadline is None else max(0.0, deadline - monotonic())
-            line_wait_ms = round(min(left, self._settings.lock_wait_timeout) * 1000) if in_line and tries == 1 else None
+            # With no time left (a zero timeout: one attempt) there is no waiting in a line either.
+            lined = in_line and tries == 1 and left > 0
+            line_wait_ms = round(min(left, self._settings.lock_wait_timeout) * 1000) if lined else None
             request = flows.Request(
                 owner, key, wants, ttl_ms, queue_ms, queued, wake, line_wait_ms, round(LINE_HEAD_WAIT_SECONDS * 1000)
             )
@@ -546,8 +548,9 @@ class AsyncSQLStore:
 
     def queues_in_line(self, wants: Sequence[Want]) -> bool:
         """Whether an attempt for ``wants`` can wait for its turn in the server's lock queue: PostgreSQL's
-        queued grant, for one permit of one semaphore (see ``dialects/pg_functions.py``), or its lines of
-        several semaphores (``LINES_ENTER``), while this store has a seat in the lines for it
+        queued grants, for one permit of one semaphore or for several semaphores (see
+        ``dialects/pg_functions.py``; where the latter could not be made, ``LINES_ENTER`` and the grant in one
+        transaction), while this store has a seat in the lines for it
         (``LINE_SEATS``; a waiter without one waits as elsewhere). Not one semaphore with a larger count: the
         queued grant waits at the head of the line, and would hold it while single permits came back behind
         it."""
@@ -883,8 +886,13 @@ class AsyncSQLStore:
         return result
 
     async def _execute_on_driver(self, conn: AsyncConnection, stmt: Stmt) -> Result:
-        """One statement of the transaction that SQLAlchemy began on ``conn``, sent on the driver's cursor."""
-        sql, names = self._driver_sql(stmt.name)
+        """One statement of the transaction that SQLAlchemy began on ``conn``, sent on the driver's cursor.
+        A server function's call that fails because the function is gone raises ``_CallGone``, as one sent
+        alone does: the transaction then rolls back, so the call had no effect."""
+        calls, dialect = self._function_calls, self._dialect
+        if not dialect.has(stmt.name):  # a call the flow was made for, given up by another operation since
+            raise _CallGone(stmt.name, "given up meanwhile")
+        sql, names = self._driver_sql(stmt.name, dialect)
         cursor = (await async_driver_connection(conn)).cursor()
         try:
             if isinstance(stmt.params, Mapping):
@@ -899,6 +907,8 @@ class AsyncSQLStore:
             error = driver_error(self._engine, exc)
             if error is None:
                 raise
+            if stmt.name in calls and function_gone(error.orig, calls[stmt.name]):
+                raise _CallGone(stmt.name, str(error.orig).strip().splitlines()[0], error) from exc
             raise error from exc
         if cursor.description is not None:
             found = [tuple(r) for r in await cursor.fetchall()]

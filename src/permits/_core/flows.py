@@ -106,8 +106,8 @@ class Request:
     wake: str | None = None
     #: not None: the attempt waits for its turn in the server's lock queue, the semaphore's line, for up to
     #: this many milliseconds in all, and at the head of the line up to ``line_head_ms`` for room
-    #: (PostgreSQL's queued grant, for one semaphore); for several semaphores, in the line of the first of
-    #: them (``LINES_ENTER``). Elsewhere the attempt is the usual one.
+    #: (PostgreSQL's queued grants; for several semaphores, in the line of the first of them). Elsewhere the
+    #: attempt is the usual one.
     line_wait_ms: int | None = None
     line_head_ms: int = 0
 
@@ -118,7 +118,9 @@ def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | 
     The fast path is one conditional UPDATE per semaphore, in name order: it counts the permits and bumps
     the fencing token on the semaphore row, so capacity is checked by the database at the moment the row
     is written, and every grant writes the row (multi-primary engines such as Galera certify only rows a
-    transaction writes). Only when a semaphore has no room does the flow look further.
+    transaction writes). Where the dialect has them, that and the lease are one statement: ``ACQUIRE_ONE``
+    for one semaphore, ``ACQUIRE_MANY`` for several. Only when a semaphore has no room does the flow look
+    further.
 
     A request with ``queue_ms`` > 0 waits: on a fair semaphore a refused request then takes a place in the
     queue, and a grant gives its places up. The place records ``wake``, the caller's wake channel
@@ -132,11 +134,10 @@ def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | 
     """
     if len(req.wants) == 1 and d.has("ACQUIRE_ONE"):
         return (yield from _acquire_one(d, req, recheck))
+    if d.has("ACQUIRE_MANY"):
+        return (yield from _acquire_many(d, req, recheck))
     tokens: dict[str, int] = {}
     places = req.queued  # whether the request may hold places in fair queues
-    if req.line_wait_ms is not None and d.has("LINES_ENTER"):
-        # Wait for its turn in the line of the first semaphore, then ask (see the dialect's LINES_ENTER).
-        yield Stmt("LINES_ENTER", {"wait_ms": req.line_wait_ms, "names": sorted({w.name for w in req.wants})})
     for want in req.wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": req.owner, "key": req.key})
         if taken.rowcount == 0:
@@ -296,6 +297,46 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
         owner=req.owner,
         counts={want.name: want.count},
         tokens={want.name: int(token)},
+        acquired_at=ms_to_datetime(int(acquired_ms)),
+        expires_at=ms_to_datetime(int(expires_ms)),
+        expires_in=(int(expires_ms) - int(acquired_ms)) / 1000,
+    )
+
+
+def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | None]:
+    """Several semaphores, one statement (``ACQUIRE_MANY``): all or none, as ``_acquire_one`` does for one.
+
+    A waiter whose attempt goes in the line (``line_wait_ms``) asks through the queued grant, which waits for
+    its turn in the line of the first semaphore and grants in the same round trip. Where the store could
+    not make that function, it waits with ``LINES_ENTER`` and then grants, in one transaction whose commit
+    lets the line go."""
+    params = {
+        "owner": req.owner,
+        "key": req.key,
+        "names": [w.name for w in req.wants],
+        "counts": [w.count for w in req.wants],
+        "ttl_ms": req.ttl_ms,
+    }
+    statement, in_line = "ACQUIRE_MANY", False
+    if req.line_wait_ms is not None and d.has("ACQUIRE_MANY_QUEUED"):
+        statement = "ACQUIRE_MANY_QUEUED"  # it does not wait at the head for room (see pg_functions.py)
+        params.update(wait_ms=req.line_wait_ms)
+    elif req.line_wait_ms is not None and d.has("LINES_ENTER"):
+        in_line = True  # where the queued grant could not be made: the line in a transaction of its own
+        yield Stmt("LINES_ENTER", {"wait_ms": req.line_wait_ms, "names": params["names"]})
+    try:
+        done = yield Stmt(statement, params, alone=not in_line)
+    except DuplicateKey:
+        raise Restart(lambda: _replay(req.owner, req.key, req.wants)) from None
+    if not done.rows:
+        raise _refused(d, req, recheck)
+    _, acquired_ms, expires_ms = done.rows[0][:3]
+    tokens = {str(row[3]): int(row[4]) for row in done.rows}
+    return Lease(
+        key=req.key,
+        owner=req.owner,
+        counts={w.name: w.count for w in req.wants},
+        tokens={w.name: tokens[w.name] for w in req.wants},  # in name order, as every grant lists them
         acquired_at=ms_to_datetime(int(acquired_ms)),
         expires_at=ms_to_datetime(int(expires_ms)),
         expires_in=(int(expires_ms) - int(acquired_ms)) / 1000,

@@ -42,6 +42,16 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
         (("owner", "text"), ("key", "text"), ("name", "text"), ("count", "bigint"), ("ttl_ms", "bigint")),
         (("lease_id", "bigint"), ("acquired_at_ms", "bigint"), ("expires_at_ms", "bigint"), ("token", "bigint")),
     ),
+    "ACQUIRE_MANY": (
+        (("owner", "text"), ("key", "text"), ("names", "text[]"), ("counts", "bigint[]"), ("ttl_ms", "bigint")),
+        (
+            ("lease_id", "bigint"),
+            ("acquired_at_ms", "bigint"),
+            ("expires_at_ms", "bigint"),
+            ("name", "text"),
+            ("token", "bigint"),
+        ),
+    ),
     "RELEASE": (
         (("owner", "text"), ("key", "text")),
         (("notified", "text"),),
@@ -53,7 +63,8 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
 #: sleeps whole milliseconds), for up to ``head_ms``: a waiter keeps its place until room comes, and one
 #: who released and asks again queues behind it. ``wait_ms`` bounds the whole call, the wait in the line
 #: included (as its ``lock_timeout``, for the line and then for the grant's row lock, with what is left):
-#: a caller whose time runs out in the line is refused, not failed. Under a ``statement_timeout`` (a role's
+#: a caller whose time runs out in the line is refused, not failed; one whose turn came asks at least once,
+#: even with no time left (a caller with none at all is not sent to the line). Under a ``statement_timeout`` (a role's
 #: or a pooler's) the call keeps to half of it, so that waiting is never cancelled into an error.
 #: It stops at the first refusal where waiting at the head cannot help: a fair semaphore (its waiters wait
 #: in their own queue, whose head may be behind this one in the line), a deleted or missing one, or more
@@ -63,37 +74,40 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
 #: The lock is the two-key form of the advisory lock: PostgreSQL keeps it apart from the one-key (bigint)
 #: form, which applications use most. The first key marks permits' locks (the letters "perm").
 LINE_LOCK_KEY = 1885696621
-QUEUED_STATEMENTS = {
-    "ACQUIRE_ONE_QUEUED": (
-        "ACQUIRE_ONE",
-        (("wait_ms", "bigint"), ("head_ms", "bigint")),
-        f"""
+#: What the queued grants share: the call's time (``wait_ms``), kept to half of any statement_timeout; outside
+#: READ COMMITTED, the grant once and no line; and that time as the lock timeout of the wait in the line.
+_LINE_DECLARED = """
 DECLARE
     budget interval := arg_wait_ms * interval '1 millisecond';
     statement_limit interval := CAST(current_setting('statement_timeout') AS interval);
-    ends timestamptz;
-    until timestamptz;
-    checked boolean := false;
+    ends timestamptz;"""
+_LINE_BUDGET = """
 BEGIN
 IF current_setting('transaction_isolation') <> 'read committed' THEN
-    RETURN QUERY {{grant}};
+    RETURN QUERY {grant};
     RETURN;
 END IF;
 IF statement_limit > interval '0' THEN
     budget := LEAST(budget, statement_limit / 2);
 END IF;
 ends := clock_timestamp() + budget;
-PERFORM set_config('lock_timeout', CAST(GREATEST(CEIL(EXTRACT(EPOCH FROM budget) * 1000), 1) AS text), true);
+PERFORM set_config('lock_timeout', CAST(GREATEST(CEIL(EXTRACT(EPOCH FROM budget) * 1000), 1) AS text), true);"""
+#: Once the turn in the line has come: what is left of the time, as the lock timeout of the grant's row locks.
+_LINE_REST = """
+PERFORM set_config('lock_timeout',
+    CAST(GREATEST(CEIL(EXTRACT(EPOCH FROM ends - clock_timestamp()) * 1000), 1) AS text), true);"""
+QUEUED_STATEMENTS = {
+    "ACQUIRE_ONE_QUEUED": (
+        "ACQUIRE_ONE",
+        (("wait_ms", "bigint"), ("head_ms", "bigint")),
+        f"""{_LINE_DECLARED}
+    until timestamptz;
+    checked boolean := false;{_LINE_BUDGET}
 BEGIN
     PERFORM pg_advisory_xact_lock({LINE_LOCK_KEY}, hashtext(arg_name));
 EXCEPTION WHEN lock_not_available THEN
     RETURN;
-END;
-IF clock_timestamp() >= ends THEN
-    RETURN;
-END IF;
-PERFORM set_config('lock_timeout',
-    CAST(GREATEST(CEIL(EXTRACT(EPOCH FROM ends - clock_timestamp()) * 1000), 1) AS text), true);
+END;{_LINE_REST}
 until := LEAST(clock_timestamp() + arg_head_ms * interval '1 millisecond', ends);
 LOOP
     RETURN QUERY {{grant}};
@@ -112,6 +126,29 @@ LOOP
         PERFORM pg_sleep(0.002);
     END IF;
 END LOOP;
+END
+""",
+    ),
+    # The same for several semaphores: it waits in the line of the first of them, in the order of the lock
+    # keys, and takes the others' lines only if they are free (as LINES_ENTER does, dialects/postgresql.py),
+    # so that it waits in one line only and holds none while it waits. It does not wait at the head for
+    # room: it would hold its lines meanwhile, and the waiters behind it for a semaphore with room would wait
+    # for room in another. Refused, it returns, and its caller asks again in the line.
+    "ACQUIRE_MANY_QUEUED": (
+        "ACQUIRE_MANY",
+        (("wait_ms", "bigint"),),
+        f"""{_LINE_DECLARED}
+    first_line integer;{_LINE_BUDGET}
+SELECT MIN(hashtext(n)) INTO first_line FROM unnest(arg_names) AS n;
+BEGIN
+    PERFORM pg_advisory_xact_lock({LINE_LOCK_KEY}, first_line);
+EXCEPTION WHEN lock_not_available THEN
+    RETURN;
+END;
+PERFORM pg_try_advisory_xact_lock({LINE_LOCK_KEY}, h)
+FROM (SELECT DISTINCT hashtext(n) AS h FROM unnest(arg_names) AS n) AS lines
+WHERE h <> first_line;{_LINE_REST}
+RETURN QUERY {{grant}};
 END
 """,
     ),
