@@ -15,8 +15,8 @@ grant behind it); one that asks too rarely leaves returned permits idle. Three s
   SQLite, where every attempt takes the database's write lock, a poll reads the shortfall first and asks
   only once it is 0 (the store's ``try_acquire``).
 - **The server's lock queue.** On PostgreSQL a waiter for several semaphores asks through the queued grant
-  made for them: it takes its turn in the line of the first of them, then asks, without waiting at the head
-  for room. A waiter for one permit of one plain semaphore asks through the queued grant: it sleeps in the
+  made for them: it takes its turn in the line of the first of them, then asks as below. A waiter for one
+  permit of one plain semaphore asks through the queued grant: it sleeps in the
   server's lock queue, the semaphore's line, until the waiters ahead of it have been served, then asks
   with the count as their commits left it, and at the head of the line waits up to
   ``LINE_HEAD_WAIT_SECONDS`` for room (dialects/pg_functions.py). The line hands the turn on in order and

@@ -272,6 +272,46 @@ def test_a_refused_grant_over_several_semaphores_holds_up_nobody(ns: str, waits:
             blocker.close()
 
 
+def test_a_queued_grant_over_several_semaphores_waiting_at_the_head_holds_no_row(ns: str) -> None:
+    """At the head of its line the queued grant over several semaphores waits for room. An attempt that saw
+    room but found none under the row locks (another grant committed in between) must not keep those locks
+    while it waits: releases of those semaphores would wait behind it, and so would its own grant. A first
+    version kept them; the give-back below then took the whole head wait (1.0 s) and the waiter was
+    refused."""
+    a, b = f"{ns}a", f"{ns}b"
+    with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as client:
+        client.create_semaphore(a, 1)
+        client.create_semaphore(b, 1)
+        (queued,) = server_functions(PostgreSQL(), ["ACQUIRE_MANY_QUEUED"])
+        plain = url.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(plain) as taker, psycopg.connect(plain, autocommit=True) as giver:
+            # An uncommitted grant of a's last permit: the waiter's snapshot still sees room in a.
+            taker.execute("UPDATE permits_semaphore SET used = used + 1 WHERE name = %s", (a,))
+            out: dict[str, Any] = {}
+
+            def wait() -> None:
+                with psycopg.connect(plain, autocommit=True) as conn:
+                    started = time.monotonic()
+                    out["rows"] = conn.execute(
+                        f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s)",
+                        ("w", "k", [a, b], [1, 1], 60_000, 5_000, 1_500),
+                    ).fetchall()
+                    out["took"] = time.monotonic() - started
+
+            waiter = threading.Thread(target=wait)
+            waiter.start()
+            time.sleep(0.3)
+            taker.commit()  # the waiter, locked out until now, finds a full under the lock
+            time.sleep(0.2)
+            started = time.monotonic()
+            giver.execute("UPDATE permits_semaphore SET used = used - 1 WHERE name = %s", (a,))
+            gave_back = time.monotonic() - started
+            waiter.join(10)
+        assert gave_back < 0.2, gave_back
+        assert sorted(row[3] for row in out["rows"]) == [a, b], out  # granted once a came back
+        assert out["took"] < 1.2, out
+
+
 def test_a_queued_grant_whose_turn_came_with_no_time_left_still_asks(ns: str) -> None:
     """The caller's time may run out just as its turn in the line comes: the queued grants then ask once,
     rather than refuse without asking (a first version refused a call with ``wait_ms`` 0 on a free
@@ -287,7 +327,7 @@ def test_a_queued_grant_whose_turn_came_with_no_time_left_still_asks(ns: str) ->
             ).fetchall()
             assert len(granted) == 1
             granted = conn.execute(
-                f"SELECT * FROM {several.name}(%s, %s, %s, %s, %s, %s)", ("o", "k2", [a, b], [1, 1], 30_000, 0)
+                f"SELECT * FROM {several.name}(%s, %s, %s, %s, %s, %s, %s)", ("o", "k2", [a, b], [1, 1], 30_000, 0, 50)
             ).fetchall()
             assert sorted(row[3] for row in granted) == [a, b]
         assert client.get_semaphore(a).used == 2 and client.get_semaphore(b).used == 1

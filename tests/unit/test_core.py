@@ -199,7 +199,9 @@ def test_postgresql_acquires_several_semaphores_in_one_statement() -> None:
 
     queued = next(flows.try_acquire(WithQueuedGrants(), waiting))
     assert (queued.name, queued.alone) == ("ACQUIRE_MANY_QUEUED", True)
-    assert dict(queued.params)["wait_ms"] == 300 and "head_ms" not in dict(queued.params)  # no wait at the head
+    assert dict(queued.params)["wait_ms"] == 300 and dict(queued.params)["head_ms"] == 0  # b: 2 permits
+    singles = flows.Request("o", "k", (Want("a", 1), Want("b", 1)), 5000, line_wait_ms=300, line_head_ms=50)
+    assert dict(next(flows.try_acquire(WithQueuedGrants(), singles)).params)["head_ms"] == 50
 
 
 def test_on_postgresql_the_refusal_read_and_the_enqueue_each_run_alone() -> None:

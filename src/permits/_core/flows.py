@@ -319,8 +319,11 @@ def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease 
     }
     statement, in_line = "ACQUIRE_MANY", False
     if req.line_wait_ms is not None and d.has("ACQUIRE_MANY_QUEUED"):
-        statement = "ACQUIRE_MANY_QUEUED"  # it does not wait at the head for room (see pg_functions.py)
-        params.update(wait_ms=req.line_wait_ms)
+        statement = "ACQUIRE_MANY_QUEUED"
+        # At the head it waits for room, but not for several permits of one semaphore: it would hold the line
+        # while single permits came back behind it (as the store's queues_in_line says for one semaphore).
+        head_ms = req.line_head_ms if all(w.count == 1 for w in req.wants) else 0
+        params.update(wait_ms=req.line_wait_ms, head_ms=head_ms)
     elif req.line_wait_ms is not None and d.has("LINES_ENTER"):
         in_line = True  # where the queued grant could not be made: the line in a transaction of its own
         yield Stmt("LINES_ENTER", {"wait_ms": req.line_wait_ms, "names": params["names"]})
