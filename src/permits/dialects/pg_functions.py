@@ -96,6 +96,16 @@ PERFORM set_config('lock_timeout', CAST(GREATEST(CEIL(EXTRACT(EPOCH FROM budget)
 _LINE_REST = """
 PERFORM set_config('lock_timeout',
     CAST(GREATEST(CEIL(EXTRACT(EPOCH FROM ends - clock_timestamp()) * 1000), 1) AS text), true);"""
+#: The end of a wait at the head of the line, once the first refusal found it worth waiting: ask again after
+#: 1 ms, then every 2 ms.
+_HEAD_PACE = """        checked := true;
+        PERFORM pg_sleep(0.001);
+    ELSE
+        PERFORM pg_sleep(0.002);
+    END IF;
+END LOOP;
+END
+"""
 QUEUED_STATEMENTS = {
     "ACQUIRE_ONE_QUEUED": (
         "ACQUIRE_ONE",
@@ -120,14 +130,7 @@ LOOP
             WHERE name = arg_name AND fair = 0 AND deleted = 0 AND arg_count <= capacity) THEN
             RETURN;
         END IF;
-        checked := true;
-        PERFORM pg_sleep(0.001);
-    ELSE
-        PERFORM pg_sleep(0.002);
-    END IF;
-END LOOP;
-END
-""",
+{_HEAD_PACE}""",
     ),
     # The same for several semaphores: it waits in the line of the first of them, in the order of the lock
     # keys, and takes the others' lines only if they are free (as LINES_ENTER does, dialects/postgresql.py),
@@ -172,14 +175,7 @@ LOOP
             WHERE s.fair = 0 AND s.deleted = 0 AND w.count <= s.capacity) < cardinality(arg_names) THEN
             RETURN;
         END IF;
-        checked := true;
-        PERFORM pg_sleep(0.001);
-    ELSE
-        PERFORM pg_sleep(0.002);
-    END IF;
-END LOOP;
-END
-""",
+{_HEAD_PACE}""",
     ),
 }
 #: Behind a transaction pooler, every statement above is called as a function; otherwise only the queued
