@@ -292,15 +292,7 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
     if not done.rows:
         raise _refused(d, req, recheck)
     _, acquired_ms, expires_ms, token = done.rows[0]
-    return Lease(
-        key=req.key,
-        owner=req.owner,
-        counts={want.name: want.count},
-        tokens={want.name: int(token)},
-        acquired_at=ms_to_datetime(int(acquired_ms)),
-        expires_at=ms_to_datetime(int(expires_ms)),
-        expires_in=(int(expires_ms) - int(acquired_ms)) / 1000,
-    )
+    return _granted(req, {want.name: int(token)}, acquired_ms, expires_ms)
 
 
 def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | None]:
@@ -334,16 +326,7 @@ def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease 
     if not done.rows:
         raise _refused(d, req, recheck)
     _, acquired_ms, expires_ms = done.rows[0][:3]
-    tokens = {str(row[3]): int(row[4]) for row in done.rows}
-    return Lease(
-        key=req.key,
-        owner=req.owner,
-        counts={w.name: w.count for w in req.wants},
-        tokens={w.name: tokens[w.name] for w in req.wants},  # in name order, as every grant lists them
-        acquired_at=ms_to_datetime(int(acquired_ms)),
-        expires_at=ms_to_datetime(int(expires_ms)),
-        expires_in=(int(expires_ms) - int(acquired_ms)) / 1000,
-    )
+    return _granted(req, {str(row[3]): int(row[4]) for row in done.rows}, acquired_ms, expires_ms)
 
 
 def _acquire_slow(d: Dialect, req: Request) -> Flow[Lease | None]:
@@ -415,14 +398,21 @@ def _insert_lease(d: Dialect, req: Request, tokens: dict[str, int]) -> Flow[Leas
         "PERMIT_INSERT",
         [{"lease_id": lease_id, "name": w.name, "count": w.count, "token": tokens[w.name]} for w in req.wants],
     )
+    return _granted(req, tokens, acquired_ms, expires_ms)
+
+
+def _granted(req: Request, tokens: Mapping[str, int], acquired_ms: Any, expires_ms: Any) -> Lease:
+    """The lease a grant of ``req`` answers, from its tokens (by name) and its times as the database stamped
+    them (epoch milliseconds). Wants and tokens are listed in name order, whatever order the rows came in."""
+    acquired, expires = int(acquired_ms), int(expires_ms)
     return Lease(
         key=req.key,
         owner=req.owner,
         counts={w.name: w.count for w in req.wants},
-        tokens=dict(tokens),
-        acquired_at=ms_to_datetime(int(acquired_ms)),
-        expires_at=ms_to_datetime(int(expires_ms)),
-        expires_in=(int(expires_ms) - int(acquired_ms)) / 1000,
+        tokens={w.name: tokens[w.name] for w in req.wants},
+        acquired_at=ms_to_datetime(acquired),
+        expires_at=ms_to_datetime(expires),
+        expires_in=(expires - acquired) / 1000,
     )
 
 
