@@ -1,5 +1,5 @@
 """What permits' own SQL costs on PostgreSQL, without the library: its one-statement grant and release
-(``ACQUIRE_ONE``, ``RELEASE``) sent on one psycopg connection in autocommit, beside the floor's two
+(``ACQUIRE_ONE``, ``RELEASE_ONE``) sent on one psycopg connection in autocommit, beside the floor's two
 conditional UPDATEs on the same connection.
 
     python benchmarks/statement_cost.py postgresql://postgres@127.0.0.1:5432/permits_bench --cycles 3000
@@ -59,7 +59,7 @@ def main() -> None:
         client.create_semaphore("permits", 10)
         client.create_semaphore("floor", 10)
     dialect = PostgreSQL()
-    acquire, release = (_as_sent(dialect, name) for name in ("ACQUIRE_ONE", "RELEASE"))
+    acquire, release = (_as_sent(dialect, name) for name in ("ACQUIRE_ONE", "RELEASE_ONE"))
     # prepare_threshold=0: every statement is prepared on the server from its first use, as psycopg does
     # for the library's statements after five.
     libpq = args.url.replace("postgresql+psycopg://", "postgresql://")
@@ -102,7 +102,7 @@ def main() -> None:
             if conn.execute("SELECT to_regprocedure(%s)", (function.signature,)).fetchone() == (None,):
                 conn.execute(function.definition, prepare=False)
         grant_call, release_call, queued_call = (
-            _as_called(functions[name].call) for name in ("ACQUIRE_ONE", "RELEASE", "ACQUIRE_ONE_QUEUED")
+            _as_called(functions[name].call) for name in ("ACQUIRE_ONE", "RELEASE_ONE", "ACQUIRE_ONE_QUEUED")
         )
 
         variants: dict[str, Callable[[], None]] = {

@@ -62,9 +62,9 @@ def _create(url: str, signatures: list[str], procedures: tuple[str, ...] = ()) -
 def test_only_the_functions_of_other_versions_are_dropped() -> None:
     with own_database("postgresql", "permits_oldfn") as url:
         pooled = f"{url}?pooler=transaction"
-        _permits(pooled, "db", "upgrade")  # this version's five functions: two queued grants, two grants, release
+        _permits(pooled, "db", "upgrade")  # this version's six: two queued grants, two grants, two releases
         current = {name for name in _functions(url) if name.startswith("public.")}
-        assert len(current) == 5, current
+        assert len(current) == 6, current
         _create(url, OLD + OTHERS, (PROCEDURE,))
         before = _functions(url)
 

@@ -331,7 +331,7 @@ def test_behind_a_transaction_pooler_grants_and_releases_are_function_calls(
             pooled = bouncer.url_for(make_url(url).database or "", pooler="transaction")
             with permits.connect(pooled) as client:
                 _exercise(client, ns)
-            assert len(_created(caplog)) == 3, _created(caplog)
+            assert len(_created(caplog)) == 4, _created(caplog)
             caplog.clear()
             with permits.connect(pooled) as client:
                 client.release(client.acquire(f"{ns}plain", timeout=5))
@@ -342,6 +342,7 @@ def test_behind_a_transaction_pooler_grants_and_releases_are_function_calls(
             "acquire_many_queued",
             "acquire_one_queued",
             "release",
+            "release_one",
         }
         engine = create_engine(sqlalchemy_url(url))
         with engine.connect() as conn:
@@ -396,7 +397,7 @@ def test_a_role_that_may_not_create_functions_sends_the_statements(ns: str, capl
             with caplog.at_level(logging.INFO, logger="permits"), permits.connect(limited) as client:
                 client.release(client.acquire(f"{ns}s", timeout=5))
             assert not [r for r in caplog.records if "server function" in r.getMessage()]
-            assert called_functions(url) == {"acquire_one_queued", "release"}  # a waiting acquire asks in line
+            assert called_functions(url) == {"acquire_one_queued", "release_one"}  # a waiting acquire asks in line
             # Functions it may not execute (an operator revoked PUBLIC's default EXECUTE): statements again.
             engine = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
             with engine.connect() as conn:
@@ -443,7 +444,7 @@ def test_a_client_that_loses_the_race_to_create_a_function_calls_the_winners(
         finally:
             other.close()
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "server function" in r.getMessage()]
-        assert called_functions(url) == {"acquire_one", "release"}  # the other's, and the one it made itself
+        assert called_functions(url) == {"acquire_one", "release_one"}  # the other's, and the one it made itself
 
 
 def test_a_function_of_permits_name_that_permits_did_not_make_is_not_called(

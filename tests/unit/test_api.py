@@ -86,7 +86,7 @@ def test_another_store_plugs_in_by_url_scheme() -> None:
         def __init__(self, settings: object) -> None:
             made.append(type(settings).__name__)
 
-        def release(self, owner: str, key: str) -> permits.ReleaseOutcome:
+        def release(self, owner: str, key: str, one_semaphore: bool = False) -> permits.ReleaseOutcome:
             return permits.ReleaseOutcome.NOT_FOUND
 
     register_store("fake", FakeStore, FakeStore)  # type: ignore[arg-type]

@@ -141,6 +141,23 @@ def test_every_statement_a_flow_names_exists_in_every_dialect() -> None:
         assert dialect.has("RELEASE") or (dialect.has("LEASE_END_ONE") and dialect.has("SEM_GIVE_BACK_LEASE"))
 
 
+def test_a_release_skips_the_lock_order_step_only_for_a_lease_known_to_be_over_one_semaphore() -> None:
+    """RELEASE locks the semaphore rows in name order, as grants do (tests/concurrency/test_lock_order.py);
+    RELEASE_ONE has one row to lock. A key alone says nothing of the lease: the ordered form."""
+    from permits.dialects.mysql import MariaDB
+
+    def first(dialect: object, one_semaphore: bool) -> str:
+        return next(flows.release(dialect, "o", "k", one_semaphore)).name  # type: ignore[arg-type]
+
+    assert first(PostgreSQL(), True) == "RELEASE_ONE"
+    assert first(PostgreSQL(), False) == "RELEASE"
+    assert first(MariaDB(), True) == "RELEASE"  # no such statement there
+    assert first(SQLite(), True) == "LEASE_END_ONE"
+    ordered = PostgreSQL().sql("RELEASE")
+    assert "ORDER BY s.name" in ordered and "FOR NO KEY UPDATE OF s" in ordered
+    assert "FOR NO KEY UPDATE" not in PostgreSQL().sql("RELEASE_ONE")
+
+
 def test_postgresql_acquires_one_semaphore_in_one_statement() -> None:
     d = PostgreSQL()
     flow = flows.try_acquire(d, flows.Request("o", "k", (Want("a", 1),), 5000))

@@ -116,6 +116,7 @@ def test_only_the_queued_grants_are_made_for_clients_that_reach_the_server_direc
         "ACQUIRE_ONE",
         "ACQUIRE_MANY",
         "RELEASE",
+        "RELEASE_ONE",
         "ACQUIRE_ONE_QUEUED",
         "ACQUIRE_MANY_QUEUED",
     }

@@ -136,7 +136,7 @@ class AsyncHTTPStore:
     def place_called(self, owner: str, key: str) -> bool:
         return False
 
-    async def release(self, owner: str, key: str) -> ReleaseOutcome:
+    async def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
         data = await self._call("POST", "/v1/leases/release", json={"key": key, "owner": owner})
         return ReleaseOutcome(data["outcome"])
 

@@ -592,8 +592,8 @@ class AsyncSQLStore:
         await async_sleep(seconds)
         return False
 
-    async def release(self, owner: str, key: str) -> ReleaseOutcome:
-        return await self._run(lambda: flows.release(self._dialect, owner, key), persist=True)
+    async def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
+        return await self._run(lambda: flows.release(self._dialect, owner, key, one_semaphore), persist=True)
 
     async def extend(self, owner: str, key: str, ttl_ms: int) -> Lease:
         return await self._run(lambda: flows.extend(owner, key, ttl_ms), persist=True)

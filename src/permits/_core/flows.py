@@ -460,17 +460,22 @@ def _end_locked(locked: Result, reason: EndReason, note: str | None) -> Flow[tup
     sums = yield Stmt("PERMITS_SUM", {"ids": held})
     returned = {int(sid): int(n) for sid, n in sums.rows}
     yield Stmt("LEASES_END", {"ids": held, "reason": str(reason), "note": note})
-    yield Stmt("SEM_GIVE_BACK", [{"id": sid, "count": n} for sid, n in sorted(returned.items())])
+    # In the semaphores' name order, as PERMITS_SUM lists them: the order every grant locks their rows in,
+    # so that this transaction and a grant over the same semaphores never wait on each other in a cycle.
+    yield Stmt("SEM_GIVE_BACK", [{"id": sid, "count": n} for sid, n in returned.items()])
     return returned, held
 
 
 # --------------------------------------------------------------------------------- release, extend, read
 
 
-def release(d: Dialect, owner: str, key: str) -> Flow[ReleaseOutcome]:
-    """End a held lease and give its permits back; idempotent through the ``state = held`` condition."""
+def release(d: Dialect, owner: str, key: str, one_semaphore: bool = False) -> Flow[ReleaseOutcome]:
+    """End a held lease and give its permits back; idempotent through the ``state = held`` condition.
+    ``one_semaphore``: the caller knows the lease is over one semaphore, so there is no lock order to keep
+    (``RELEASE_ONE``)."""
     if d.has("RELEASE"):
-        done = yield Stmt("RELEASE", {"owner": owner, "key": key}, alone=True)
+        statement = "RELEASE_ONE" if one_semaphore and d.has("RELEASE_ONE") else "RELEASE"
+        done = yield Stmt(statement, {"owner": owner, "key": key}, alone=True)
         if done.rowcount > 0:
             return ReleaseOutcome.RELEASED
         raise Restart(lambda: _release_cold(d, owner, key))

@@ -289,7 +289,9 @@ class Client:
         """Give a lease's permits back. Idempotent: ``RELEASED``, ``ALREADY_RELEASED``, ``LOST`` (it had
         ended by expiry or revocation before this call) or ``NOT_FOUND``."""
         owner_, key_ = self._lease_ref(lease, owner)
-        return self._store.release(owner_, key_)
+        # A Lease says which semaphores it holds; a key alone does not.
+        one_semaphore = isinstance(lease, Lease) and len(lease.counts) == 1
+        return self._store.release(owner_, key_, one_semaphore)
 
     def extend(self, lease: Lease | str, ttl: Seconds | None = None, *, owner: str | None = None) -> Lease:
         """Set a held lease to expire ``ttl`` seconds from now, on the database's clock.

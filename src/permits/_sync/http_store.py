@@ -137,7 +137,7 @@ class HTTPStore:
     def place_called(self, owner: str, key: str) -> bool:
         return False
 
-    def release(self, owner: str, key: str) -> ReleaseOutcome:
+    def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
         data = self._call("POST", "/v1/leases/release", json={"key": key, "owner": owner})
         return ReleaseOutcome(data["outcome"])
 

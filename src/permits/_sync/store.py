@@ -593,8 +593,8 @@ class SQLStore:
         sync_sleep(seconds)
         return False
 
-    def release(self, owner: str, key: str) -> ReleaseOutcome:
-        return self._run(lambda: flows.release(self._dialect, owner, key), persist=True)
+    def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
+        return self._run(lambda: flows.release(self._dialect, owner, key, one_semaphore), persist=True)
 
     def extend(self, owner: str, key: str, ttl_ms: int) -> Lease:
         return self._run(lambda: flows.extend(owner, key, ttl_ms), persist=True)

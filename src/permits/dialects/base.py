@@ -198,10 +198,13 @@ PORTABLE_SQL: dict[str, str] = {
     "LEASES_LOCK_EXPIRED": """
         SELECT id FROM permits_lease WHERE id IN :ids AND state = 1 AND expires_at_ms <= {now}
         ORDER BY id{for_update}""",
+    # In name order: the semaphores' rows are then given back (locked) in the order every grant locks them.
     # params: ids -> semaphore_id, sum(count)
     "PERMITS_SUM": """
-        SELECT semaphore_id, SUM(count) FROM permits_permit WHERE lease_id IN :ids
-        GROUP BY semaphore_id ORDER BY semaphore_id""",
+        SELECT p.semaphore_id, SUM(p.count)
+        FROM permits_permit p JOIN permits_semaphore s ON s.id = p.semaphore_id
+        WHERE p.lease_id IN :ids
+        GROUP BY p.semaphore_id, s.name ORDER BY s.name""",
     # params: ids, reason, note
     "LEASES_END": """
         UPDATE permits_lease SET state = 0, end_reason = :reason, end_note = :note, ended_at_ms = {now}

@@ -56,6 +56,10 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
         (("owner", "text"), ("key", "text")),
         (("notified", "text"),),
     ),
+    "RELEASE_ONE": (
+        (("owner", "text"), ("key", "text")),
+        (("notified", "text"),),
+    ),
 }
 #: The queued grant: the statement it runs, its parameters beyond that statement's, and its body around the
 #: statement (``{grant}``). It takes the semaphore's line lock, then grants as the statement does. Refused

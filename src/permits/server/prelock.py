@@ -241,8 +241,8 @@ class InstanceStore:
         """Kept, on purpose: the service's wait ended, not the client's. A remote client asks again at
         once and keeps its place; one that stopped asking loses it when the place expires."""
 
-    async def release(self, owner: str, key: str) -> ReleaseOutcome:
-        outcome = await self._inner.release(owner, key)
+    async def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
+        outcome = await self._inner.release(owner, key, one_semaphore)
         granted = self._granted.pop((owner, key), None)
         names = None if granted is None else granted[0]
         if outcome is ReleaseOutcome.RELEASED and granted is not None and self._on_hold is not None:
