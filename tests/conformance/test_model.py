@@ -50,7 +50,7 @@ from permits import (
     ReleaseOutcome,
     SemaphoreNotFound,
 )
-from permits.dialects.mysql import MariaDBCluster, MySQL, MySQLCluster
+from permits.dialects.mysql import MariaDB105, MariaDBCluster, MySQL, MySQLCluster
 from permits.dialects.server_clock import ServerOffsetClock, server_offset_clock
 from permits.dialects.sqlite import OffsetClock, offset_clock
 from tests._service import running
@@ -426,7 +426,12 @@ def test_model_on_sqlite_with_a_moving_clock(tmp_path: Path) -> None:
 
 #: The MySQL-family dialects that a mysql:// URL may turn out to need, by the name of the test's variant:
 #: each is run on MariaDB, whose engine takes their statements (tests/scaleout run them on their own servers).
-MYSQL_FAMILY = {"as_mysql8": MySQL, "as_galera": MariaDBCluster, "as_mysql8_cluster": MySQLCluster}
+MYSQL_FAMILY = {
+    "as_mariadb105": MariaDB105,
+    "as_mysql8": MySQL,
+    "as_galera": MariaDBCluster,
+    "as_mysql8_cluster": MySQLCluster,
+}
 
 
 @pytest.mark.parametrize(
@@ -455,7 +460,9 @@ def test_model_on_a_server_with_a_moving_clock(server: str, monkeypatch: pytest.
     backend, _, variant = server.partition("-")
     if variant in MYSQL_FAMILY:
         chosen = MYSQL_FAMILY[variant]
-        monkeypatch.setattr("permits._sync.store.mysql_family_dialect", lambda is_mariadb, multi_primary: chosen())
+        monkeypatch.setattr(
+            "permits._sync.store.mysql_family_dialect", lambda is_mariadb, multi_primary, version=None: chosen()
+        )
     with own_database(backend, "permits_clock") as url:
         if variant == "functions":
             count_function_calls(url)

@@ -181,7 +181,14 @@ def test_postgresql_acquires_several_semaphores_in_one_statement() -> None:
     flow = flows.try_acquire(d, request)
     first = next(flow)
     assert (first.name, first.alone) == ("ACQUIRE_MANY", True)
-    assert dict(first.params) == {"owner": "o", "key": "k", "names": ["a", "b"], "counts": [1, 2], "ttl_ms": 5000}
+    assert dict(first.params) == {
+        "owner": "o",
+        "key": "k",
+        "names": ["a", "b"],
+        "counts": [1, 2],
+        "wants": '[["a", 1], ["b", 2]]',  # the same, for MariaDB's JSON_TABLE
+        "ttl_ms": 5000,
+    }
     with pytest.raises(StopIteration) as done:
         flow.send(Result([(5, 1000, 6000, "b", 12), (5, 1000, 6000, "a", 77)], 2))
     lease = done.value.value

@@ -11,6 +11,7 @@ import pytest
 
 from permits.dialects.mysql import (
     MariaDB,
+    MariaDB105,
     MariaDBCluster,
     MySQL,
     MySQLCluster,
@@ -36,6 +37,13 @@ def test_multi_primary_is_told_from_the_server_variables(variables: list[tuple[s
 
 def test_each_server_gets_its_dialect() -> None:
     assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False)) is MariaDB
+    assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False, version=(10, 11, 19))) is MariaDB
+    assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False, version=(10, 6, 0))) is MariaDB
+    # Before JSON_TABLE: a grant over several semaphores a statement at a time.
+    assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False, version=(10, 5, 27))) is MariaDB105
+    assert MariaDB().has("ACQUIRE_MANY") and not MariaDB105().has("ACQUIRE_MANY")
+    assert MariaDB105().has("ACQUIRE_ONE")
+    assert not MySQL().has("ACQUIRE_MANY")
     assert type(mysql_family_dialect(is_mariadb=False, multi_primary=False)) is MySQL
     assert type(mysql_family_dialect(is_mariadb=True, multi_primary=True)) is MariaDBCluster
     assert type(mysql_family_dialect(is_mariadb=False, multi_primary=True)) is MySQLCluster
@@ -45,6 +53,7 @@ def test_each_server_gets_its_dialect() -> None:
 def test_cluster_dialects_send_no_batches(dialect: MariaDB) -> None:
     assert not dialect.self_committing
     assert not dialect.has("ACQUIRE_ONE")
+    assert not dialect.has("ACQUIRE_MANY")
     for name in dialect._sql:  # every statement it has, not only the hot ones
         sql = dialect.sql(name)
         assert ";" not in sql and "COMMIT" not in sql.upper(), name

@@ -198,7 +198,9 @@ class AsyncSQLStore:
                 logger.warning("cannot tell whether %s is a multi-primary cluster node (%s)", self.url, exc)
                 variables = []
             multi_primary = is_multi_primary(variables)
-            self._use_dialect(mysql_family_dialect(getattr(self._engine.dialect, "is_mariadb", True), multi_primary))
+            engine_dialect = self._engine.dialect
+            version = getattr(engine_dialect, "server_version_info", None)
+            self._use_dialect(mysql_family_dialect(getattr(engine_dialect, "is_mariadb", True), multi_primary, version))
         head = _schema.head()
         if revision != head:
             if _schema.newer_than_this_code(revision):

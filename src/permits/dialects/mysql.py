@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from permits._core.flows import Result
-from permits.dialects.base import IDLE_IN_TRANSACTION_SECONDS, Dialect, Fault, require_module
+from permits.dialects.base import IDLE_IN_TRANSACTION_SECONDS, Dialect, Fault, require_module, row_has_room
 
 # Error numbers, from the server (1xxx) and the client library (2xxx).
 _CONFLICT = {
@@ -68,6 +68,17 @@ _RELEASE_UPDATE = """
             WHERE l.owner = :owner AND l.lease_key = :key AND l.state = 1 AND l.expires_at_ms > {now}"""
 
 
+# The wants of a grant over several semaphores, from one JSON parameter (``[[name, count], ...]``, in name
+# order), each joined to its semaphore's row through the unique index on its name, in that order: the rows
+# are read, and so locked, in name order, the order every grant locks them in. STRAIGHT_JOIN and FORCE
+# INDEX keep that plan whatever the table's statistics say (with few rows they chose a full scan, which
+# locks every semaphore). The column has the name column's collation, or the index could not be used.
+_WANTED_ROWS = """JSON_TABLE(:wants, '$[*]' COLUMNS (
+                name VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin PATH '$[0]',
+                count BIGINT PATH '$[1]')) w
+            STRAIGHT_JOIN permits_semaphore s FORCE INDEX (uq_permits_semaphore_name) ON s.name = w.name"""
+
+
 class MariaDB(Dialect):
     name = "mysql"
     # UNIX_TIMESTAMP of the statement's start time; sessions run in UTC (see engine_options) so no daylight
@@ -105,6 +116,55 @@ class MariaDB(Dialect):
             SELECT LAST_INSERT_ID(), id, :count, @permits_token FROM permits_semaphore
             WHERE name = :name AND deleted = 0 AND @permits_token IS NOT NULL;
             DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key AND @permits_token IS NOT NULL;
+            COMMIT""",
+        # Acquire several semaphores in one request (see self_committing), all or none, as PostgreSQL's
+        # ACQUIRE_MANY does. The optimizer takes a user variable as a constant, so a statement whose WHERE
+        # tests one that is not 1 reads no row and locks none ("Impossible WHERE"). First a plain read, which
+        # locks nothing, of whether every semaphore exists and has room: a request that will be refused then
+        # waits for no row and holds none. Then the rows are locked in name order (_WANTED_ROWS) and checked
+        # again under the locks, the fair gate included; only if every one fits are they all written, with
+        # the lease, its permits, and the request's places in fair queues given up. The last statement
+        # answers, as PostgreSQL's does, a row per semaphore. Where the grant a statement per step held the
+        # rows locked across a round trip per semaphore, the lease and the permits, this holds them for one.
+        # params: owner, key, wants (JSON), ttl_ms -> lease id, acquired_at_ms, expires_at_ms, name, token:
+        # a row per semaphore (none: no room in one of them, or one does not exist)
+        "ACQUIRE_MANY": """
+            SET @permits_seen = NULL, @permits_fit = NULL;
+            SELECT COUNT(*) = JSON_LENGTH(:wants) AND COALESCE(MIN(s.used + w.count <= s.capacity), 0)
+            INTO @permits_seen
+            FROM """
+        + _WANTED_ROWS
+        + """
+            WHERE s.deleted = 0;
+            SELECT COUNT(*) = JSON_LENGTH(:wants) AND COALESCE(MIN(
+                """
+        + row_has_room("s", "w.count")
+        + """), 0)
+            INTO @permits_fit
+            FROM """
+        + _WANTED_ROWS
+        + """
+            WHERE s.deleted = 0 AND @permits_seen = 1
+            FOR UPDATE;
+            UPDATE """
+        + _WANTED_ROWS
+        + """
+            SET s.used = s.used + w.count, s.last_token = s.last_token + 1, s.updated_at_ms = {now}
+            WHERE s.deleted = 0 AND @permits_fit = 1;
+            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
+            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms FROM DUAL WHERE @permits_fit = 1;
+            INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
+            SELECT LAST_INSERT_ID(), s.id, w.count, s.last_token
+            FROM """
+        + _WANTED_ROWS
+        + """
+            WHERE s.deleted = 0 AND @permits_fit = 1;
+            DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key AND @permits_fit = 1;
+            SELECT l.id, l.acquired_at_ms, l.expires_at_ms, s.name, p.token
+            FROM permits_lease l
+            JOIN permits_permit p ON p.lease_id = l.id
+            JOIN permits_semaphore s ON s.id = p.semaphore_id
+            WHERE l.owner = :owner AND l.lease_key = :key AND @permits_fit = 1;
             COMMIT""",
         "SEM_TICKET": """
             UPDATE permits_semaphore SET last_ticket = LAST_INSERT_ID(last_ticket + 1) WHERE id = :id""",
@@ -166,6 +226,8 @@ class MySQL(MariaDB):
         **MariaDB.overrides,
         # MySQL has no INSERT ... RETURNING: one semaphore goes the way of several.
         "ACQUIRE_ONE": None,
+        # Written for MariaDB's collation and plan hints, and not tried on MySQL: a statement per step.
+        "ACQUIRE_MANY": None,
         "LEASE_INSERT": """
             INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
             VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms)""",
@@ -196,6 +258,7 @@ class MariaDBCluster(MariaDB):
     overrides: ClassVar[dict[str, str | None]] = {
         **MariaDB.overrides,
         "ACQUIRE_ONE": None,  # a grant goes the way of a grant over several semaphores, a statement at a time
+        "ACQUIRE_MANY": None,
         "RELEASE": _RELEASE_UPDATE,
     }
 
@@ -215,8 +278,21 @@ def is_multi_primary(variables: list[tuple[str, str]]) -> bool:
     return found.get("wsrep_on", "OFF").upper() == "ON" or "group_replication_group_name" in found
 
 
-def mysql_family_dialect(is_mariadb: bool, multi_primary: bool) -> MariaDB:
-    """The dialect for a server the ``mysql://`` URL turned out to reach."""
+class MariaDB105(MariaDB):
+    """MariaDB 10.5, which has no JSON_TABLE: a grant over several semaphores a statement at a time."""
+
+    overrides: ClassVar[dict[str, str | None]] = {**MariaDB.overrides, "ACQUIRE_MANY": None}
+
+
+#: The first MariaDB with JSON_TABLE (ACQUIRE_MANY).
+JSON_TABLE_SINCE = (10, 6)
+
+
+def mysql_family_dialect(is_mariadb: bool, multi_primary: bool, version: tuple[int, ...] | None = None) -> MariaDB:
+    """The dialect for a server the ``mysql://`` URL turned out to reach (``version``: the server's, as
+    SQLAlchemy read it; None where unknown, taken as recent)."""
     if multi_primary:
         return MariaDBCluster() if is_mariadb else MySQLCluster()
-    return MariaDB() if is_mariadb else MySQL()
+    if not is_mariadb:
+        return MySQL()
+    return MariaDB105() if version is not None and tuple(version[:2]) < JSON_TABLE_SINCE else MariaDB()

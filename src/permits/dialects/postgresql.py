@@ -11,6 +11,7 @@ from permits.dialects.base import (
     Fault,
     SettingFix,
     require_module,
+    row_has_room,
 )
 from permits.dialects.pg_functions import LINE_LOCK_KEY
 
@@ -220,13 +221,9 @@ class PostgreSQL(Dialect):
                 FOR NO KEY UPDATE OF s),
             fits AS (
                 SELECT COUNT(*) = cardinality(CAST(:names AS TEXT[])) AND COALESCE(bool_and(
-                    l.used + l.count <= l.capacity AND (l.fair = 0 OR l.used + l.count + (
-                        SELECT COALESCE(SUM(q.count), 0) FROM permits_waiter q
-                        WHERE q.semaphore_id = l.id AND q.expires_at_ms > {now}
-                          AND q.ticket < COALESCE(
-                              (SELECT m.ticket FROM permits_waiter m
-                               WHERE m.semaphore_id = l.id AND m.owner = :owner AND m.lease_key = :key),
-                              9223372036854775807)) <= l.capacity)), false) AS ok
+                    """
+        + row_has_room("l", "l.count")
+        + """), false) AS ok
                 FROM locked l),
             taken AS (
                 UPDATE permits_semaphore s
