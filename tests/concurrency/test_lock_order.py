@@ -23,7 +23,8 @@ import pytest
 from sqlalchemy.engine import make_url
 
 import permits
-from tests.conftest import own_database
+from tests._service import running
+from tests.conftest import count_function_calls, function_calls, own_database
 
 pytestmark = [pytest.mark.usefixtures("servers")]
 
@@ -183,4 +184,77 @@ def test_a_refused_grant_over_several_semaphores_waits_for_no_row(ns: str, url: 
         assert lease is not None
         client.release(lease)
         client.release(full)
+        assert client.reconcile() == []
+
+
+def test_where_the_lease_is_known_to_be_over_one_semaphore_the_release_skips_the_ordering_step(ns: str) -> None:
+    """RELEASE's ordering step costs (docs/benchmarks.md), and one row cannot be part of a cycle: a release
+    that knows its lease is over one semaphore sends RELEASE_ONE. The library knows from the Lease it is
+    given, a held block from the lease it took, and the service from the leases it granted (a remote
+    client releases by key). A release by key of a lease nobody here granted takes the ordered form. Counted
+    as server functions (``?pooler=transaction``), which the service's process calls too."""
+    with own_database("postgresql", "permits_order") as url:
+        count_function_calls(url)
+        pooled = url + "?pooler=transaction"
+        with permits.connect(pooled, auto_upgrade=True) as client:
+            client.create_semaphore(f"{ns}a", 2)
+            client.create_semaphore(f"{ns}b", 2)
+            client.release(client.acquire(f"{ns}a", timeout=5))
+            with client.lease(f"{ns}a", timeout=5):
+                pass
+            with client.lease({f"{ns}a": 1, f"{ns}b": 1}, timeout=5):
+                pass
+            one = client.acquire(f"{ns}a", timeout=5)
+            client.release(one.key)
+        by_key_of_one, of_two = 1, 1
+        with running(pooled) as service, permits.connect(service.url) as remote:
+            remote.release(remote.acquire(f"{ns}a", timeout=5))  # over HTTP: by key
+            remote.release(remote.acquire({f"{ns}a": 1, f"{ns}b": 1}, timeout=5))
+        calls = function_calls(url)
+    assert calls.get("release_one") == 2 + 1, calls  # two in the library, one through the service
+    assert calls.get("release") == by_key_of_one + of_two + 1, calls
+
+
+def test_a_grant_that_reclaims_expired_leases_and_a_release_never_deadlock(ns: str, url: str) -> None:
+    """Expired leases never block a grant: a refused one ends those holding its semaphores, and gives their
+    permits back, before it asks again. It used to do so while it held its own semaphore rows: having
+    locked ``b``, it gave back to ``a`` too, lower in name order, while a release of another lease over both
+    held ``a`` and waited for ``b``. It now ends them in a transaction of its own first."""
+    a, b = f"{ns}a", f"{ns}b"
+    with permits.connect(url, auto_upgrade=True) as client:
+        client.create_semaphore(a, 2)
+        client.create_semaphore(b, 2)
+        client.acquire({a: 1, b: 1}, ttl=0.2, timeout=5)  # left to expire, as by a crashed holder
+        held = client.acquire({a: 1, b: 1}, timeout=5)
+        time.sleep(0.4)
+        before = _deadlocks(url)
+        done: dict[str, float] = {}
+        errors: list[BaseException] = []
+        granted: list[Any] = []
+
+        def run(what: str, call: Callable[[], Any]) -> None:
+            try:
+                granted.append(call())
+                done[what] = time.monotonic()
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        with _row_held(url, a):
+            releasing = threading.Thread(target=run, args=("release", lambda: client.release(held)))
+            releasing.start()
+            time.sleep(0.3)  # the release waits for a's row
+            granting = threading.Thread(target=run, args=("grant", lambda: client.try_acquire(b)))
+            granting.start()
+            time.sleep(0.3)  # and the grant has found b full, and the expired lease
+            let_go = time.monotonic()
+        releasing.join(10)
+        granting.join(10)
+        assert not errors, errors
+        took = {what: round(at - let_go, 3) for what, at in done.items()}
+        assert set(took) == {"release", "grant"} and max(took.values()) < 0.5, took
+        assert _deadlocks(url) == before
+        lease = next(g for g in granted if isinstance(g, permits.Lease))
+        assert set(lease.tokens) == {b}
+        client.release(lease)
+        assert client.get_semaphore(a).used == 0 and client.get_semaphore(b).used == 0
         assert client.reconcile() == []

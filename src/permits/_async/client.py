@@ -499,4 +499,6 @@ class AsyncHeld:
     async def __aexit__(self, *exc_info: Any) -> None:
         if self.watchdog is not None:
             await self.watchdog.stop()
-        await async_shield(self._client.release(self._key, owner=self._owner))
+        # The lease itself rather than its key: it says which semaphores it holds (see release).
+        held: Lease | str = self._key if self.lease is None else self.lease
+        await async_shield(self._client.release(held, owner=self._owner))

@@ -17,7 +17,7 @@ from permits import _schema
 from permits._backoff import RETRY_BACKOFF
 from permits._config import Settings
 from permits._core import flows
-from permits._core.flows import DuplicateKey, Flow, Restart, Result, Retry, Stmt
+from permits._core.flows import DuplicateKey, Flow, Restart, Result, Retry, Stmt, Then
 from permits._exceptions import (
     SchemaMismatch,
     StorageConflict,
@@ -739,7 +739,13 @@ class AsyncSQLStore:
         first_flow, first_readonly = make_flow, readonly
         while True:
             try:
-                return await self._attempt(make_flow(), readonly)
+                done = await self._attempt(make_flow(), readonly)
+                if not isinstance(done, Then):
+                    return done
+                restarts += 1  # committed; the operation goes on in a transaction of its own
+                if restarts > MAX_RESTARTS:
+                    raise StorageError("an operation kept restarting; giving up", url=self.url)
+                make_flow, readonly = done.flow, False
             except Restart as restart:
                 restarts += 1
                 if restarts > MAX_RESTARTS:

@@ -87,6 +87,16 @@ class Restart(Exception):
         self.readonly = readonly
 
 
+class Then:
+    """Returned by a flow: commit what it did, then run ``flow()`` in a new transaction; its answer is the
+    operation's. For work that must be committed before the rest locks anything (see ``_reclaim_then``)."""
+
+    __slots__ = ("flow",)
+
+    def __init__(self, flow: Callable[[], Flow[Any]]) -> None:
+        self.flow = flow
+
+
 # ---------------------------------------------------------------------------------------------- acquire
 
 
@@ -192,7 +202,8 @@ def _why_refused(d: Dialect, req: Request, may_run_alone: bool = True) -> Flow[L
     decide.check_counts(req.wants, {n: cap for n, (_, cap, _) in sems.items()})
     # Expired leases never block: if any hold these semaphores, reclaim them under lock and try again.
     if expired:
-        raise Restart(lambda: _acquire_slow(d, req))
+        sem_ids = sorted(sid for sid, _, _ in sems.values())
+        raise Restart(lambda: _reclaim_then(d, req, sem_ids))
     if req.queue_ms and fair:
         if d.cheaper_readonly or alone:
             raise Restart(lambda: _enqueue(d, req, fair, first=True))
@@ -346,25 +357,18 @@ def _acquire_slow(d: Dialect, req: Request) -> Flow[Lease | None]:
             raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
     decide.check_counts(wants, {n: cap for n, (_, cap, _) in sems.items()})
 
-    reclaimed: list[int] = []
     if not _all_have_room(wants, sems):
-        # Expired leases never block: end those holding these semaphores, in this transaction.
-        expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": sorted(sid for sid, _, _ in sems.values())})
-        if expired.rows:
-            returned, reclaimed = yield from _end_expired([int(r[0]) for r in expired.rows])
-            sems = {n: (sid, cap, used - returned.get(sid, 0)) for n, (sid, cap, used) in sems.items()}
-        if not _all_have_room(wants, sems):
-            return None  # commit: the reclaim stands even though this request waits
+        sem_ids = sorted(sid for sid, _, _ in sems.values())
+        expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": sem_ids})
+        if expired.rows:  # expired leases never block: end them, then ask again
+            raise Restart(lambda: _reclaim_then(d, req, sem_ids))
+        return None
 
     tokens: dict[str, int] = {}
     places = req.queued  # whether the request may hold places in fair queues
     for want in wants:
         taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": req.owner, "key": req.key})
         if taken.rowcount == 0:  # room, but a fair queue ahead of us: wait like any refused request
-            if reclaimed:
-                # Rolling back would bring the expired leases back, for the next attempt to find and end
-                # again, and again, while the queue stays ahead: end them in a transaction of their own.
-                raise Restart(lambda: _reclaim(reclaimed))
             raise _refused(d, req)
         tokens[want.name] = d.taken_token(taken)
         places = places or (req.queue_ms > 0 and d.taken_fair(taken) is not False)
@@ -373,11 +377,18 @@ def _acquire_slow(d: Dialect, req: Request) -> Flow[Lease | None]:
     return (yield from _insert_lease(d, req, tokens))
 
 
-def _reclaim(ids: Sequence[int]) -> Flow[None]:
-    """End expired leases (those still held: each is re-checked under lock) and commit, for a request that
-    then waits: no room for it, as far as this attempt goes."""
-    yield from _end_expired(ids)
-    return None
+def _reclaim_then(d: Dialect, req: Request, sem_ids: Sequence[int]) -> Flow[Then]:
+    """End the expired leases that hold any of ``sem_ids`` and commit, then ask again (``_acquire_slow``).
+
+    In a transaction of its own, before the request locks any semaphore row: ending a lease locks its row
+    and then gives back to each of its semaphores, in name order, as a release does. Done while holding
+    the request's semaphore rows, that locked a lease row after a semaphore row, and gave back to
+    semaphores the request had not locked, lower in name order than those it had: both against the order
+    of everyone else, and a release or a sweep running beside it deadlocked (1 s on PostgreSQL)."""
+    expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": list(sem_ids)})
+    if expired.rows:
+        yield from _end_expired([int(r[0]) for r in expired.rows])
+    return Then(lambda: _acquire_slow(d, req))
 
 
 def _all_have_room(wants: Sequence[Want], sems: Mapping[str, tuple[int, int, int]]) -> bool:

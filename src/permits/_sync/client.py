@@ -500,4 +500,6 @@ class Held:
     def __exit__(self, *exc_info: Any) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
-        sync_shield(self._client.release(self._key, owner=self._owner))
+        # The lease itself rather than its key: it says which semaphores it holds (see release).
+        held: Lease | str = self._key if self.lease is None else self.lease
+        sync_shield(self._client.release(held, owner=self._owner))

@@ -242,6 +242,9 @@ class InstanceStore:
         once and keeps its place; one that stopped asking loses it when the place expires."""
 
     async def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
+        # A remote client releases by key; a lease granted here is known to be over one semaphore or not.
+        known = self._granted.get((owner, key))
+        one_semaphore = one_semaphore or (known is not None and len(known[0]) == 1)
         outcome = await self._inner.release(owner, key, one_semaphore)
         granted = self._granted.pop((owner, key), None)
         names = None if granted is None else granted[0]
