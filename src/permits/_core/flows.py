@@ -200,10 +200,11 @@ def _why_refused(d: Dialect, req: Request, may_run_alone: bool = True) -> Flow[L
         if want.name not in sems:
             raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
     decide.check_counts(req.wants, {n: cap for n, (_, cap, _) in sems.items()})
-    # Expired leases never block: if any hold these semaphores, reclaim them under lock and try again.
-    if expired:
-        sem_ids = sorted(sid for sid, _, _ in sems.values())
-        raise Restart(lambda: _reclaim_then(d, req, sem_ids))
+    # Expired leases never block: if any hold these semaphores, and one of them lacks room, reclaim them
+    # (under lock) and try again.
+    lacking = _lacking_room(req.wants, sems)
+    if expired and lacking:
+        raise Restart(lambda: _reclaim_then(d, req, lacking))
     if req.queue_ms and fair:
         if d.cheaper_readonly or alone:
             raise Restart(lambda: _enqueue(d, req, fair, first=True))
@@ -344,6 +345,9 @@ def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease 
 
 
 def _acquire_slow(d: Dialect, req: Request) -> Flow[Lease | None]:
+    """The grant a statement per step, with the key's replay, once expired leases were reclaimed
+    (``_reclaim_then``). Without room still, the answer is no: it does not reclaim again, for where leases
+    keep expiring it would go on reclaiming and never answer."""
     # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
     existing = yield from _find_lease(req.owner, req.key)
     if existing is not None:
@@ -357,11 +361,7 @@ def _acquire_slow(d: Dialect, req: Request) -> Flow[Lease | None]:
             raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
     decide.check_counts(wants, {n: cap for n, (_, cap, _) in sems.items()})
 
-    if not _all_have_room(wants, sems):
-        sem_ids = sorted(sid for sid, _, _ in sems.values())
-        expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": sem_ids})
-        if expired.rows:  # expired leases never block: end them, then ask again
-            raise Restart(lambda: _reclaim_then(d, req, sem_ids))
+    if _lacking_room(wants, sems):
         return None
 
     tokens: dict[str, int] = {}
@@ -378,7 +378,8 @@ def _acquire_slow(d: Dialect, req: Request) -> Flow[Lease | None]:
 
 
 def _reclaim_then(d: Dialect, req: Request, sem_ids: Sequence[int]) -> Flow[Then]:
-    """End the expired leases that hold any of ``sem_ids`` and commit, then ask again (``_acquire_slow``).
+    """End the expired leases that hold any of ``sem_ids`` (the semaphores that lack room) and commit, then
+    ask again, once (``_acquire_slow``).
 
     In a transaction of its own, before the request locks any semaphore row: ending a lease locks its row
     and then gives back to each of its semaphores, in name order, as a release does. Done while holding
@@ -391,8 +392,9 @@ def _reclaim_then(d: Dialect, req: Request, sem_ids: Sequence[int]) -> Flow[Then
     return Then(lambda: _acquire_slow(d, req))
 
 
-def _all_have_room(wants: Sequence[Want], sems: Mapping[str, tuple[int, int, int]]) -> bool:
-    return all(decide.has_room(w, sems[w.name][1], sems[w.name][2]) for w in wants)
+def _lacking_room(wants: Sequence[Want], sems: Mapping[str, tuple[int, int, int]]) -> list[int]:
+    """The ids of the semaphores (``sems``: name -> id, capacity, used) without room for their wants."""
+    return sorted(sems[w.name][0] for w in wants if not decide.has_room(w, sems[w.name][1], sems[w.name][2]))
 
 
 def _insert_lease(d: Dialect, req: Request, tokens: dict[str, int]) -> Flow[Lease]:

@@ -49,17 +49,19 @@ FAIR_GATE = """
                     9223372036854775807)) <= capacity)"""
 
 
-def row_has_room(row: str, count: str) -> str:
+def row_has_room(row: str, count: str, locking: str = "") -> str:
     """A condition on one semaphore row, known by the alias ``row`` (with its id, used, capacity and fair),
     for a grant of ``count`` permits over several semaphores at once: it has room, and on a fair semaphore
-    the room is not kept for waiters ahead of the request (FAIR_GATE's rule)."""
+    the room is not kept for waiters ahead of the request (FAIR_GATE's rule). ``locking``: a clause that
+    makes the reads of the queue locking reads, which read the newest rows rather than the transaction's
+    snapshot (MariaDB, see its ACQUIRE_MANY)."""
     return f"""{row}.used + {count} <= {row}.capacity AND ({row}.fair = 0 OR {row}.used + {count} + (
                     SELECT COALESCE(SUM(q.count), 0) FROM permits_waiter q
                     WHERE q.semaphore_id = {row}.id AND q.expires_at_ms > {{now}}
                       AND q.ticket < COALESCE(
                           (SELECT m.ticket FROM permits_waiter m
-                           WHERE m.semaphore_id = {row}.id AND m.owner = :owner AND m.lease_key = :key),
-                          9223372036854775807)) <= {row}.capacity)"""
+                           WHERE m.semaphore_id = {row}.id AND m.owner = :owner AND m.lease_key = :key{locking}),
+                          9223372036854775807){locking}) <= {row}.capacity)"""
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,11 @@ class MariaDB(Dialect):
         # locks nothing, of whether every semaphore exists and has room: a request that will be refused then
         # waits for no row and holds none. Then the rows are locked in name order (_WANTED_ROWS) and checked
         # again under the locks, the fair gate included; only if every one fits are they all written, with
-        # the lease, its permits, and the request's places in fair queues given up. The last statement
+        # the lease, its permits, and the request's places in fair queues given up. The fair gate's reads of
+        # the queue lock too (LOCK IN SHARE MODE): a plain read inside a locking one reads the snapshot
+        # the first read took, which misses a waiter that took its place while this batch waited for a row
+        # (it did, and a request over a fair semaphore and another one was granted ahead of it: a test in
+        # tests/concurrency/test_lock_order.py shows it). The last statement
         # answers, as PostgreSQL's does, a row per semaphore. Where the grant a statement per step held the
         # rows locked across a round trip per semaphore, the lease and the permits, this holds them for one.
         # params: owner, key, wants (JSON), ttl_ms -> lease id, acquired_at_ms, expires_at_ms, name, token:
@@ -138,7 +142,7 @@ class MariaDB(Dialect):
             WHERE s.deleted = 0;
             SELECT COUNT(*) = JSON_LENGTH(:wants) AND COALESCE(MIN(
                 """
-        + row_has_room("s", "w.count")
+        + row_has_room("s", "w.count", locking=" LOCK IN SHARE MODE")
         + """), 0)
             INTO @permits_fit
             FROM """
