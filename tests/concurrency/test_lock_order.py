@@ -66,6 +66,39 @@ def _row_held(url: str, name: str) -> Iterator[None]:
         blocker.close()
 
 
+def _lined_up(url: str, row: str, *calls: tuple[str, Callable[[], Any]]) -> tuple[dict[str, Any], dict[str, float]]:
+    """With semaphore ``row``'s row held by another transaction, start each call in a thread of its own,
+    0.3 s apart (the first waits for the row, the next behind or beside it), then let the row go. Returns
+    each call's answer (``SemaphoreNotFound`` is one too), and how many seconds after the row was let go
+    each came back. Any other error fails the test."""
+    answers: dict[str, Any] = {}
+    done: dict[str, float] = {}
+    errors: list[BaseException] = []
+
+    def run(what: str, call: Callable[[], Any]) -> None:
+        try:
+            answers[what] = call()
+        except permits.SemaphoreNotFound as gone:
+            answers[what] = gone
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+            return
+        done[what] = time.monotonic()
+
+    threads = []
+    with _row_held(url, row):
+        for what, call in calls:
+            threads.append(threading.Thread(target=run, args=(what, call)))
+            threads[-1].start()
+            time.sleep(0.3)
+        let_go = time.monotonic()
+    for thread in threads:
+        thread.join(10)
+    assert not errors, errors
+    assert set(done) == {what for what, _ in calls}, done
+    return answers, {what: round(at - let_go, 3) for what, at in done.items()}
+
+
 def _deadlocks(url: str) -> int:
     """The server's count of deadlocks it has broken (PostgreSQL: in this database)."""
     conn = _blocker(url)
@@ -103,35 +136,13 @@ def test_a_give_back_and_a_grant_over_the_same_semaphores_never_deadlock(ns: str
         client.create_semaphore(a, 2)
         held = client.acquire({a: 1, b: 1}, timeout=5)
         before = _deadlocks(url)
-        blocker = _blocker(url)
-        try:
-            cur = blocker.cursor()
-            cur.execute("SELECT 1 FROM permits_semaphore WHERE name = %s FOR UPDATE", (b,))
-            done: dict[str, float] = {}
-            errors: list[BaseException] = []
-
-            def run(what: str, call: Callable[[], Any]) -> None:
-                try:
-                    call()
-                    done[what] = time.monotonic()
-                except BaseException as exc:  # reported by the main thread
-                    errors.append(exc)
-
-            giving = threading.Thread(target=run, args=("give_back", lambda: GIVE_BACKS[give_back](client, held)))
-            giving.start()
-            time.sleep(0.3)  # the give-back now waits for b's row
-            granting = threading.Thread(target=run, args=("grant", lambda: client.try_acquire({a: 1, b: 1})))
-            granting.start()
-            time.sleep(0.3)  # and the grant too, holding whatever it could lock before
-            let_go = time.monotonic()
-            blocker.rollback()
-            giving.join(10)
-            granting.join(10)
-        finally:
-            blocker.close()
-        assert not errors, errors
-        assert set(done) == {"give_back", "grant"}, done
-        took = {what: round(at - let_go, 3) for what, at in done.items()}
+        # The give-back waits for b's row; the grant too, holding whatever it could lock before.
+        _, took = _lined_up(
+            url,
+            b,
+            ("give_back", lambda: GIVE_BACKS[give_back](client, held)),
+            ("grant", lambda: client.try_acquire({a: 1, b: 1})),
+        )
         assert max(took.values()) < 0.5, took
         broken = _deadlocks(url) - before
         if make_url(url).get_backend_name() == "mysql" and give_back.startswith("release"):
@@ -228,32 +239,13 @@ def test_a_grant_that_reclaims_expired_leases_and_a_release_never_deadlock(ns: s
         held = client.acquire({a: 1, b: 1}, timeout=5)
         time.sleep(0.4)
         before = _deadlocks(url)
-        done: dict[str, float] = {}
-        errors: list[BaseException] = []
-        granted: list[Any] = []
-
-        def run(what: str, call: Callable[[], Any]) -> None:
-            try:
-                granted.append(call())
-                done[what] = time.monotonic()
-            except BaseException as exc:  # reported by the main thread
-                errors.append(exc)
-
-        with _row_held(url, a):
-            releasing = threading.Thread(target=run, args=("release", lambda: client.release(held)))
-            releasing.start()
-            time.sleep(0.3)  # the release waits for a's row
-            granting = threading.Thread(target=run, args=("grant", lambda: client.try_acquire(b)))
-            granting.start()
-            time.sleep(0.3)  # and the grant has found b full, and the expired lease
-            let_go = time.monotonic()
-        releasing.join(10)
-        granting.join(10)
-        assert not errors, errors
-        took = {what: round(at - let_go, 3) for what, at in done.items()}
-        assert set(took) == {"release", "grant"} and max(took.values()) < 0.5, took
+        # The release waits for a's row; the grant finds b full, and the expired lease.
+        answers, took = _lined_up(
+            url, a, ("release", lambda: client.release(held)), ("grant", lambda: client.try_acquire(b))
+        )
+        assert max(took.values()) < 0.5, took
         assert _deadlocks(url) == before
-        lease = next(g for g in granted if isinstance(g, permits.Lease))
+        lease = answers["grant"]
         assert set(lease.tokens) == {b}
         client.release(lease)
         assert client.get_semaphore(a).used == 0 and client.get_semaphore(b).used == 0
@@ -314,3 +306,30 @@ def test_a_refused_grant_reclaims_once_where_leases_keep_expiring(ns: str, url: 
             asked += 1
         assert asked >= 10
         client.release(held)
+
+
+def test_a_forced_delete_and_a_grant_over_the_semaphore_and_another_never_deadlock(ns: str, url: str) -> None:
+    """A lease over ``c`` and ``d`` is held, and ``d`` is deleted with ``force``. The delete ends that lease
+    before it locks ``d`` for good: it used to end it under ``d``'s row lock, giving back to ``c`` after
+    ``d``, while a grant over both held ``c`` and waited for ``d``."""
+    c, d = f"{ns}c", f"{ns}d"
+    with permits.connect(url, auto_upgrade=True) as client:
+        client.create_semaphore(c, 2)
+        client.create_semaphore(d, 2)
+        client.acquire({c: 1, d: 1}, timeout=5)
+        before = _deadlocks(url)
+        # The delete waits for d's row; the grant locks c's and waits for d's.
+        answers, took = _lined_up(
+            url,
+            d,
+            ("delete", lambda: client.delete_semaphore(d, force=True)),
+            ("grant", lambda: client.try_acquire({c: 1, d: 1})),
+        )
+        assert max(took.values()) < 0.5, took
+        assert _deadlocks(url) == before
+        # The grant came first (then the delete revoked it too) or after the delete (no such semaphore).
+        assert answers["delete"] in (1, 2), answers
+        assert client.get_semaphore(c).used == 0
+        with pytest.raises(permits.SemaphoreNotFound):
+            client.get_semaphore(d)
+        assert client.reconcile() == []

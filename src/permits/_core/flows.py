@@ -652,8 +652,15 @@ def _in_use(name: str, leases: int) -> SemaphoreInUse:
     )
 
 
-def delete_semaphore(name: str, force: bool) -> Flow[int]:
-    """Delete a semaphore; returns how many leases a forced delete revoked."""
+def delete_semaphore(name: str, force: bool, revoked_before: int = 0, apart: bool = True) -> Flow[int]:
+    """Delete a semaphore; returns how many leases a forced delete revoked.
+
+    The leases on it are ended first, in a transaction of their own (``apart``), as a sweep or a revoke
+    ends them: their rows, then their semaphores in name order. Ended here, under this semaphore's row
+    lock, they would give back to their other semaphores after it, against the order of every grant, and a
+    grant over those semaphores beside it deadlocked (1 s on PostgreSQL). Then the delete runs again, and
+    ends in place only what was granted in between (``revoked_before`` counts the leases revoked first):
+    going apart again and again, a forced delete of a busy semaphore might never finish."""
     locked = yield Stmt("SEMS_LOCK", {"names": [name]})
     if not locked.rows:
         raise SemaphoreNotFound(f"no semaphore named {name!r}", name=name)
@@ -663,6 +670,8 @@ def delete_semaphore(name: str, force: bool) -> Flow[int]:
     if live and not force:
         raise _in_use(name, len(live))
     expired = sorted({int(r[0]) for r in holding.rows} - set(live))
+    if apart and (expired or live):
+        raise Restart(lambda: _end_then_delete(name, force, expired, live))
     if expired:
         # An extend needs no semaphore row: one may have committed since the read, and its lease is live.
         _, ended = yield from _end_expired(expired)
@@ -674,7 +683,19 @@ def delete_semaphore(name: str, force: bool) -> Flow[int]:
         _, revoked = yield from _end_held(live, EndReason.REVOKED)
     yield Stmt("SEM_WAITERS_DELETE", {"id": sem_id})
     yield Stmt("SEM_TOMBSTONE", {"id": sem_id})
-    return len(revoked)
+    return revoked_before + len(revoked)
+
+
+def _end_then_delete(name: str, force: bool, expired: Sequence[int], live: Sequence[int]) -> Flow[Then]:
+    """End the leases a delete found on its semaphore (the live ones only if ``force``), and commit; then
+    the delete again, ending in place only what was granted since (see ``delete_semaphore``)."""
+    revoked: list[int] = []
+    if expired:
+        _, ended = yield from _end_expired(expired)
+        live = [*live, *sorted(set(expired) - set(ended))]  # extended since the read: live after all
+    if live and force:
+        _, revoked = yield from _end_held(live, EndReason.REVOKED)
+    return Then(lambda: delete_semaphore(name, force, len(revoked), apart=False))
 
 
 # --------------------------------------------------------------------------------------- maintenance
