@@ -175,3 +175,38 @@ def test_a_recreated_semaphore_starts_with_an_empty_queue(client: Any, db_url: s
     client.create_semaphore(name, 1, fair=True)
     assert client.waiters(name) == []
     assert client.try_acquire(name) is not None
+
+
+def test_an_expired_lease_does_not_block_a_fair_semaphore_that_a_waiter_ahead_shares(client_url: str, ns: str) -> None:
+    """Fair ``f`` of capacity 2: an expired lease holds one permit, and a waiter ahead (for ``f`` and the
+    full ``y``) keeps its place for another. The room for a count is there, but the gate counts the waiter
+    ahead, so only the expired lease's permit stands in the way: a request for ``f`` reclaims it and is
+    granted. A version that reclaimed only where the count did not fit refused it until the sweep, and
+    the waiter ahead, whose reclaims did not include ``f``, lost its place meanwhile."""
+    f, y = f"{ns}f", f"{ns}y"
+    with permits.connect(client_url, owner=f"{ns}holder") as holder:
+        holder.create_semaphore(f, 2, fair=True)
+        holder.create_semaphore(y, 1)
+        holder.acquire(f, ttl=0.5, timeout=5)  # left to expire, as by a crashed holder
+        busy = holder.acquire(y, ttl=30, timeout=5)
+        waited: list[Any] = []
+
+        def wait_ahead() -> None:
+            with permits.connect(client_url, owner=f"{ns}ahead") as client:
+                waited.append(client.acquire({f: 1, y: 1}, ttl=30, timeout=20))
+
+        thread = threading.Thread(target=wait_ahead)
+        thread.start()
+        wait_until(lambda: _waiting(holder, f, 1), timeout=10)
+        time.sleep(0.7)  # the first lease has expired
+        with permits.connect(client_url, owner=f"{ns}later") as later:
+            lease = later.try_acquire(f, ttl=30)
+            assert lease is not None
+            later.release(lease)
+        time.sleep(PLACE_MS / 1000 + 1)  # the waiter ahead keeps its place all along
+        assert [w.owner for w in holder.waiters(f)] == [f"{ns}ahead"]
+        holder.release(busy)
+        thread.join(30)
+        assert waited and set(waited[0].tokens) == {f, y}
+        holder.release(waited[0])
+        assert holder.reconcile() == []

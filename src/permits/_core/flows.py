@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from permits._core import decide
@@ -121,6 +121,8 @@ class Request:
     #: attempt is the usual one.
     line_wait_ms: int | None = None
     line_head_ms: int = 0
+    #: this attempt has ended the expired leases in its way already, and does not again (``_reclaim_then``)
+    reclaimed: bool = False
 
 
 def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | None]:
@@ -200,10 +202,11 @@ def _why_refused(d: Dialect, req: Request, may_run_alone: bool = True) -> Flow[L
         if want.name not in sems:
             raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
     decide.check_counts(req.wants, {n: cap for n, (_, cap, _) in sems.items()})
-    # Expired leases never block: if any hold these semaphores, and one of them lacks room, reclaim them
-    # (under lock) and try again.
-    lacking = _lacking_room(req.wants, sems)
-    if expired and lacking:
+    # Expired leases never block: if any hold these semaphores, reclaim them (under lock) and try again; on
+    # those that lack room, and on fair ones (whose gate counts the waiters ahead, so that room for the
+    # count is not enough). Once per attempt: where leases keep expiring, it would never answer.
+    lacking = sorted({*_lacking_room(req.wants, sems), *fair.values()})
+    if expired and lacking and not req.reclaimed:
         raise Restart(lambda: _reclaim_then(d, req, lacking))
     if req.queue_ms and fair:
         if d.cheaper_readonly or alone:
@@ -344,42 +347,10 @@ def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease 
     return _granted(req, {str(row[3]): int(row[4]) for row in done.rows}, acquired_ms, expires_ms)
 
 
-def _acquire_slow(d: Dialect, req: Request) -> Flow[Lease | None]:
-    """The grant a statement per step, with the key's replay, once expired leases were reclaimed
-    (``_reclaim_then``). Without room still, the answer is no: it does not reclaim again, for where leases
-    keep expiring it would go on reclaiming and never answer."""
-    # A retry of a request that was granted must get its lease back, not a refusal for lack of room.
-    existing = yield from _find_lease(req.owner, req.key)
-    if existing is not None:
-        return decide.replay(existing[1], req.wants)
-
-    wants = req.wants
-    locked = yield Stmt("SEMS_LOCK", {"names": [w.name for w in wants]})
-    sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used in locked.rows}
-    for want in wants:
-        if want.name not in sems:
-            raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
-    decide.check_counts(wants, {n: cap for n, (_, cap, _) in sems.items()})
-
-    if _lacking_room(wants, sems):
-        return None
-
-    tokens: dict[str, int] = {}
-    places = req.queued  # whether the request may hold places in fair queues
-    for want in wants:
-        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": req.owner, "key": req.key})
-        if taken.rowcount == 0:  # room, but a fair queue ahead of us: wait like any refused request
-            raise _refused(d, req)
-        tokens[want.name] = d.taken_token(taken)
-        places = places or (req.queue_ms > 0 and d.taken_fair(taken) is not False)
-    if places:
-        yield Stmt("WAITERS_DELETE", {"owner": req.owner, "key": req.key})
-    return (yield from _insert_lease(d, req, tokens))
-
-
 def _reclaim_then(d: Dialect, req: Request, sem_ids: Sequence[int]) -> Flow[Then]:
-    """End the expired leases that hold any of ``sem_ids`` (the semaphores that lack room) and commit, then
-    ask again, once (``_acquire_slow``).
+    """End the expired leases that hold any of ``sem_ids`` (the semaphores that lack room, and the fair ones)
+    and commit, then ask again, as the attempt would have (a refusal still takes or keeps the request's
+    places in fair queues), but without reclaiming again and outside the line.
 
     In a transaction of its own, before the request locks any semaphore row: ending a lease locks its row
     and then gives back to each of its semaphores, in name order, as a release does. Done while holding
@@ -389,7 +360,8 @@ def _reclaim_then(d: Dialect, req: Request, sem_ids: Sequence[int]) -> Flow[Then
     expired = yield Stmt("EXPIRED_FOR_SEMS", {"sem_ids": list(sem_ids)})
     if expired.rows:
         yield from _end_expired([int(r[0]) for r in expired.rows])
-    return Then(lambda: _acquire_slow(d, req))
+    again = replace(req, reclaimed=True, line_wait_ms=None)
+    return Then(lambda: try_acquire(d, again))
 
 
 def _lacking_room(wants: Sequence[Want], sems: Mapping[str, tuple[int, int, int]]) -> list[int]:
@@ -652,7 +624,9 @@ def _in_use(name: str, leases: int) -> SemaphoreInUse:
     )
 
 
-def delete_semaphore(name: str, force: bool, revoked_before: int = 0, apart: bool = True) -> Flow[int]:
+def delete_semaphore(
+    name: str, force: bool, revoked_before: int = 0, apart: bool = True, sem_id: int | None = None
+) -> Flow[int]:
     """Delete a semaphore; returns how many leases a forced delete revoked.
 
     The leases on it are ended first, in a transaction of their own (``apart``), as a sweep or a revoke
@@ -660,9 +634,13 @@ def delete_semaphore(name: str, force: bool, revoked_before: int = 0, apart: boo
     lock, they would give back to their other semaphores after it, against the order of every grant, and a
     grant over those semaphores beside it deadlocked (1 s on PostgreSQL). Then the delete runs again, and
     ends in place only what was granted in between (``revoked_before`` counts the leases revoked first):
-    going apart again and again, a forced delete of a busy semaphore might never finish."""
+    going apart again and again, a forced delete of a busy semaphore might never finish. ``sem_id``: the
+    semaphore the first pass found. Should it be gone by the second (another delete, maybe a new one made
+    under the name), this delete's work is done: it answers what it revoked."""
     locked = yield Stmt("SEMS_LOCK", {"names": [name]})
-    if not locked.rows:
+    if not locked.rows or (sem_id is not None and int(locked.rows[0][0]) != sem_id):
+        if sem_id is not None:
+            return revoked_before
         raise SemaphoreNotFound(f"no semaphore named {name!r}", name=name)
     sem_id = int(locked.rows[0][0])
     holding = yield Stmt("LEASES_HOLDING", {"sem_id": sem_id})
@@ -671,7 +649,8 @@ def delete_semaphore(name: str, force: bool, revoked_before: int = 0, apart: boo
         raise _in_use(name, len(live))
     expired = sorted({int(r[0]) for r in holding.rows} - set(live))
     if apart and (expired or live):
-        raise Restart(lambda: _end_then_delete(name, force, expired, live))
+        found = sem_id
+        raise Restart(lambda: _end_then_delete(name, force, found, expired, live))
     if expired:
         # An extend needs no semaphore row: one may have committed since the read, and its lease is live.
         _, ended = yield from _end_expired(expired)
@@ -686,7 +665,7 @@ def delete_semaphore(name: str, force: bool, revoked_before: int = 0, apart: boo
     return revoked_before + len(revoked)
 
 
-def _end_then_delete(name: str, force: bool, expired: Sequence[int], live: Sequence[int]) -> Flow[Then]:
+def _end_then_delete(name: str, force: bool, sem_id: int, expired: Sequence[int], live: Sequence[int]) -> Flow[Then]:
     """End the leases a delete found on its semaphore (the live ones only if ``force``), and commit; then
     the delete again, ending in place only what was granted since (see ``delete_semaphore``)."""
     revoked: list[int] = []
@@ -695,7 +674,7 @@ def _end_then_delete(name: str, force: bool, expired: Sequence[int], live: Seque
         live = [*live, *sorted(set(expired) - set(ended))]  # extended since the read: live after all
     if live and force:
         _, revoked = yield from _end_held(live, EndReason.REVOKED)
-    return Then(lambda: delete_semaphore(name, force, len(revoked), apart=False))
+    return Then(lambda: delete_semaphore(name, force, len(revoked), apart=False, sem_id=sem_id))
 
 
 # --------------------------------------------------------------------------------------- maintenance

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from permits._core.flows import DuplicateKey, Flow, Restart, Stmt
+from permits._core.flows import DuplicateKey, Flow, Restart, Stmt, Then
 
 #: Upper bounds (ms) of the wait-time histogram's buckets; a last bucket takes everything above.
 WAIT_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000, 60_000)
@@ -208,8 +208,17 @@ def log_admin(
 
 def audited(action: Flow[Any], entry: Stmt | Callable[[Any], Stmt]) -> Flow[Any]:
     """Run an admin action's flow, then write its log entry (or the entry made from the action's answer)
-    in the same transaction: the action and its record commit together or not at all."""
-    done = yield from action
+    in the same transaction: the action and its record commit together or not at all. An action that goes
+    on in another transaction (``Restart``, ``Then``) takes its record along, to the transaction that
+    finishes it."""
+    try:
+        done = yield from action
+    except Restart as restart:
+        goes_on = restart.flow
+        raise Restart(lambda: audited(goes_on(), entry), restart.readonly) from None
+    if isinstance(done, Then):
+        then = done
+        return Then(lambda: audited(then.flow(), entry))
     yield entry if isinstance(entry, Stmt) else entry(done)
     return done
 
