@@ -89,7 +89,15 @@ class FaultRun:
         env = {"PERMITS_MAINTENANCE__SWEEP_INTERVAL": str(SWEEP_INTERVAL)}
         if skew is not None:
             env.update({"LD_PRELOAD": LIBFAKETIME, "FAKETIME": skew, "FAKETIME_DONT_FAKE_MONOTONIC": "1"})
-        svc = Service(db_url or self.db_url, env=env, args=("--port", str(port or free_port())))
+        for attempt in range(3):
+            try:
+                svc = Service(db_url or self.db_url, env=env, args=("--port", str(port or free_port())))
+                break
+            except RuntimeError as exc:
+                # A free port can be taken before the service binds it (a TCP proxy's outgoing connection,
+                # say; CI met it once): a port of its own choosing, it takes another.
+                if port is not None or "address already in use" not in str(exc) or attempt == 2:
+                    raise
         self.instances.append(svc)
         self.rec.event("service_start", url=svc.url, pid=svc.process.pid, skew=skew)
         return svc
