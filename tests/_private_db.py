@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -44,10 +45,22 @@ START_TIMEOUT = 60.0
 STOP_TIMEOUT = 60.0
 
 
+#: where test listeners get their ports: below Linux's ephemeral range (32768-60999 by default), so that no
+#: outgoing connection (a TCP proxy's link to a database, a client's) can take a port between the moment a
+#: test picks it and the moment its server binds it. CI once met that: "address already in use".
+LISTEN_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port nothing listens on now, outside the ephemeral range (``LISTEN_PORTS``)."""
+    for port in random.sample(LISTEN_PORTS, 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {LISTEN_PORTS}")
 
 
 class PrivateServer:
