@@ -25,7 +25,7 @@ from tests.conftest import SERVER_URLS  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the subprocess's own limit: the quick run takes 2-3 minutes, more on a busy machine
+@pytest.mark.timeout(900)  # the subprocess's own limit: the quick run takes under 2 minutes, more on a busy machine
 def test_quick_benchmark_runs_every_system() -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "report.py"), "--quick"],
