@@ -13,10 +13,10 @@ that is reachable, or start a private one.
 PgBouncer (``PGBOUNCER.ensure()``, ``PERMITS_BENCH_PGBOUNCER``) skips step 2: it must pool the benchmark's
 own PostgreSQL server, which its system names in ``PGBOUNCER.target`` first.
 
-The address is then put in the environment variable, so the client processes (started later, and handed
-the parent's environment by the harness) find the same server. A private server is started once per parent process,
-not once per run (a JVM takes seconds to start), and stopped with its data directory when the parent
-exits. It is also told to die with the parent, so an interrupted report leaves nothing running.
+The address is then put in the environment variable, so the client processes (started later, and
+handed the parent's environment by the harness) find the same server. A private server is started once
+per parent process, not once per run (a JVM takes seconds to start), and stopped with its data directory
+when the parent exits. It is also told to die with the parent, so an interrupted report leaves nothing running.
 """
 
 from __future__ import annotations
