@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 import permits
+from tests._proxy import CuttingProxy
 from tests.cli.test_cli import _permits
 from tests.conftest import own_database, sqlalchemy_url, temporary_role
 
@@ -172,3 +174,34 @@ def test_a_client_of_the_service_is_told_where_to_run_it() -> None:
             client.drop_old_functions()
     finally:
         client.close()
+
+
+def test_a_run_whose_connection_drops_still_names_what_it_dropped() -> None:
+    """Cut after any of its requests (the reply to the COMMIT that dropped them among them), the run is
+    retried and still answers with every function dropped: a retry that finds them gone already does not
+    turn the answer into "none"."""
+    with own_database("postgresql", "permits_oldfn") as url:
+        _permits(url, "db", "upgrade")
+        parsed = make_url(url)
+        assert parsed.host is not None and parsed.port is not None
+        expected = sorted(f"public.{signature}" for signature in OLD)
+        with CuttingProxy((parsed.host, parsed.port)) as proxy:
+            via = parsed.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+            with permits.connect(via) as client:
+                _create(url, OLD)
+                assert sorted(client.drop_old_functions()) == expected  # opens the client, then drops
+                _create(url, OLD)
+                packets0 = proxy.client_packets
+                assert sorted(client.drop_old_functions()) == expected
+                packets = proxy.client_packets - packets0
+                for m in range(1, packets + 1):
+                    _create(url, OLD)
+                    proxy.cut_after_client_packets(m)
+                    try:
+                        dropped = client.drop_old_functions()
+                    except permits.StorageUnavailable:  # the store gave up: the caller runs it again
+                        proxy.heal()
+                        dropped = client.drop_old_functions()
+                    proxy.heal()
+                    assert sorted(dropped) == expected, f"cut after packet {m} of {packets}: {dropped}"
+                    assert not {f"public.{s.split('(')[0]}" for s in OLD} & _functions(url)

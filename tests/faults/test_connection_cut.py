@@ -255,3 +255,67 @@ def test_cut_anywhere_in_one_release(db_url: str, proxy: CuttingProxy, ns: str, 
                 raise AssertionError(f"{where}: {exc}") from exc
     finally:
         bench.close()
+
+
+@pytest.mark.slow
+def test_cut_anywhere_in_a_forced_delete(db_url: str, proxy: CuttingProxy, ns: str) -> None:
+    """A forced delete of a semaphore with leases on it runs as two transactions: the leases are revoked and
+    committed, then the semaphore goes. Cut at any request, or at any stride of bytes of its replies, and
+    retried (by the store, or by the caller after StorageUnavailable), it revokes every lease once, deletes
+    the semaphore, and counts the leases it revoked, also when the reply to the first COMMIT was the one
+    lost."""
+    bench = _Bench(db_url, proxy, ns, "one", "roomy")
+    direct, client = bench.direct, bench.client
+    holders = 2
+
+    def prepare(name: str) -> list[str]:
+        direct.create_semaphore(name, holders + 1)
+        keys = [f"{name}-holder{i}" for i in range(holders)]
+        for key in keys:
+            direct.acquire({name: 1}, key=key, timeout=5)
+        return keys
+
+    try:
+        sizes: list[tuple[int, int]] = []
+        for i in range(3):
+            prepare(f"{ns}probe{i}")
+            bytes0, packets0 = proxy.server_bytes, proxy.client_packets
+            assert client.delete_semaphore(f"{ns}probe{i}", force=True) == holders
+            sizes.append((proxy.server_bytes - bytes0, proxy.client_packets - packets0))
+        size, packets = min(s for s, _ in sizes), min(p for _, p in sizes)
+        assert size > 0 and packets > 1, "a forced delete of a held semaphore takes two transactions"
+
+        cuts = [("packets", m) for m in range(1, packets + 1)] + [("bytes", n) for n in range(0, size, STRIDE * 3)]
+        for kind, n in cuts:
+            name = f"{ns}{kind}{n}"
+            keys = prepare(name)
+            if kind == "bytes":
+                proxy.cut_after_server_bytes(n)
+            else:
+                proxy.cut_after_client_packets(n)
+            revoked: int | None
+            try:
+                revoked = client.delete_semaphore(name, force=True)
+            except StorageUnavailable:
+                proxy.heal()
+                try:
+                    revoked = client.delete_semaphore(name, force=True)
+                except permits.SemaphoreNotFound:
+                    revoked = None  # the call that gave up had deleted it; its answer was lost with it
+            proxy.heal()
+            where = (
+                f"forced delete cut after {n} server bytes"
+                if kind == "bytes"
+                else f"forced delete cut after packet {n}"
+            )
+            try:
+                assert revoked in (holders, None), f"it counted {revoked} revoked leases of {holders}"
+                with pytest.raises(permits.SemaphoreNotFound):
+                    direct.get_semaphore(name)
+                for key in keys:
+                    assert direct.get_lease(key).end_reason == permits.EndReason.REVOKED
+                assert direct.reconcile() == []
+            except AssertionError as exc:
+                raise AssertionError(f"{where}: {exc}") from exc
+    finally:
+        bench.close()

@@ -309,11 +309,14 @@ def test_a_delete_ends_the_leases_on_its_semaphore_apart_then_deletes() -> None:
         ending.send(Result([], 2))
     then = committed.value.value
     assert isinstance(then, flows.Then)
-    # The delete again: nothing left on it, so it is deleted, and the answer counts the lease revoked first.
+    # The delete again: nothing left on it, so it is deleted, and the answer counts the lease revoked first,
+    # as the lease's row says.
     again = then.flow()
     next(again)
     assert again.send(Result([(4, "d", 2, 0)], 1)).name == "LEASES_HOLDING"
-    assert again.send(Result([], 0)).name == "SEM_WAITERS_DELETE"
+    counted = again.send(Result([], 0))
+    assert (counted.name, dict(counted.params)) == ("LEASES_COUNT_REVOKED", {"ids": [8]})
+    assert again.send(Result([(1,)], 1)).name == "SEM_WAITERS_DELETE"
     assert again.send(Result([], 0)).name == "SEM_TOMBSTONE"
     with pytest.raises(StopIteration) as deleted:
         again.send(Result([], 1))
@@ -322,6 +325,30 @@ def test_a_delete_ends_the_leases_on_its_semaphore_apart_then_deletes() -> None:
     for found in ([], [(5, "d", 2, 0)]):
         again = then.flow()
         next(again)
+        assert again.send(Result(found, len(found))).name == "LEASES_COUNT_REVOKED"
         with pytest.raises(StopIteration) as done:
-            again.send(Result(found, len(found)))
+            again.send(Result([(1,)], 1))
         assert done.value.value == 1
+
+
+def test_a_delete_whose_first_commit_reply_was_lost_still_counts_what_it_revoked() -> None:
+    """The first transaction revoked the lease and committed, but its reply never came: the retry finds the
+    lease ended already and revokes nothing. The count comes from the lease's row, not from the retry."""
+    flow = flows.delete_semaphore("d", force=True)
+    next(flow)
+    flow.send(Result([(4, "d", 2, 1)], 1))
+    with pytest.raises(flows.Restart) as apart:
+        flow.send(Result([(8, 9000, 1000)], 1))
+    retried = apart.value.flow()  # the same transaction, run again by the store after the lost reply
+    assert next(retried).name == "LEASES_LOCK_HELD"
+    with pytest.raises(StopIteration) as committed:
+        retried.send(Result([], 0))  # ended already: nothing to lock
+    again = committed.value.value.flow()
+    next(again)
+    again.send(Result([(4, "d", 2, 0)], 1))
+    assert again.send(Result([], 0)).name == "LEASES_COUNT_REVOKED"
+    again.send(Result([(1,)], 1))
+    again.send(Result([], 0))
+    with pytest.raises(StopIteration) as deleted:
+        again.send(Result([], 1))
+    assert deleted.value.value == 1

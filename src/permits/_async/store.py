@@ -247,21 +247,24 @@ class AsyncSQLStore:
         await self.open()
         plain = self._before_functions or self._dialect
         current = [f.name for f in server_functions(plain, POOLED_FUNCTIONS)]
-        dropped: list[str] = await self._with_retries(functools.partial(self._drop_old_functions, current, dry_run))
-        return dropped
+        # Every attempt's finds: when the reply to a COMMIT that dropped them is lost, the retry finds none left,
+        # and the answer must still name them.
+        found: dict[str, None] = {}
+        await self._with_retries(functools.partial(self._drop_old_functions, current, dry_run, found))
+        if found and not dry_run:
+            logger.info("dropped %d server functions of other versions of permits at %s", len(found), self.url)
+        return list(found)
 
-    async def _drop_old_functions(self, current: list[str], dry_run: bool) -> list[str]:
+    async def _drop_old_functions(self, current: list[str], dry_run: bool, found: dict[str, None]) -> None:
         # One transaction: all of them are dropped, or (a role's refusal, a lost connection) none.
         async with self._engine.connect() as conn, conn.begin():
-            found = await conn.execute(text(OLD_FUNCTIONS), {"pattern": FUNCTION_NAME_PATTERN, "current": current})
-            old = [str(row[0]) for row in found]
+            rows = await conn.execute(text(OLD_FUNCTIONS), {"pattern": FUNCTION_NAME_PATTERN, "current": current})
+            old = [str(row[0]) for row in rows]
+            found.update(dict.fromkeys(old))
             if not dry_run:
                 driver = await async_driver_connection(conn)
                 for function in old:  # a name as PostgreSQL quoted it, with argument types: no parameters
                     await driver.execute(f"DROP FUNCTION IF EXISTS {function}")
-        if old and not dry_run:
-            logger.info("dropped %d server functions of other versions of permits at %s", len(old), self.url)
-        return old
 
     async def _schema_revision(self) -> str | None:
         async with self._engine.connect() as conn:

@@ -625,7 +625,7 @@ def _in_use(name: str, leases: int) -> SemaphoreInUse:
 
 
 def delete_semaphore(
-    name: str, force: bool, revoked_before: int = 0, apart: bool = True, sem_id: int | None = None
+    name: str, force: bool, revoked_first: Sequence[int] = (), apart: bool = True, sem_id: int | None = None
 ) -> Flow[int]:
     """Delete a semaphore; returns how many leases a forced delete revoked.
 
@@ -633,14 +633,16 @@ def delete_semaphore(
     ends them: their rows, then their semaphores in name order. Ended here, under this semaphore's row
     lock, they would give back to their other semaphores after it, against the order of every grant, and a
     grant over those semaphores beside it deadlocked (1 s on PostgreSQL). Then the delete runs again, and
-    ends in place only what was granted in between (``revoked_before`` counts the leases revoked first):
-    going apart again and again, a forced delete of a busy semaphore might never finish. ``sem_id``: the
-    semaphore the first pass found. Should it be gone by the second (another delete, maybe a new one made
-    under the name), this delete's work is done: it answers what it revoked."""
+    ends in place only what was granted in between: going apart again and again, a forced delete of a busy
+    semaphore might never finish. ``revoked_first``: the leases the first transaction set out to revoke.
+    What it revoked is read back from them rather than carried over, because the reply to its COMMIT may
+    have been lost: its retry then finds them ended already and revokes nothing, and the count would say 0.
+    ``sem_id``: the semaphore the first pass found. Should it be gone by the second (another delete, maybe
+    a new one made under the name), this delete's work is done: it answers what it revoked."""
     locked = yield Stmt("SEMS_LOCK", {"names": [name]})
     if not locked.rows or (sem_id is not None and int(locked.rows[0][0]) != sem_id):
         if sem_id is not None:
-            return revoked_before
+            return (yield from _count_revoked(revoked_first))
         raise SemaphoreNotFound(f"no semaphore named {name!r}", name=name)
     sem_id = int(locked.rows[0][0])
     holding = yield Stmt("LEASES_HOLDING", {"sem_id": sem_id})
@@ -660,21 +662,30 @@ def delete_semaphore(
     revoked: list[int] = []
     if live:
         _, revoked = yield from _end_held(live, EndReason.REVOKED)
+    before = yield from _count_revoked(revoked_first)
     yield Stmt("SEM_WAITERS_DELETE", {"id": sem_id})
     yield Stmt("SEM_TOMBSTONE", {"id": sem_id})
-    return revoked_before + len(revoked)
+    return before + len(revoked)
 
 
 def _end_then_delete(name: str, force: bool, sem_id: int, expired: Sequence[int], live: Sequence[int]) -> Flow[Then]:
     """End the leases a delete found on its semaphore (the live ones only if ``force``), and commit; then
     the delete again, ending in place only what was granted since (see ``delete_semaphore``)."""
-    revoked: list[int] = []
     if expired:
         _, ended = yield from _end_expired(expired)
         live = [*live, *sorted(set(expired) - set(ended))]  # extended since the read: live after all
-    if live and force:
-        _, revoked = yield from _end_held(live, EndReason.REVOKED)
-    return Then(lambda: delete_semaphore(name, force, len(revoked), apart=False, sem_id=sem_id))
+    targets = sorted(live) if force else []
+    if targets:
+        yield from _end_held(targets, EndReason.REVOKED)
+    return Then(lambda: delete_semaphore(name, force, targets, apart=False, sem_id=sem_id))
+
+
+def _count_revoked(ids: Sequence[int]) -> Flow[int]:
+    """How many of the leases ``ids`` stand revoked."""
+    if not ids:
+        return 0
+    found = yield Stmt("LEASES_COUNT_REVOKED", {"ids": sorted(ids)})
+    return int(found.rows[0][0])
 
 
 # --------------------------------------------------------------------------------------- maintenance

@@ -282,6 +282,10 @@ PORTABLE_SQL: dict[str, str] = {
         SELECT l.id, l.expires_at_ms, {now} FROM permits_lease l
         JOIN permits_permit p ON p.lease_id = l.id
         WHERE p.semaphore_id = :sem_id AND l.state = 1""",
+    # How many of these leases a revoke ended (a forced delete counts what its first transaction revoked,
+    # whether or not the reply to that COMMIT arrived). params: ids -> count
+    "LEASES_COUNT_REVOKED": """
+        SELECT COUNT(*) FROM permits_lease WHERE id IN :ids AND state = 0 AND end_reason = 'revoked'""",
     # params: id
     "SEM_TOMBSTONE": "UPDATE permits_semaphore SET deleted = 1, used = 0, updated_at_ms = {now} WHERE id = :id",
     # A deleted semaphore's queue goes with it: a name created again (which revives the row and its id)
