@@ -201,6 +201,36 @@ def test_a_newcomer_behind_a_fair_queue_reclaims_an_expired_lease_and_waits(db_u
         assert lease is not None  # the queue's head takes the permit the reclaim gave back
 
 
+def test_expired_leases_are_reclaimed_only_where_they_would_make_the_room_lacking(db_url: str, ns: str) -> None:
+    """A request for two plain semaphores is refused: ``full`` is held by a live lease, and ``roomy`` has
+    room and an expired lease on it. Ending that lease would make no room the request lacks, so no
+    transaction is spent on it (the read says which semaphores expired leases hold, not only whether any
+    of the request's do); it is left to the sweep. An expired lease on ``full`` itself is reclaimed, and
+    the request granted."""
+    full, roomy = f"{ns}full", f"{ns}roomy"
+    with permits.connect(db_url, owner=f"{ns}h") as holder, permits.connect(db_url, owner=f"{ns}w") as waiter:
+        holder.create_semaphore(full, 1)
+        holder.create_semaphore(roomy, 2)
+        live = holder.acquire(full, ttl=30)
+        stale = holder.acquire(roomy, ttl=0.2)
+        time.sleep(0.3)
+        seen: collections.Counter[str] = collections.Counter()
+        waiter._store.after_statement = lambda statement: seen.update([statement])  # type: ignore[attr-defined]
+        with pytest.raises(permits.AcquireTimeout):
+            waiter.acquire({full: 1, roomy: 1}, ttl=30, timeout=0)
+        assert seen[WHY_REFUSED] == 1 and "EXPIRED_FOR_SEMS" not in seen, seen
+        assert holder.get_lease(stale.key).end_reason is None  # past its TTL, not yet ended: the sweep's to end
+        holder.release(live)
+        on_full = holder.acquire(full, ttl=0.2)
+        time.sleep(0.3)
+        seen.clear()
+        lease = waiter.acquire({full: 1, roomy: 1}, ttl=30, timeout=0)
+        assert seen["EXPIRED_FOR_SEMS"] == 1, seen
+        assert holder.get_lease(on_full.key).end_reason == "expired"
+        waiter.release(lease)
+        holder.release(stale)  # ends it (as expired), rather than leave it to another test's sweep
+
+
 @pytest.mark.parametrize("fair", [False, True], ids=["plain", "fair"])
 def test_a_waiting_grant_gives_up_queue_places_only_where_it_may_hold_some(db_url: str, ns: str, fair: bool) -> None:
     """A grant to a caller that waits deletes the request's places in fair queues (it may have taken some

@@ -163,6 +163,19 @@ def test_acquire_without_room_lets_go_at_once_then_checks_without_locks() -> Non
     with pytest.raises(StopIteration) as done:
         check.send(Result([(0, 1, 5, "a", 3, 1, 0)], 1))
     assert done.value.value is None
+    # The read says which semaphores expired leases hold: only those among the ones to reclaim are.
+    check = flows._why_refused(d, three)
+    next(check)
+    with pytest.raises(flows.Restart) as reclaim:
+        check.send(Result([(0, 0, 5, "a", 1, 1, 0), (0, 1, 6, "b", 9, 0, 0), (0, 1, 7, "c", 9, 0, 1)], 3))
+    assert dict(next(reclaim.value.flow()).params) == {"sem_ids": [7]}
+    # Expired leases on a semaphore with room only: none to reclaim where room is lacking, no transaction
+    # spent on finding none.
+    check = flows._why_refused(d, three)
+    next(check)
+    with pytest.raises(StopIteration) as done:
+        check.send(Result([(0, 0, 5, "a", 1, 1, 0), (0, 1, 6, "b", 9, 0, 0), (0, 0, 7, "c", 9, 0, 0)], 3))
+    assert done.value.value is None
 
 
 def test_every_statement_a_flow_names_exists_in_every_dialect() -> None:

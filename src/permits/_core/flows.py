@@ -194,7 +194,7 @@ def _why_refused(d: Dialect, req: Request, may_run_alone: bool = True) -> Flow[L
         existing = yield from _find_lease(req.owner, req.key)
         if existing is not None:
             return decide.replay(existing[1], req.wants)
-    expired = any(int(row[1]) for row in found.rows)
+    expired = {int(row[2]) for row in found.rows if int(row[1])}  # the semaphores expired leases hold
     rows = [row[2:] for row in found.rows if row[2] is not None]
     sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used, _ in rows}
     fair = {str(name): int(sid) for sid, name, _, _, is_fair in rows if int(is_fair)}
@@ -202,12 +202,13 @@ def _why_refused(d: Dialect, req: Request, may_run_alone: bool = True) -> Flow[L
         if want.name not in sems:
             raise SemaphoreNotFound(f"no semaphore named {want.name!r}", name=want.name)
     decide.check_counts(req.wants, {n: cap for n, (_, cap, _) in sems.items()})
-    # Expired leases never block: if any hold these semaphores, reclaim them (under lock) and try again; on
-    # those that lack room, and on fair ones (whose gate counts the waiters ahead, so that room for the
-    # count is not enough). Once per attempt: where leases keep expiring, it would never answer.
-    lacking = sorted({*_lacking_room(req.wants, sems), *fair.values()})
-    if expired and lacking and not req.reclaimed:
-        raise Restart(lambda: _reclaim_then(d, req, lacking))
+    # Expired leases never block: where they hold semaphores that lack room, or fair ones (whose gate counts
+    # the waiters ahead, so that room for the count is not enough), reclaim them (under lock) and try again.
+    # Expired leases on a semaphore with room would make none that is needed: they are left to the sweep.
+    # Once per attempt: where leases keep expiring, it would never answer.
+    reclaim = sorted({*_lacking_room(req.wants, sems), *fair.values()} & expired)
+    if reclaim and not req.reclaimed:
+        raise Restart(lambda: _reclaim_then(d, req, reclaim))
     if req.queue_ms and fair:
         if d.cheaper_readonly or alone:
             raise Restart(lambda: _enqueue(d, req, fair, first=True))

@@ -62,14 +62,14 @@ OBSERVE_SQL: dict[str, str] = {
     "ISTAT_SERIES": """
         SELECT instance, name, bucket_ms, granted, refused, timeouts, waiting, wait_hist, {now}
         FROM permits_instance_stat WHERE name = :name AND bucket_ms >= {now} - :window_ms""",
-    # Ended leases of one semaphore, newest token first (uq_permits_permit_token read backwards).
+    # Ended leases of one semaphore, newest token first (uq_permits_permit_token read backwards, stopping at
+    # the limit: the semaphore's id is a value the plan knows, not a join that could read its whole history).
     # params: name, limit -> owner, lease_key, count, token, acquired_at_ms, ended_at_ms, end_reason, end_note
     "ENDINGS": """
         SELECT l.owner, l.lease_key, p.count, p.token, l.acquired_at_ms, l.ended_at_ms, l.end_reason, l.end_note
-        FROM permits_semaphore s
-        JOIN permits_permit p ON p.semaphore_id = s.id
+        FROM permits_permit p
         JOIN permits_lease l ON l.id = p.lease_id
-        WHERE s.name = :name AND l.state = 0
+        WHERE p.semaphore_id = (SELECT id FROM permits_semaphore WHERE name = :name) AND l.state = 0
         ORDER BY p.token DESC LIMIT :limit""",
     # ---- the admin log
     # params: actor, action, name, lease_owner, lease_key, reason, detail
@@ -94,23 +94,27 @@ OBSERVE_SQL: dict[str, str] = {
                (SELECT COALESCE(MAX(id), 0) FROM permits_admin_log),
                {now}""",
     # Grants after a lease id. A lease id is taken before its transaction commits, so a grant is listed
-    # only once it is settle_ms old: a lower id still in flight is not passed over.
+    # only once it is settle_ms old: a lower id still in flight is not passed over. The bound is repeated on
+    # the permits: a planner that walked them in lease order read every one before the first new lease.
     # params: after, settle_ms, limit -> id, owner, lease_key, acquired_at_ms, name, count, token
     "EVENTS_GRANTS": """
         SELECT l.id, l.owner, l.lease_key, l.acquired_at_ms, s.name, p.count, p.token
         FROM permits_lease l
         JOIN permits_permit p ON p.lease_id = l.id
         JOIN permits_semaphore s ON s.id = p.semaphore_id
-        WHERE l.id > :after AND l.acquired_at_ms <= {now} - :settle_ms
+        WHERE l.id > :after AND p.lease_id > :after AND l.acquired_at_ms <= {now} - :settle_ms
         ORDER BY l.id LIMIT :limit""",
-    # Endings at or after a time (the poller re-reads an overlap and drops what it has sent).
+    # Endings at or after a time (the poller re-reads an overlap and drops what it has sent). The leases are
+    # picked first, by ix_permits_lease_ended with the limit, then joined: a subquery with a LIMIT is one no
+    # planner merges into the join, which otherwise could read every permit first.
     # params: since_ms, limit -> id, owner, lease_key, ended_at_ms, end_reason, end_note, name, count, token
     "EVENTS_ENDS": """
         SELECT l.id, l.owner, l.lease_key, l.ended_at_ms, l.end_reason, l.end_note, s.name, p.count, p.token
-        FROM permits_lease l
+        FROM (SELECT id, owner, lease_key, ended_at_ms, end_reason, end_note FROM permits_lease
+              WHERE ended_at_ms >= :since_ms AND state = 0
+              ORDER BY ended_at_ms, id LIMIT :limit) l
         JOIN permits_permit p ON p.lease_id = l.id
         JOIN permits_semaphore s ON s.id = p.semaphore_id
-        WHERE l.ended_at_ms >= :since_ms AND l.state = 0
         ORDER BY l.ended_at_ms, l.id LIMIT :limit""",
     # params: after, limit -> id, name, old_capacity, new_capacity, changed_by, reason, changed_at_ms
     "EVENTS_CHANGES": """

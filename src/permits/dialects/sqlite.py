@@ -33,6 +33,7 @@ class SQLite(Dialect):
     # julianday('now') is fixed for the whole statement, like NOW() on the servers.
     now_sql = _NOW_SQL
     for_update = ""
+    held_index = " INDEXED BY ix_permits_lease_held"
     # A read-only transaction starts with BEGIN, which takes no write lock (stores/direct.py).
     cheaper_readonly = True
     sync_driver = "pysqlite"
