@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -304,64 +305,109 @@ def test_on_postgresql_the_refusal_read_and_the_enqueue_each_run_alone() -> None
     assert retry.send(Result([(1, 0, 5, "a", 1, 1, 1), (1, 0, 6, "b", 1, 0, 0)], 2)).name == "LEASE_FIND"
 
 
-def test_a_delete_ends_the_leases_on_its_semaphore_apart_then_deletes() -> None:
-    """Lock order: the leases are ended in a transaction of their own (their rows, then their semaphores in
-    name order), then the delete runs again. Should the semaphore be gone by then (another delete, or
-    another semaphore made under the name), this delete answers what it revoked."""
+MADE_MS = 1_700_000_000_000
+#: SEMS_LOCK's row for the semaphore "d": id, name, capacity, used, created_at_ms
+D_ROW = (4, "d", 2, 1, MADE_MS)
+
+
+def _first_transaction(live: list[int]) -> tuple[Any, Any]:
+    """A forced delete of "d" that finds ``live`` leases on it: its restart into the first transaction."""
     flow = flows.delete_semaphore("d", force=True)
     assert next(flow).name == "SEMS_LOCK"
-    assert flow.send(Result([(4, "d", 2, 1)], 1)).name == "LEASES_HOLDING"
+    assert flow.send(Result([D_ROW], 1)).name == "LEASES_HOLDING"
     with pytest.raises(flows.Restart) as apart:
-        flow.send(Result([(8, 9000, 1000)], 1))  # one live lease
-    ending = apart.value.flow()
+        flow.send(Result([(i, 9000, 1000) for i in live], len(live)))
+    return apart.value, flow
+
+
+def _run_first(restart: Any, ended: list[int]) -> Any:
+    """Run the first transaction, whose lock finds ``ended`` still held; returns the Then."""
+    ending = restart.flow()
     assert next(ending).name == "LEASES_LOCK_HELD"
-    assert ending.send(Result([(8,)], 1)).name == "PERMITS_SUM"
-    assert ending.send(Result([(3, 1), (4, 1)], 2)).name == "LEASES_END"
-    assert ending.send(Result([], 1)).name == "SEM_GIVE_BACK"
+    if ended:
+        assert ending.send(Result([(i,) for i in ended], len(ended))).name == "PERMITS_SUM"
+        assert ending.send(Result([(4, len(ended))], 1)).name == "LEASES_END"
+        assert ending.send(Result([], len(ended))).name == "SEM_GIVE_BACK"
+        result = Result([], 1)
+    else:
+        result = Result([], 0)
     with pytest.raises(StopIteration) as committed:
-        ending.send(Result([], 2))
+        ending.send(result)
     then = committed.value.value
     assert isinstance(then, flows.Then)
-    # The delete again: nothing left on it, so it is deleted, and the answer counts the lease revoked first,
-    # as the lease's row says.
+    return then
+
+
+def _run_second(then: Any, semaphore: list[Any], counted: list[int] | None, revoked_now: int) -> int:
+    """Run the second transaction: SEMS_LOCK answers ``semaphore``; LEASES_COUNT_REVOKED is asked about
+    ``counted`` (None: not asked) and answers ``revoked_now``. Returns the delete's answer."""
     again = then.flow()
-    next(again)
-    assert again.send(Result([(4, "d", 2, 0)], 1)).name == "LEASES_HOLDING"
-    counted = again.send(Result([], 0))
-    assert (counted.name, dict(counted.params)) == ("LEASES_COUNT_REVOKED", {"ids": [8]})
-    assert again.send(Result([(1,)], 1)).name == "SEM_WAITERS_DELETE"
+    assert next(again).name == "SEMS_LOCK"
+    try:
+        step = again.send(Result(semaphore, len(semaphore)))
+    except StopIteration as done:  # nothing to count: no statement
+        assert counted is None
+        return int(done.value)
+    if step.name == "LEASES_HOLDING":
+        step = again.send(Result([], 0))
+    if counted is not None:
+        assert (step.name, dict(step.params)) == ("LEASES_COUNT_REVOKED", {"ids": counted})
+        try:
+            step = again.send(Result([(revoked_now,)], 1))
+        except StopIteration as done:
+            return int(done.value)
+    assert step.name == "SEM_WAITERS_DELETE"
     assert again.send(Result([], 0)).name == "SEM_TOMBSTONE"
     with pytest.raises(StopIteration) as deleted:
         again.send(Result([], 1))
-    assert deleted.value.value == 1
-    # Gone meanwhile, or made anew under the name: done.
-    for found in ([], [(5, "d", 2, 0)]):
-        again = then.flow()
-        next(again)
-        assert again.send(Result(found, len(found))).name == "LEASES_COUNT_REVOKED"
-        with pytest.raises(StopIteration) as done:
-            again.send(Result([(1,)], 1))
-        assert done.value.value == 1
+    return int(deleted.value.value)
 
 
-def test_a_delete_whose_first_commit_reply_was_lost_still_counts_what_it_revoked() -> None:
-    """The first transaction revoked the lease and committed, but its reply never came: the retry finds the
-    lease ended already and revokes nothing. The count comes from the lease's row, not from the retry."""
-    flow = flows.delete_semaphore("d", force=True)
-    next(flow)
-    flow.send(Result([(4, "d", 2, 1)], 1))
-    with pytest.raises(flows.Restart) as apart:
-        flow.send(Result([(8, 9000, 1000)], 1))
-    retried = apart.value.flow()  # the same transaction, run again by the store after the lost reply
-    assert next(retried).name == "LEASES_LOCK_HELD"
-    with pytest.raises(StopIteration) as committed:
-        retried.send(Result([], 0))  # ended already: nothing to lock
-    again = committed.value.value.flow()
+def test_a_delete_ends_the_leases_on_its_semaphore_apart_then_deletes() -> None:
+    """Lock order: the leases are ended in a transaction of their own (their rows, then their semaphores in
+    name order), then the delete runs again. Should the semaphore be gone by then (another delete), or made
+    anew under the name (the same row, made again), this delete answers what it revoked, and leaves it."""
+    restart, _ = _first_transaction([8])
+    then = _run_first(restart, [8])
+    # The delete again: nothing left on it, so it is deleted, and the answer counts the lease it revoked,
+    # as the lease's row says.
+    assert _run_second(then, [D_ROW], [8], 1) == 1
+    # Gone meanwhile, or made anew under the name (another row, or the same one with a new created_at_ms):
+    # done, and nothing of the new semaphore is touched.
+    for found in ([], [(5, "d", 2, 0, MADE_MS)], [(4, "d", 2, 0, MADE_MS + 5)]):
+        assert _run_second(then, found, [8], 1) == 1
+
+
+def test_a_delete_whose_commit_reply_was_lost_still_counts_what_it_revoked() -> None:
+    """The first transaction revoked the lease and committed, but its reply never came: the store runs it
+    again, which finds the lease ended already and revokes nothing. The count still has the lease. The same
+    for the second transaction: its retry finds the semaphore gone, and answers what both revoked."""
+    restart, _ = _first_transaction([8])
+    _run_first(restart, [8])  # committed; the reply is lost
+    then = _run_first(restart, [])  # the store's retry of the same transaction
+    assert _run_second(then, [D_ROW], [8], 1) == 1
+    # A lease granted between the two transactions is revoked in place by the second.
+    restart, _ = _first_transaction([8])
+    then = _run_first(restart, [8])
+    again = then.flow()
     next(again)
-    again.send(Result([(4, "d", 2, 0)], 1))
-    assert again.send(Result([], 0)).name == "LEASES_COUNT_REVOKED"
-    again.send(Result([(1,)], 1))
-    again.send(Result([], 0))
-    with pytest.raises(StopIteration) as deleted:
-        again.send(Result([], 1))
-    assert deleted.value.value == 1
+    again.send(Result([D_ROW], 1))
+    assert again.send(Result([(9, 9000, 1000)], 1)).name == "LEASES_LOCK_HELD"
+    assert again.send(Result([(9,)], 1)).name == "PERMITS_SUM"
+    assert again.send(Result([(4, 1)], 1)).name == "LEASES_END"
+    assert again.send(Result([], 1)).name == "SEM_GIVE_BACK"
+    counted = again.send(Result([], 1))
+    assert (counted.name, dict(counted.params)) == ("LEASES_COUNT_REVOKED", {"ids": [8, 9]})
+    # ... and its COMMIT reply is lost: the retry finds the semaphore deleted, and still counts both.
+    assert _run_second(then, [], [8, 9], 2) == 2
+
+
+def test_a_delete_counts_only_the_leases_it_revoked_itself() -> None:
+    """Two forced deletes of one semaphore at once, or an administrator's revoke of one of its leases in
+    between: a lease someone else ended first is theirs, not this delete's."""
+    restart, _ = _first_transaction([8, 9])
+    then = _run_first(restart, [9])  # 8 was revoked by someone else before this transaction locked it
+    assert _run_second(then, [D_ROW], [9], 1) == 1
+    restart, _ = _first_transaction([8, 9])
+    then = _run_first(restart, [])  # the other delete revoked both first, and deleted the semaphore
+    assert _run_second(then, [], None, 0) == 0

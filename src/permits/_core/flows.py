@@ -591,7 +591,7 @@ def set_capacity(name: str, capacity: int, by: str, reason: str) -> Flow[Capacit
     locked = yield Stmt("SEMS_LOCK", {"names": [name]})
     if not locked.rows:
         raise SemaphoreNotFound(f"no semaphore named {name!r}", name=name)
-    sem_id, _, old, _ = locked.rows[0]
+    sem_id, _, old = locked.rows[0][:3]
     yield Stmt("SEM_SET_CAPACITY", {"id": int(sem_id), "capacity": capacity})
     yield Stmt("HISTORY_INSERT", {"name": name, "old": int(old), "new": capacity, "by": by, "reason": reason})
     history = yield Stmt("HISTORY_LIST", {"name": name, "limit": 1})
@@ -625,35 +625,52 @@ def _in_use(name: str, leases: int) -> SemaphoreInUse:
     )
 
 
-def delete_semaphore(
-    name: str, force: bool, revoked_first: Sequence[int] = (), apart: bool = True, sem_id: int | None = None
-) -> Flow[int]:
+@dataclass
+class _Deleting:
+    """What a forced delete carries from its first transaction to its second, and across the store's retries
+    of either (a retry runs the same flow again, made anew from the same closure)."""
+
+    #: the semaphore the first transaction found: its row, and when it was made. A delete or a create
+    #: afterwards changes one of them (a create under a deleted name brings the same row back, with a new
+    #: created_at_ms)
+    sem_id: int
+    created_ms: int
+    #: the leases this delete's attempts ended as revoked. Counted only where they still stand revoked
+    #: (``_count_revoked``): an attempt that ended some may have rolled back
+    ended: set[int] = field(default_factory=set)
+
+
+def delete_semaphore(name: str, force: bool, deleting: _Deleting | None = None) -> Flow[int]:
     """Delete a semaphore; returns how many leases a forced delete revoked.
 
-    The leases on it are ended first, in a transaction of their own (``apart``), as a sweep or a revoke
-    ends them: their rows, then their semaphores in name order. Ended here, under this semaphore's row
-    lock, they would give back to their other semaphores after it, against the order of every grant, and a
-    grant over those semaphores beside it deadlocked (1 s on PostgreSQL). Then the delete runs again, and
-    ends in place only what was granted in between: going apart again and again, a forced delete of a busy
-    semaphore might never finish. ``revoked_first``: the leases the first transaction set out to revoke.
-    What it revoked is read back from them rather than carried over, because the reply to its COMMIT may
-    have been lost: its retry then finds them ended already and revokes nothing, and the count would say 0.
-    ``sem_id``: the semaphore the first pass found. Should it be gone by the second (another delete, maybe
-    a new one made under the name), this delete's work is done: it answers what it revoked."""
+    The leases on it are ended first, in a transaction of their own, as a sweep or a revoke ends them:
+    their rows, then their semaphores in name order. Ended here, under this semaphore's row lock, they would
+    give back to their other semaphores after it, against the order of every grant, and a grant over those
+    semaphores beside it deadlocked (1 s on PostgreSQL). Then the delete runs again (``deleting``: what the
+    first transaction found and did), and ends in place only what was granted in between: going apart again
+    and again, a forced delete of a busy semaphore might never finish.
+
+    The count is of the leases this delete ended, read back from their rows at the end: the reply to either
+    COMMIT may have been lost, and the store's retry then finds the leases ended, or the semaphore gone,
+    and would count nothing. A lease that another delete or an administrator revoked is theirs, not this
+    delete's. Should the semaphore be gone by the second transaction, or made anew under the name, this
+    delete's work is done (another delete's, or its own whose reply was lost): it answers what it revoked,
+    and leaves a semaphore made since alone."""
     locked = yield Stmt("SEMS_LOCK", {"names": [name]})
-    if not locked.rows or (sem_id is not None and int(locked.rows[0][0]) != sem_id):
-        if sem_id is not None:
-            return (yield from _count_revoked(revoked_first))
+    row = locked.rows[0] if locked.rows else None
+    if deleting is not None and (row is None or int(row[0]) != deleting.sem_id or int(row[4]) != deleting.created_ms):
+        return (yield from _count_revoked(deleting.ended))
+    if row is None:
         raise SemaphoreNotFound(f"no semaphore named {name!r}", name=name)
-    sem_id = int(locked.rows[0][0])
+    sem_id = int(row[0])
     holding = yield Stmt("LEASES_HOLDING", {"sem_id": sem_id})
     live = [int(r[0]) for r in holding.rows if int(r[1]) > int(r[2])]  # id, expires_at_ms, now_ms
     if live and not force:
         raise _in_use(name, len(live))
     expired = sorted({int(r[0]) for r in holding.rows} - set(live))
-    if apart and (expired or live):
-        found = sem_id
-        raise Restart(lambda: _end_then_delete(name, force, found, expired, live))
+    if deleting is None and (expired or live):
+        first = _Deleting(sem_id, int(row[4]))
+        raise Restart(lambda: _end_then_delete(name, force, first, expired, live))
     if expired:
         # An extend needs no semaphore row: one may have committed since the read, and its lease is live.
         _, ended = yield from _end_expired(expired)
@@ -663,25 +680,30 @@ def delete_semaphore(
     revoked: list[int] = []
     if live:
         _, revoked = yield from _end_held(live, EndReason.REVOKED)
-    before = yield from _count_revoked(revoked_first)
+    count = 0
+    if deleting is not None:
+        deleting.ended.update(revoked)
+        count = yield from _count_revoked(deleting.ended)
     yield Stmt("SEM_WAITERS_DELETE", {"id": sem_id})
     yield Stmt("SEM_TOMBSTONE", {"id": sem_id})
-    return before + len(revoked)
+    return count
 
 
-def _end_then_delete(name: str, force: bool, sem_id: int, expired: Sequence[int], live: Sequence[int]) -> Flow[Then]:
+def _end_then_delete(
+    name: str, force: bool, deleting: _Deleting, expired: Sequence[int], live: Sequence[int]
+) -> Flow[Then]:
     """End the leases a delete found on its semaphore (the live ones only if ``force``), and commit; then
     the delete again, ending in place only what was granted since (see ``delete_semaphore``)."""
     if expired:
         _, ended = yield from _end_expired(expired)
         live = [*live, *sorted(set(expired) - set(ended))]  # extended since the read: live after all
-    targets = sorted(live) if force else []
-    if targets:
-        yield from _end_held(targets, EndReason.REVOKED)
-    return Then(lambda: delete_semaphore(name, force, targets, apart=False, sem_id=sem_id))
+    if live and force:
+        _, revoked = yield from _end_held(live, EndReason.REVOKED)
+        deleting.ended.update(revoked)
+    return Then(lambda: delete_semaphore(name, force, deleting))
 
 
-def _count_revoked(ids: Sequence[int]) -> Flow[int]:
+def _count_revoked(ids: set[int]) -> Flow[int]:
     """How many of the leases ``ids`` stand revoked."""
     if not ids:
         return 0

@@ -115,9 +115,9 @@ PORTABLE_SQL: dict[str, str] = {
         WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
         RETURNING last_token, fair""",
     # Lock the named semaphores in name order, so two multi-semaphore acquires never wait in a cycle.
-    # params: names -> id, name, capacity, used
+    # params: names -> id, name, capacity, used, created_at_ms
     "SEMS_LOCK": """
-        SELECT id, name, capacity, used FROM permits_semaphore
+        SELECT id, name, capacity, used, created_at_ms FROM permits_semaphore
         WHERE name IN :names AND deleted = 0 ORDER BY name{for_update}""",
     # Every row of one lease, one per semaphore. params: owner, key
     # -> id, state, end_reason, acquired_at_ms, expires_at_ms, ended_at_ms, now_ms, name, count, token,
@@ -151,7 +151,7 @@ PORTABLE_SQL: dict[str, str] = {
         SELECT x.leased,
             CASE WHEN EXISTS (
                 SELECT 1 FROM permits_lease l{held_index}
-                JOIN permits_permit p ON p.lease_id = l.id
+                {held_join} permits_permit p ON p.lease_id = l.id
                 WHERE l.state = 1 AND l.expires_at_ms <= {now} AND p.semaphore_id = s.id)
             THEN 1 ELSE 0 END AS expired,
             s.id, s.name, s.capacity, s.used, s.fair
@@ -202,8 +202,8 @@ PORTABLE_SQL: dict[str, str] = {
     # Held leases past their expiry that hold any of these semaphores. params: sem_ids -> id
     "EXPIRED_FOR_SEMS": """
         SELECT DISTINCT l.id FROM permits_lease l{held_index}
-        JOIN permits_permit p ON p.lease_id = l.id
-        WHERE l.state = 1 AND l.expires_at_ms <= {now} AND +p.semaphore_id IN :sem_ids""",
+        {held_join} permits_permit p ON p.lease_id = l.id
+        WHERE l.state = 1 AND l.expires_at_ms <= {now} AND p.semaphore_id IN :sem_ids""",
     # Lock leases and keep those still held: the re-check under lock means no lease is ended twice.
     # params: ids -> id
     "LEASES_LOCK_HELD": "SELECT id FROM permits_lease WHERE id IN :ids AND state = 1 ORDER BY id{for_update}",
@@ -247,8 +247,8 @@ PORTABLE_SQL: dict[str, str] = {
     "HOLDERS": """
         SELECT l.owner, l.lease_key, p.count, p.token, l.acquired_at_ms, l.expires_at_ms, {now}
         FROM permits_lease l{held_index}
-        JOIN permits_permit p ON p.lease_id = l.id
-        JOIN permits_semaphore s ON s.id = +p.semaphore_id
+        {held_join} permits_permit p ON p.lease_id = l.id
+        JOIN permits_semaphore s ON s.id = p.semaphore_id
         WHERE l.state = 1 AND s.name = :name AND s.deleted = 0
         ORDER BY p.token""",
     # Bring a deleted semaphore back; its fencing tokens carry on. params: name, capacity
@@ -281,10 +281,10 @@ PORTABLE_SQL: dict[str, str] = {
     # Held leases (expired or not) with permits of one semaphore. params: sem_id -> id, expires_at_ms, now_ms
     "LEASES_HOLDING": """
         SELECT l.id, l.expires_at_ms, {now} FROM permits_lease l{held_index}
-        JOIN permits_permit p ON p.lease_id = l.id
-        WHERE l.state = 1 AND +p.semaphore_id = :sem_id""",
-    # How many of these leases a revoke ended (a forced delete counts what its first transaction revoked,
-    # whether or not the reply to that COMMIT arrived). params: ids -> count
+        {held_join} permits_permit p ON p.lease_id = l.id
+        WHERE l.state = 1 AND p.semaphore_id = :sem_id""",
+    # How many of these leases stand revoked (a forced delete counts those it ended, whether or not the
+    # reply to the COMMIT arrived). params: ids -> count
     "LEASES_COUNT_REVOKED": """
         SELECT COUNT(*) FROM permits_lease WHERE id IN :ids AND state = 0 AND end_reason = 'revoked'""",
     # params: id
@@ -305,15 +305,16 @@ PORTABLE_SQL: dict[str, str] = {
     # Each semaphore's stored count beside the sum over its held permit rows, in one statement so both come
     # from one snapshot. -> id, name, used, actual
     "DRIFT_CHECK": """
-        SELECT s.id, s.name, s.used,
-               COALESCE((SELECT SUM(p.count) FROM permits_lease l{held_index}
-                         JOIN permits_permit p ON p.lease_id = l.id
-                         WHERE l.state = 1 AND +p.semaphore_id = s.id), 0),
+        SELECT s.id, s.name, s.used, COALESCE(h.used, 0),
                s.last_token,
                COALESCE((SELECT MAX(p.token) FROM permits_permit p WHERE p.semaphore_id = s.id), 0),
                (SELECT COUNT(*) FROM permits_permit p WHERE p.semaphore_id = s.id
                 AND NOT EXISTS (SELECT 1 FROM permits_lease l WHERE l.id = p.lease_id))
-        FROM permits_semaphore s WHERE s.deleted = 0 ORDER BY s.name""",
+        FROM permits_semaphore s
+        LEFT JOIN (SELECT p.semaphore_id, SUM(p.count) AS used FROM permits_lease l{held_index}
+                   {held_join} permits_permit p ON p.lease_id = l.id
+                   WHERE l.state = 1 GROUP BY p.semaphore_id) h ON h.semaphore_id = s.id
+        WHERE s.deleted = 0 ORDER BY s.name""",
     # Permit rows whose lease is gone: no flow writes one (a permit and its lease commit together, and
     # go together), but a half-committed grant did (docs/deployment.md, Galera). params: sem_id
     "PERMITS_ORPHANED_DELETE": """
@@ -325,8 +326,8 @@ PORTABLE_SQL: dict[str, str] = {
     # params: sem_id -> sum(count) over held leases
     "USED_ACTUAL_ONE": """
         SELECT COALESCE(SUM(p.count), 0) FROM permits_lease l{held_index}
-        JOIN permits_permit p ON p.lease_id = l.id
-        WHERE l.state = 1 AND +p.semaphore_id = :sem_id""",
+        {held_join} permits_permit p ON p.lease_id = l.id
+        WHERE l.state = 1 AND p.semaphore_id = :sem_id""",
     # Held leases of one owner or owner range (byte order: every backend compares names exactly).
     # params: exact, low, high -> count
     "LEASES_HELD_BY": """
@@ -335,8 +336,8 @@ PORTABLE_SQL: dict[str, str] = {
     # Held leases per semaphore (held leases are few). -> name, leases
     "LEASES_PER_SEMAPHORE": """
         SELECT s.name, COUNT(*) FROM permits_lease l{held_index}
-        JOIN permits_permit p ON p.lease_id = l.id
-        JOIN permits_semaphore s ON s.id = +p.semaphore_id
+        {held_join} permits_permit p ON p.lease_id = l.id
+        JOIN permits_semaphore s ON s.id = p.semaphore_id
         WHERE l.state = 1 AND s.deleted = 0
         GROUP BY s.name""",
     # -> owner (of held leases)
@@ -385,12 +386,14 @@ class Dialect:
     clock_now_sql: ClassVar[str] = ""
     #: appended to locking reads; empty where the engine has no row locks
     for_update: ClassVar[str] = " FOR UPDATE"
-    #: ``{held_index}``, after ``permits_lease`` in the statements that read held leases: SQLite's hint to
-    #: read them through the index of held leases only (migration 0007). Without it SQLite's planner, which
-    #: has no statistics unless someone runs ANALYZE, read a semaphore's whole history for its holders,
-    #: or the whole lease table for a reclaim. The servers' planners know from their statistics how few
-    #: leases are held (tests/conformance/test_history_reads.py).
+    #: ``{held_index}``, after ``permits_lease`` in the statements that read held leases, and ``{held_join}``,
+    #: the join from those leases to their permits: SQLite's hints to read the held leases through their own
+    #: index (migration 0007), then their permits by lease. Without them SQLite's planner, which has no
+    #: statistics unless someone runs ANALYZE, read a semaphore's whole history for its holders, or (after
+    #: ANALYZE) the whole lease table for a reclaim. The servers' planners know from their statistics how
+    #: few leases are held (tests/conformance/test_history_reads.py).
     held_index: ClassVar[str] = ""
+    held_join: ClassVar[str] = "JOIN"
     #: INSERT ... RETURNING is available
     insert_returning: ClassVar[bool] = True
     #: switching a pooled connection to autocommit and back costs no round trip (see Stmt.alone)
@@ -426,7 +429,12 @@ class Dialect:
         gate = FAIR_GATE.format(now=now)
         for name, template in self._sql.items():
             filled = template.format(
-                now=now, clock_now=clock_now, for_update=self.for_update, fair_gate=gate, held_index=self.held_index
+                now=now,
+                clock_now=clock_now,
+                for_update=self.for_update,
+                fair_gate=gate,
+                held_index=self.held_index,
+                held_join=self.held_join,
             )
             clause = text(filled.strip())
             expanding: list[Any] = [bindparam(p, expanding=True) for p in _EXPANDING if _expands(template, p)]

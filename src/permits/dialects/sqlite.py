@@ -34,6 +34,8 @@ class SQLite(Dialect):
     now_sql = _NOW_SQL
     for_update = ""
     held_index = " INDEXED BY ix_permits_lease_held"
+    # A CROSS JOIN's left side is SQLite's outer loop: the held leases first, then their permits by lease.
+    held_join = "CROSS JOIN"
     # A read-only transaction starts with BEGIN, which takes no write lock (stores/direct.py).
     cheaper_readonly = True
     sync_driver = "pysqlite"

@@ -9,9 +9,10 @@ the planner believes about it.
 leases are held. SQLite keeps no statistics unless someone runs ANALYZE, and with them it keeps one
 average per index column: ``state`` then looks like a column with two values, each on half the rows, and
 with 1,000,000 ended leases the planner scanned the lease table for a sweep, a reclaim or the held
-owners. PostgreSQL without statistics (autovacuum off, or a table just loaded) read every permit of a
-semaphore to find its holders. A partial index holds the held leases only, so its own size tells every
-planner how few they are, and a release takes its lease out of it instead of writing a new entry.
+owners. A partial index holds the held leases only: SQLite's statements name it (``held_index`` in
+dialects/base.py), and with statistics SQLite and PostgreSQL see from it how few leases are held (without
+them PostgreSQL still guesses: docs/deployment.md, "History and the planner"). A release writes no entry
+in it, where it wrote one in the old index.
 
 MariaDB has no partial indexes, and InnoDB estimates ``state = 1`` by reading the index itself: it keeps
 the old index.
