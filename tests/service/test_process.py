@@ -3,6 +3,7 @@ the OpenAPI document, and several instances on one database."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 import permits
 from tests._children import run_take_turns
+from tests._proxy import CuttingProxy
 from tests._service import Service, running, wait_until
 
 
@@ -239,3 +241,31 @@ def test_openapi_document_states_this_instances_limits(sqlite_url: str) -> None:
     assert wrong_method.status_code == 405
     assert wrong_method.json()["error"]["code"] == "method_not_allowed"
     assert set(wrong_method.headers["allow"].split(", ")) >= {"GET", "PATCH", "DELETE"}
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_delete_whose_reply_is_lost_is_not_sent_again(db_url: str, ns: str) -> None:
+    """The client retries a request whose connection dropped, but not a delete that may have reached the
+    service: sent again, it could delete (and, forced, revoke the leases of) a semaphore created under the
+    name in between. The caller gets StorageUnavailable saying so, as from a database whose reply was lost.
+    A delete that never left (no connection) is still retried."""
+    name = f"{ns}gone"
+    with (
+        running(db_url) as service,
+        CuttingProxy(("127.0.0.1", int(service.url.rsplit(":", 1)[1].rstrip("/")))) as proxy,
+        permits.connect(f"http://127.0.0.1:{proxy.port}", retries=3) as client,
+        permits.connect(db_url) as direct,
+    ):
+        client.create_semaphore(name, 1)  # the client's connection to the service is open
+        direct.acquire(name, ttl=30)
+        connections = proxy.connections
+        proxy.cut_after_client_packets(1)  # the DELETE reaches the service; no reply comes back
+        with pytest.raises(permits.StorageUnavailable, match="may have been carried out"):
+            client.delete_semaphore(name, force=True)
+        proxy.heal()
+        assert proxy.connections == connections, "the delete was sent again"
+        # Carried out or not, the outcome is the service's: asked again, the caller finds out.
+        with contextlib.suppress(permits.SemaphoreNotFound):
+            assert client.delete_semaphore(name, force=True) in (0, 1)
+        with pytest.raises(permits.SemaphoreNotFound):
+            direct.get_semaphore(name)

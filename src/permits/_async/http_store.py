@@ -48,6 +48,8 @@ logger = logging.getLogger("permits.http")
 RESPONSE_MARGIN = 30.0
 #: The longest Retry-After this client honours; the service asks for seconds, not minutes.
 MAX_RETRY_AFTER = 5.0
+#: Transport failures that come before a request is sent: no connection was made, or none was free.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 def path_part(value: str) -> str:
@@ -187,7 +189,9 @@ class AsyncHTTPStore:
 
     async def delete_semaphore(self, name: str, force: bool) -> int:
         params = {"force": "true" if force else "false"}
-        data = await self._call("DELETE", f"/v1/semaphores/{path_part(name)}", params=params)
+        # Not sent again once it may have reached the service: done twice, the second could delete (and, with
+        # force, revoke the leases of) a semaphore created under the name in between.
+        data = await self._call("DELETE", f"/v1/semaphores/{path_part(name)}", params=params, idempotent=False)
         return int(data["revoked"])
 
     async def ping(self) -> None:
@@ -214,8 +218,10 @@ class AsyncHTTPStore:
 
     # --------------------------------------------------------------------------------------------- driver
 
-    async def _call(self, method: str, path: str, *, waits: float = 0.0, **kwargs: Any) -> Any:
-        """One request, retried on a dropped connection or a retryable refusal; returns the JSON body."""
+    async def _call(self, method: str, path: str, *, waits: float = 0.0, idempotent: bool = True, **kwargs: Any) -> Any:
+        """One request, retried on a dropped connection or a retryable refusal; returns the JSON body.
+        ``idempotent=False``: after a failure that may have come once the request was sent (the reply lost),
+        it is not sent again, and the caller learns that its outcome is unknown."""
         if self._closed:
             raise UsageError("this client is closed")
         timeout = httpx.Timeout(RESPONSE_MARGIN + waits, connect=5.0)
@@ -224,6 +230,12 @@ class AsyncHTTPStore:
             try:
                 response = await self._http.request(method, path, timeout=timeout, **kwargs)
             except httpx.TransportError as exc:
+                if not idempotent and not isinstance(exc, NOT_SENT):
+                    raise StorageUnavailable(
+                        f"permits service at {self.url} did not answer ({type(exc).__name__}: {exc}); the request"
+                        " may have been carried out",
+                        url=self.url,
+                    ) from exc
                 if failures >= self._settings.retries:
                     raise StorageUnavailable(
                         f"permits service unavailable at {self.url}: {type(exc).__name__}: {exc}", url=self.url

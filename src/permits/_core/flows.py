@@ -628,7 +628,9 @@ def _in_use(name: str, leases: int) -> SemaphoreInUse:
 @dataclass
 class _Deleting:
     """What a forced delete carries from its first transaction to its second, and across the store's retries
-    of either (a retry runs the same flow again, made anew from the same closure)."""
+    of either after a lost connection or a conflict (a retry runs the same flow again, made anew from the
+    same closure). A restart after a duplicate key begins the operation anew, without it: no statement of a
+    delete can meet one."""
 
     #: the semaphore the first transaction found: its row, and when it was made. A delete or a create
     #: afterwards changes one of them (a create under a deleted name brings the same row back, with a new

@@ -49,6 +49,8 @@ logger = logging.getLogger("permits.http")
 RESPONSE_MARGIN = 30.0
 #: The longest Retry-After this client honours; the service asks for seconds, not minutes.
 MAX_RETRY_AFTER = 5.0
+#: Transport failures that come before a request is sent: no connection was made, or none was free.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 def path_part(value: str) -> str:
@@ -188,7 +190,9 @@ class HTTPStore:
 
     def delete_semaphore(self, name: str, force: bool) -> int:
         params = {"force": "true" if force else "false"}
-        data = self._call("DELETE", f"/v1/semaphores/{path_part(name)}", params=params)
+        # Not sent again once it may have reached the service: done twice, the second could delete (and, with
+        # force, revoke the leases of) a semaphore created under the name in between.
+        data = self._call("DELETE", f"/v1/semaphores/{path_part(name)}", params=params, idempotent=False)
         return int(data["revoked"])
 
     def ping(self) -> None:
@@ -215,8 +219,10 @@ class HTTPStore:
 
     # --------------------------------------------------------------------------------------------- driver
 
-    def _call(self, method: str, path: str, *, waits: float = 0.0, **kwargs: Any) -> Any:
-        """One request, retried on a dropped connection or a retryable refusal; returns the JSON body."""
+    def _call(self, method: str, path: str, *, waits: float = 0.0, idempotent: bool = True, **kwargs: Any) -> Any:
+        """One request, retried on a dropped connection or a retryable refusal; returns the JSON body.
+        ``idempotent=False``: after a failure that may have come once the request was sent (the reply lost),
+        it is not sent again, and the caller learns that its outcome is unknown."""
         if self._closed:
             raise UsageError("this client is closed")
         timeout = httpx.Timeout(RESPONSE_MARGIN + waits, connect=5.0)
@@ -225,6 +231,12 @@ class HTTPStore:
             try:
                 response = self._http.request(method, path, timeout=timeout, **kwargs)
             except httpx.TransportError as exc:
+                if not idempotent and not isinstance(exc, NOT_SENT):
+                    raise StorageUnavailable(
+                        f"permits service at {self.url} did not answer ({type(exc).__name__}: {exc}); the request"
+                        " may have been carried out",
+                        url=self.url,
+                    ) from exc
                 if failures >= self._settings.retries:
                     raise StorageUnavailable(
                         f"permits service unavailable at {self.url}: {type(exc).__name__}: {exc}", url=self.url
