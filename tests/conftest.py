@@ -35,8 +35,11 @@ _SESSION_DB = f"permits_t_{os.getpid()}_{uuid.uuid4().hex[:6]}"
 
 def sqlalchemy_url(db_url: str) -> str:
     """A permits database URL with the sync drivers named, for a test's own SQLAlchemy engine (to look at or
-    damage the tables behind permits' back)."""
-    return db_url.replace("mysql://", "mysql+pymysql://", 1).replace("postgresql://", "postgresql+psycopg://", 1)
+    damage the tables behind permits' back). A URL that names its driver already is returned as it is."""
+    for plain, named in (("mysql://", "mysql+pymysql://"), ("postgresql://", "postgresql+psycopg://")):
+        if db_url.startswith(plain):
+            return named + db_url.removeprefix(plain)
+    return db_url
 
 
 def _admin_url(backend: str) -> URL:

@@ -71,11 +71,6 @@ _SERIES = {
 }
 
 
-def _engine_url(url: str) -> str:
-    """own_database's URLs name their driver already."""
-    return url if "+" in url.split("://")[0] else sqlalchemy_url(url)
-
-
 def _load(url: str, backend: str) -> dict[str, Any]:
     """The schema, a semaphore with HISTORY old leases, two held ones and one held past its expiry, a second
     semaphore with nothing; returns the statements' parameters."""
@@ -85,7 +80,7 @@ def _load(url: str, backend: str) -> dict[str, Any]:
         client.acquire("hot", ttl=300)
         client.acquire("hot", ttl=300)
         client.acquire("hot", ttl=0.001)
-    engine = create_engine(_engine_url(url))
+    engine = create_engine(sqlalchemy_url(url))
     concat = "CONCAT('h', i)" if backend == "mysql" else "'h' || CAST(i AS TEXT)"
     try:
         with engine.begin() as conn:
@@ -182,7 +177,7 @@ def _mariadb_rows(url: str, params: dict[str, Any]) -> dict[str, int]:
         return own + sum(read(value) for value in node.values())
 
     flat = _flat_params(params)
-    engine = create_engine(_engine_url(url))
+    engine = create_engine(sqlalchemy_url(url))
     found = {}
     try:
         with engine.connect() as conn:
