@@ -84,6 +84,10 @@ class Settings:
     token: str | None = None
     #: the pooler in front of PostgreSQL, from the URL's ``pooler`` parameter (which ``url`` no longer has)
     pooler: Pooler | None = None
+    #: database connections the store keeps open (``None``: SQLAlchemy's default, 5). Up to as many again
+    #: open in a burst, and close when they come back to a full pool: a client that runs more operations at
+    #: once than this pays a new connection for each one past it.
+    pool_size: int | None = None
 
     @property
     def shown_url(self) -> str:
@@ -102,6 +106,7 @@ class Settings:
         retries: int,
         auto_upgrade: bool | None,
         token: str | None = None,
+        pool_size: int | None = None,
     ) -> Settings:
         parsed, pooler = _take_pooler(parse_url(url))
         wait = _validate.timeout(lock_wait_timeout)
@@ -118,6 +123,7 @@ class Settings:
             auto_upgrade=parsed.get_backend_name() == "sqlite" if auto_upgrade is None else auto_upgrade,
             token=_token(token),
             pooler=pooler,
+            pool_size=pool_size,
         )
 
 

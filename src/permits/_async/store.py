@@ -531,6 +531,29 @@ class AsyncSQLStore:
         lease: Lease | None = result
         return lease
 
+    @property
+    def hands_over(self) -> bool:
+        """Whether ``hand_over`` can release and grant together in one statement here (``HAND_OVER``)."""
+        return self._dialect.has("HAND_OVER")
+
+    async def hand_over(
+        self,
+        name: str,
+        gone: Sequence[tuple[str, str]],
+        requests: Sequence[tuple[str, str, int]],
+        wait: float | None = None,
+    ) -> flows.HandedOver:
+        """Group commit: release the leases ``gone`` (owner, key), each over ``name`` alone, and grant
+        ``requests`` (owner, key, ttl_ms) for one permit each of ``name``, in the order given, in one
+        statement (``flows.hand_over``). ``wait`` bounds how long lock conflicts are retried, as in
+        ``try_acquire``; ``None``, releases only: retried as a release's are."""
+        asked = [flows.Request(owner, key, [Want(name, 1)], ttl_ms) for owner, key, ttl_ms in requests]
+        deadline = None if wait is None else monotonic() + wait
+        handed: flows.HandedOver = await self._run(
+            lambda: flows.hand_over(name, gone, asked), deadline=deadline, persist=wait is None
+        )
+        return handed
+
     async def _read_place(self, owner: str, key: str, deadline: float | None) -> int | None:
         """How many permits a queued request is short of fitting now, read without a lock; ``None`` when it
         holds no live place (it lapsed: the attempt then finds out, as it would have without the read).

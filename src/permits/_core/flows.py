@@ -348,6 +348,67 @@ def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease 
     return _granted(req, {str(row[3]): int(row[4]) for row in done.rows}, acquired_ms, expires_ms)
 
 
+@dataclass(frozen=True, slots=True)
+class HandedOver:
+    """What one turn of a semaphore's line did (``hand_over``)."""
+
+    #: per release, in the order given: whether this turn released it. One it did not was not held (or its
+    #: TTL had passed, or it holds permits of another semaphore too): released alone, it says what it is.
+    released: list[bool]
+    #: per request, in the order given: its lease, or ``None`` when this turn did not grant it
+    leases: list[Lease | None]
+    #: the requests not granted must each ask alone, which tells their cases apart: the semaphore is fair
+    #: (its queue orders its requests), or gone, or a key among them has a lease already (a retry of a
+    #: granted request, answered from its lease when it asks alone). Otherwise they found no room left.
+    ask_alone: bool = False
+    #: the semaphore is fair: its requests are not for the line's turns
+    fair: bool = False
+
+
+def hand_over(name: str, gone: Sequence[tuple[str, str]], reqs: Sequence[Request]) -> Flow[HandedOver]:
+    """Group commit, for the service's lines: in one statement and one commit (``HAND_OVER``, where the
+    dialect has it), release the leases ``gone`` (owner, key), each over the semaphore ``name`` alone, and
+    grant ``reqs``, requests for one permit each of ``name``, in the order given, as many as the room then
+    allows. The semaphore's row is written once, conditionally, for all of it. Expired leases are not
+    reclaimed here: a request that found no room asks alone, with its full recheck, as a waiter does."""
+    assert all(len(r.wants) == 1 and r.wants[0].name == name and r.wants[0].count == 1 for r in reqs), reqs
+    params = {
+        "name": name,
+        "gone_owners": [owner for owner, _ in gone],
+        "gone_keys": [key for _, key in gone],
+        "owners": [r.owner for r in reqs],
+        "keys": [r.key for r in reqs],
+        "ttls": [r.ttl_ms for r in reqs],
+    }
+    try:
+        done = yield Stmt("HAND_OVER", params, alone=True)
+    except DuplicateKey:
+        raise Restart(lambda: _handed_nothing(len(gone), len(reqs))) from None
+    granted: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+    released: set[tuple[str, str]] = set()
+    fair: Any = None
+    for kind, owner, key, at, until, token in done.rows:
+        if kind == 1:
+            granted[(str(owner), str(key))] = (token, at, until)
+        elif kind == 2:
+            released.add((str(owner), str(key)))
+        elif kind == 3:
+            fair = token
+    leases: list[Lease | None] = []
+    for req in reqs:
+        found = granted.get((req.owner, req.key))
+        leases.append(None if found is None else _granted(req, {name: int(found[0])}, found[1], found[2]))
+    return HandedOver(
+        [lease in released for lease in gone], leases, ask_alone=fair is None or bool(fair), fair=bool(fair)
+    )
+
+
+def _handed_nothing(releases: int, requests: int) -> Flow[HandedOver]:
+    """A turn in which a key had a lease already: it did nothing, and everything in it asks alone."""
+    yield from ()  # a flow that sends nothing
+    return HandedOver([False] * releases, [None] * requests, ask_alone=True)
+
+
 def _reclaim_then(d: Dialect, req: Request, sem_ids: Sequence[int]) -> Flow[Then]:
     """End the expired leases that hold any of ``sem_ids`` (the semaphores that lack room, and the fair ones)
     and commit, then ask again, as the attempt would have (a refusal still takes or keeps the request's

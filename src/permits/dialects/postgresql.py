@@ -243,6 +243,78 @@ class PostgreSQL(Dialect):
                 WHERE owner = :owner AND lease_key = :key AND EXISTS (SELECT 1 FROM lease))
             SELECT lease.id, lease.acquired_at_ms, lease.expires_at_ms, CAST(taken.name AS TEXT), taken.last_token
             FROM lease, taken""",
+        # Group commit, for the service's lines (server/handoff.py): one statement and one commit for what
+        # a semaphore's line has gathered since its last turn, the releases of leases over that semaphore
+        # alone and the waiting requests for one permit of it. The releases end their leases first (lease
+        # rows, then the semaphore's row, the order of every release); then, under the row's lock, the
+        # requests are granted in the order given, as many as the room left by those releases allows, and the
+        # row is written once: its count less what came back and plus what was granted, its token counter
+        # moved on by the number granted, conditionally, so capacity is still checked by the database as the
+        # row is written. The k-th request granted gets the k-th of the new tokens. A fair semaphore takes no
+        # part: its queue decides who goes first, and its releases call the waiters that fit (RELEASE); nor
+        # does a lease that holds permits of another semaphore too. Those are released alone by their
+        # callers, and the requests ask alone. A key that has a lease already
+        # fails the whole statement (unique_violation), and everything in it is then asked alone, which
+        # answers a retry from its lease. Permits that come back and are not handed over notify as RELEASE's
+        # do. params: name, gone_owners, gone_keys (the releases), owners, keys, ttls (the requests; arrays,
+        # one item each) -> kind, owner, key, acquired_at_ms, expires_at_ms, token: kind 1, a request granted;
+        # 2, a lease released; 3, one row with the semaphore's fair flag in ``token`` (NULL: no such
+        # semaphore); 4, the notifications' own
+        "HAND_OVER": """
+            WITH ended AS (
+                UPDATE permits_lease l SET state = 0, end_reason = 'released', ended_at_ms = {now}
+                FROM unnest(CAST(:gone_owners AS TEXT[]), CAST(:gone_keys AS TEXT[])) AS g (owner, lease_key)
+                WHERE l.owner = g.owner AND l.lease_key = g.lease_key AND l.state = 1 AND l.expires_at_ms > {now}
+                    AND NOT EXISTS (
+                        SELECT 1 FROM permits_permit p JOIN permits_semaphore o ON o.id = p.semaphore_id
+                        WHERE p.lease_id = l.id AND (o.name <> :name OR o.fair <> 0))
+                RETURNING l.id, l.owner, l.lease_key),
+            returned AS (
+                SELECT COALESCE(SUM(p.count), 0) AS n FROM ended e JOIN permits_permit p ON p.lease_id = e.id),
+            locked AS MATERIALIZED (
+                SELECT s.id, r.n, CASE WHEN s.fair = 0 AND s.deleted = 0
+                    THEN LEAST(GREATEST(s.capacity - s.used + r.n, 0), cardinality(CAST(:keys AS TEXT[])))
+                    ELSE 0 END AS k
+                FROM permits_semaphore s, returned r
+                WHERE s.name = :name
+                FOR NO KEY UPDATE OF s),
+            taken AS (
+                UPDATE permits_semaphore s
+                SET used = s.used - l.n + l.k, last_token = s.last_token + l.k, updated_at_ms = {clock_now}
+                FROM locked l
+                WHERE s.id = l.id AND (l.n > 0 OR l.k > 0) AND (l.k = 0 OR s.used - l.n + l.k <= s.capacity)
+                RETURNING s.id, s.name, s.last_token - l.k AS before, l.n, l.k, {clock_now} AS granted_ms,
+                    s.capacity - s.used AS room, s.fair, s.listened_until_ms),
+            asked AS (
+                SELECT a.owner, a.lease_key, a.ttl_ms, a.place
+                FROM unnest(CAST(:owners AS TEXT[]), CAST(:keys AS TEXT[]), CAST(:ttls AS BIGINT[]))
+                    WITH ORDINALITY AS a (owner, lease_key, ttl_ms, place)),
+            granted AS (
+                SELECT a.owner, a.lease_key, a.ttl_ms, t.id AS semaphore_id, t.before + a.place AS token, t.granted_ms
+                FROM asked a, taken t
+                WHERE a.place <= t.k),
+            lease AS (
+                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
+                SELECT owner, lease_key, 1, granted_ms, granted_ms + ttl_ms FROM granted
+                RETURNING id, owner, lease_key, acquired_at_ms, expires_at_ms),
+            permit AS (
+                INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
+                SELECT l.id, g.semaphore_id, 1, g.token
+                FROM lease l JOIN granted g ON g.owner = l.owner AND g.lease_key = l.lease_key
+                RETURNING lease_id, token),
+            freed AS (
+                SELECT id, name, room, fair, listened_until_ms FROM taken WHERE n > 0 AND room > 0)
+            SELECT 1, l.owner, l.lease_key, l.acquired_at_ms, l.expires_at_ms, p.token
+            FROM lease l JOIN permit p ON p.lease_id = l.id
+            UNION ALL
+            SELECT 2, e.owner, e.lease_key, NULL, NULL, NULL FROM ended e
+            UNION ALL
+            SELECT 3, NULL, NULL, NULL, NULL, CAST(s.fair AS BIGINT)
+            FROM (SELECT 1) AS one LEFT JOIN permits_semaphore s ON s.name = :name AND s.deleted = 0
+            UNION ALL
+            SELECT 4, NULL, n.note, NULL, NULL, NULL FROM ("""
+        + _notify_while_listened("freed")
+        + """) AS n (note)""",
         # REFUSAL_READ with the names as one array parameter: the statement then goes to the driver as it
         # is, alone (see Stmt.alone), rather than through SQLAlchemy's expansion of ``IN :names``.
         "REFUSAL_READ": PORTABLE_SQL["REFUSAL_READ"].replace("IN :names", "= ANY(:names)"),

@@ -18,6 +18,7 @@ import permits
 from permits._exceptions import PermitsError, RequestTooLarge
 from permits.server import auth, dashboard, errors, routes, schemas, stats
 from permits.server.config import ServerConfig
+from permits.server.hot import HotRoutes
 from permits.server.maintenance import LivenessProbe, Maintainer
 from permits.server.metrics import Metrics
 from permits.server.state import ServiceState
@@ -79,6 +80,8 @@ def create_app(
         async def index() -> Response:
             return HTMLResponse(_NO_DASHBOARD)
 
+    # Innermost of these, so that it sees a body the limit let through, and is logged and counted.
+    app.add_middleware(HotRoutes, fastapi_app=app, state=state)
     app.add_middleware(_BodyLimit, max_bytes=config.limits.max_body_bytes)
 
     app.add_middleware(_AccessLog, metrics=state.metrics)

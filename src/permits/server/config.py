@@ -127,6 +127,8 @@ class ServerConfig(BaseSettings):
     #: longest time one request waits in the in-memory queue before a 503 (the database is that slow)
     prelock_wait: float = Field(default=10.0, gt=0)
     lock_wait_timeout: float = Field(DEFAULT_LOCK_WAIT_TIMEOUT, gt=0)
+    #: database connections this instance keeps open; up to as many again open in a burst, and close after
+    db_pool_size: int = Field(default=20, ge=1, le=1000)
     retries: int = Field(DEFAULT_RETRIES, ge=0, le=100)
     #: seconds in-flight requests get to finish at shutdown
     shutdown_grace: float = Field(default=10.0, ge=0)

@@ -46,6 +46,7 @@ from permits._exceptions import (
     UsageError,
 )
 from permits.server import routes
+from permits.server.metrics import Metrics
 
 logger = logging.getLogger("permits.server")
 
@@ -121,14 +122,14 @@ def _json_safe(details: dict[str, Any]) -> dict[str, Any]:
 
 def _allowed_methods(request: Request) -> str:
     methods: set[str] = set()
-    for route in _leaf_routes(request.app.router.routes):
+    for route in leaf_routes(request.app.router.routes):
         match, _ = route.matches(request.scope)
         if match is not Match.NONE:
             methods |= getattr(route, "methods", None) or set()
     return ", ".join(sorted(methods))
 
 
-def _leaf_routes(routes: list[Any]) -> Iterator[Any]:
+def leaf_routes(routes: list[Any]) -> Iterator[Any]:
     """The routes that answer requests, inside the routers the app includes (FastAPI keeps an included
     router whole, as ``original_router``) and inside mounts."""
     for route in routes:
@@ -136,7 +137,7 @@ def _leaf_routes(routes: list[Any]) -> Iterator[Any]:
             yield route
         else:  # an included router, which FastAPI keeps whole as ``original_router``, or a mount
             inner = getattr(route, "original_router", route)
-            yield from _leaf_routes(list(getattr(inner, "routes", [])))
+            yield from leaf_routes(list(getattr(inner, "routes", [])))
 
 
 async def _unparsed_body(request: Request, why: str) -> JSONResponse:
@@ -149,12 +150,25 @@ async def _unparsed_body(request: Request, why: str) -> JSONResponse:
     return error_response(InvalidArgument(f"the body is not valid JSON ({why})", field="body"))
 
 
+def permits_error_response(metrics: Metrics, exc: PermitsError) -> JSONResponse:
+    """The answer to a request that failed with one of permits' errors (storage errors are counted)."""
+    if isinstance(exc, StorageError):
+        metrics.storage_errors.labels(exc.code).inc()
+    return error_response(exc)
+
+
+def unexpected_response(method: str, path: str, exc: Exception) -> JSONResponse:
+    """The answer to a request that failed unexpectedly: a bare 500 naming an incident that the log explains."""
+    incident = uuid.uuid4().hex[:12]
+    logger.error("unexpected error (incident %s) on %s %s", incident, method, path, exc_info=exc)
+    body = error_body("internal_error", f"internal error; the service log has incident {incident}")
+    return JSONResponse(body, status_code=500)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(PermitsError)
     async def _permits_error(request: Request, exc: PermitsError) -> JSONResponse:
-        if isinstance(exc, StorageError):
-            request.app.state.permits.metrics.storage_errors.labels(exc.code).inc()
-        return error_response(exc)
+        return permits_error_response(request.app.state.permits.metrics, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -180,9 +194,4 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        incident = uuid.uuid4().hex[:12]
-        logger.error(
-            "unexpected error (incident %s) on %s %s", incident, request.method, request.url.path, exc_info=exc
-        )
-        body = error_body("internal_error", f"internal error; the service log has incident {incident}")
-        return JSONResponse(body, status_code=500)
+        return unexpected_response(request.method, request.url.path, exc)

@@ -17,8 +17,19 @@ So a release here costs one attempt, for the request that has waited longest, in
 The line is FIFO per instance. Across instances, the database still decides who gets a permit; a
 semaphore created ``fair`` keeps its database queue, and its requests do not use a line here.
 
-Every attempt is the store's ordinary ``try_acquire`` for that request (its own key, owner, ttl), through
-the pre-lock, so capacity, tokens and replays are exactly those of a direct attempt.
+Where the store can (PostgreSQL's ``HAND_OVER``), a line works in turns, one statement and one commit each
+(group commit): a turn releases the leases over that semaphore alone that were released through this
+instance since the last turn, and grants the requests at the head of the line, in their order, as many as
+the room then allows. A request for one permit of a plain semaphore then goes to the line at once, without
+asking alone first. On a hot semaphore every release and every grant would otherwise write the
+semaphore's row and wait for its own commit, one after another behind the row's lock; a turn writes it
+once for all of them, with its count checked by the database as it does for one.
+
+A request that a turn could not say anything about (the semaphore is fair, or gone, or a key among them has
+a lease already), and the head of a line that found no room when its full recheck is due (the key's
+earlier grant, expired leases to reclaim), asks alone: the store's ordinary ``try_acquire`` for that request
+(its own key, owner, ttl), through the pre-lock, so capacity, tokens and replays are exactly those of a
+direct attempt. A release that a turn did not release is released alone, which says what it was.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from typing import Any
 from permits._backoff import Backoff
 from permits._exceptions import ServiceUnavailable
 from permits._io import monotonic
-from permits._models import Lease, Want
+from permits._models import Lease, ReleaseOutcome, Want
 from permits._pacing import RECHECK_SECONDS
 from permits.server.prelock import PreLock, Waker
 from permits.stores.base import AsyncStore
@@ -43,6 +54,13 @@ logger = logging.getLogger("permits.server")
 #: Between attempts for the head of a line when nobody said that room came back. One statement per
 #: semaphore per instance, whatever the number of waiters, so the cap can be short.
 LINE_POLL = Backoff(base=0.005, cap=0.1)
+#: At most this many requests of a line are asked for in one turn (group commit); the room left usually
+#: bounds those granted first.
+TURN_REQUESTS = 64
+#: At most this many releases go in one turn.
+TURN_RELEASES = 256
+#: At most this many fair semaphores are remembered as such; past it the memory starts again.
+REMEMBERED_FAIR = 10_000
 #: How long one wait on the store's listener lasts before the line asks it again.
 LISTEN_SECONDS = 1.0
 #: A notification heard this soon after a hand-off here is taken for that release's own.
@@ -64,11 +82,26 @@ class _Ticket:
     attempting: bool = False
     #: The request stopped waiting (its deadline passed, or its HTTP request was cancelled).
     abandoned: bool = False
+    #: Its next attempt asks for it alone, with its full recheck: a turn could not say why it was not
+    #: granted (``flows.HandedOver.ask_alone``).
+    alone: bool = False
+
+
+@dataclass(eq=False)
+class _Release:
+    owner: str
+    key: str
+    #: what became of it (``None``: a turn did not release it; release it alone)
+    future: asyncio.Future[ReleaseOutcome | None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
 
 @dataclass(eq=False)
 class _Line:
     tickets: deque[_Ticket] = field(default_factory=deque)
+    #: releases of leases over this semaphore alone, for the next turn
+    releases: list[_Release] = field(default_factory=list)
     #: Set when this instance sees permits of the semaphore come back; cleared before each attempt.
     room: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -87,6 +120,8 @@ class HandOff:
         self._prelock = prelock
         self._waker = waker
         self._lines: dict[str, _Line] = {}
+        #: Semaphores a turn found fair: their requests ask alone, and keep their places in its queue.
+        self._fair: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -98,15 +133,52 @@ class HandOff:
         line = self._lines.get(name)
         return 0 if line is None else len(line.tickets)
 
+    @property
+    def turns(self) -> bool:
+        """Whether lines here work in turns (group commit): where the store can (``hands_over``)."""
+        return self.enabled and bool(getattr(self._inner, "hands_over", False))
+
+    def batches(self, name: str) -> bool:
+        """Whether requests for one permit of ``name`` go to its line at once, to be granted in its turns:
+        where lines work in turns, and the semaphore is not known to be fair."""
+        return self.turns and name not in self._fair
+
+    async def release(self, name: str, owner: str, key: str) -> ReleaseOutcome | None:
+        """Release a lease over ``name`` alone in the next turn of its line: what became of it, or ``None``
+        when the turn did not release it (it was not held, or the turn failed): release it alone, which says
+        what it is. A caller that stops waiting does not take it back: it goes in the turn all the same."""
+        line = self._line(name)
+        release = _Release(owner, key)
+        line.releases.append(release)
+        line.room.set()  # a turn is due
+        self._start(name, line)
+        return await asyncio.shield(release.future)
+
+    def _line(self, name: str) -> _Line:
+        line = self._lines.get(name)
+        if line is None:
+            line = self._lines[name] = _Line()
+            self._waker.watch(name, line.room)
+        return line
+
+    def _start(self, name: str, line: _Line) -> None:
+        if line.task is None:
+            line.task = asyncio.create_task(self._serve(name, line), name=f"permits-line-{name}")
+
     async def wait(
-        self, owner: str, key: str, want: Want, ttl_ms: int, seconds: float, rechecked_at: float | None
+        self,
+        owner: str,
+        key: str,
+        want: Want,
+        ttl_ms: int,
+        seconds: float,
+        rechecked_at: float | None,
+        fresh: bool = False,
     ) -> Lease | None:
-        """Wait in ``want.name``'s line for up to ``seconds``: the lease, or ``None`` when the time is up."""
+        """Wait in ``want.name``'s line for up to ``seconds``: the lease, or ``None`` when the time is up.
+        ``fresh``: the request has not asked yet; one that finds nobody waiting is asked for at once."""
         with self._waker.admitted():
-            line = self._lines.get(want.name)
-            if line is None:
-                line = self._lines[want.name] = _Line()
-                self._waker.watch(want.name, line.room)
+            line = self._line(want.name)
             # A retry of a request that is still in the line (its reply was lost, and the client asked again
             # under the same key) takes that request's place and answer, rather than queue behind it.
             twin = next((t for t in line.tickets if (t.owner, t.key) == (owner, key) and not t.abandoned), None)
@@ -115,9 +187,10 @@ class HandOff:
                 done, _ = await asyncio.wait({twin.future}, timeout=seconds)
                 return twin.future.result() if done and not twin.future.cancelled() else None
             ticket = _Ticket(owner, key, want, ttl_ms, monotonic() + seconds, rechecked_at)
+            if fresh and not any(not t.abandoned and not t.future.done() for t in line.tickets):
+                line.room.set()  # nobody waits for room: there may be some
             line.tickets.append(ticket)
-            if line.task is None:
-                line.task = asyncio.create_task(self._serve(want.name, line), name=f"permits-line-{want.name}")
+            self._start(want.name, line)
             try:
                 done, _ = await asyncio.wait({ticket.future}, timeout=seconds)
                 if not done and ticket.attempting:
@@ -137,21 +210,26 @@ class HandOff:
         refusals = 1  # the request that formed the line was refused just now
         waited = False
         try:
-            while line.tickets:
-                ticket = line.tickets[0]
-                if ticket.abandoned or ticket.future.done():
+            while line.tickets or line.releases:
+                if line.tickets and (line.tickets[0].abandoned or line.tickets[0].future.done()):
                     line.tickets.popleft()
                     continue
-                if self._waker.draining.is_set():
+                if self._waker.draining.is_set() and line.tickets:
                     for waiting in line.tickets:
                         if not waiting.future.done():
                             waiting.future.set_exception(
                                 ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
                             )
                     line.tickets.clear()
-                    return
-                # Ask when told of room, or when the poll is due: not straight after each grant, which on a
-                # full semaphore would cost a refused attempt per hand-off.
+                    continue  # the releases still go
+                if not line.tickets:  # releases only
+                    line.room.clear()
+                    await self._turn(name, line, [])
+                    continue
+                ticket = line.tickets[0]
+                # Ask when told of room (releases here are room, and due in a turn), or when the poll is due:
+                # not straight after each grant, which on a full semaphore would cost a refused attempt per
+                # hand-off.
                 if not waited and not line.room.is_set():
                     delay = min(LINE_POLL.delay(refusals), max(0.0, ticket.deadline - monotonic()))
                     await self._room_or_timeout(name, line, delay)
@@ -161,9 +239,22 @@ class HandOff:
                 line.room.clear()
                 now = monotonic()
                 recheck = ticket.rechecked_at is None or now - ticket.rechecked_at >= RECHECK_SECONDS
+                batch = self._batch(name, line)
+                if len(batch) > 1 or line.releases:
+                    if await self._turn(name, line, batch):
+                        refusals = 0
+                        line.handed_at = monotonic()
+                        continue
+                    # No room: the head asks alone (which reclaims expired leases) when its recheck is due.
+                    if batch and (not recheck or ticket.future.done()):
+                        refusals += 1
+                        continue
+                    if ticket.future.done():
+                        continue
                 if recheck:
                     ticket.rechecked_at = now
                 ticket.attempting = True
+                ticket.alone = False
                 try:
                     async with self._prelock.hold([name]):
                         lease = await self._inner.try_acquire(
@@ -211,12 +302,120 @@ class HandOff:
                 line.heard.cancel()
                 line.heard = None
             if self._lines.get(name) is line:
-                if line.tickets:  # a waiter arrived as the task ended (it was cancelled): serve it anew
+                if line.tickets or line.releases:
+                    # Something arrived as the task ended (it was cancelled): serve it anew; or, shutting down,
+                    # tell releases to go alone.
                     if not self._waker.draining.is_set():
-                        line.task = asyncio.create_task(self._serve(name, line), name=f"permits-line-{name}")
+                        self._start(name, line)
+                    else:
+                        for release in line.releases:
+                            if not release.future.done():
+                                release.future.set_result(None)
+                        line.releases.clear()
                 else:
                     del self._lines[name]
                     self._waker.unwatch(name, line.room)
+
+    def _batch(self, name: str, line: _Line) -> list[_Ticket]:
+        """The requests at the head of the line that a turn asks for, up to the first that must ask alone;
+        none where lines do not work in turns, or the semaphore is fair."""
+        batch: list[_Ticket] = []
+        if not self.batches(name):
+            return batch
+        for ticket in line.tickets:
+            if ticket.abandoned or ticket.future.done():
+                continue
+            if ticket.alone or len(batch) == TURN_REQUESTS:
+                break
+            batch.append(ticket)
+        return batch
+
+    async def _turn(self, name: str, line: _Line, batch: list[_Ticket]) -> bool:
+        """One turn: the releases gathered so far, and as many of ``batch`` as there is room for then, in
+        order, in one statement; answer them (and the requests whose time is up meanwhile). Whether the line
+        moved: a request was granted; or the turn could not say why it granted none, and they ask alone now;
+        or it failed, and every request in it answers with that error, as a request asking alone would (a
+        release in it is released alone)."""
+        releases, line.releases = line.releases[:TURN_RELEASES], line.releases[TURN_RELEASES:]
+        if line.releases:
+            line.room.set()  # the rest go in the next turn
+        if len(releases) == 1 and not batch:
+            # One release and nothing to grant: the release's own statement is the cheaper one.
+            await self._release_alone(name, releases[0])
+            return False
+        for ticket in batch:
+            ticket.attempting = True
+        try:
+            async with self._prelock.hold([name]):
+                handed = await self._inner.hand_over(  # type: ignore[attr-defined]
+                    name,
+                    [(r.owner, r.key) for r in releases],
+                    [(t.owner, t.key, t.ttl_ms) for t in batch],
+                    max(0.0, batch[0].deadline - monotonic()) if batch else None,
+                )
+        except Exception as exc:
+            for release in releases:
+                if not release.future.done():
+                    release.future.set_result(None)
+            for ticket in batch:
+                self._answer(line, ticket, error=exc)
+            return bool(batch)
+        finally:
+            for ticket in batch:
+                ticket.attempting = False
+        for release, released in zip(releases, handed.released, strict=True):
+            if not release.future.done():
+                release.future.set_result(ReleaseOutcome.RELEASED if released else None)
+        if handed.fair:
+            self._remember_fair(name)
+        granted = 0
+        now = monotonic()
+        for ticket, lease in zip(batch, handed.leases, strict=True):
+            if lease is not None:
+                granted += 1
+                if ticket.future.done():
+                    # Its waiter was cancelled while the grant was on its way: the lease is held until its
+                    # TTL, and a retry under the key gets it back.
+                    logger.info("lease %r of %r granted after its request was cancelled", ticket.key, name)
+                self._answer(line, ticket, lease)
+            elif now >= ticket.deadline:  # its time is up: its waiter may be waiting on this very attempt
+                self._answer(line, ticket, None)
+            elif handed.ask_alone:
+                ticket.alone = True
+        if handed.ask_alone or granted == len(batch):
+            # Those that must ask alone do so now; and where every request was granted, room may be left for
+            # those that came meanwhile (and, if permits came back, for waiters elsewhere on this instance).
+            line.room.set()
+            if granted == len(batch) and any(handed.released):
+                self._waker.notify([name])
+        return granted > 0 or (handed.ask_alone and bool(batch))
+
+    async def _release_alone(self, name: str, release: _Release) -> None:
+        try:
+            outcome = await self._inner.release(release.owner, release.key, True)
+        except Exception:
+            outcome = None  # its caller releases it alone, and meets the error itself
+        if not release.future.done():
+            release.future.set_result(outcome)
+        if outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.LOST):
+            self._waker.notify([name])
+
+    def _remember_fair(self, name: str) -> None:
+        if len(self._fair) >= REMEMBERED_FAIR:
+            self._fair.clear()
+        self._fair.add(name)
+
+    @staticmethod
+    def _answer(line: _Line, ticket: _Ticket, lease: Lease | None = None, error: Exception | None = None) -> None:
+        """Take ``ticket`` out of the line and give its waiter the lease, ``None`` (no room in its time) or
+        the error."""
+        with contextlib.suppress(ValueError):
+            line.tickets.remove(ticket)
+        if not ticket.future.done():
+            if error is not None:
+                ticket.future.set_exception(error)
+            else:
+                ticket.future.set_result(lease)
 
     async def _room_or_timeout(self, name: str, line: _Line, seconds: float) -> None:
         """Until this instance sees room come back, the store's listener hears of a release, or ``seconds``."""

@@ -211,14 +211,20 @@ class InstanceStore:
         # Where a line has formed, a new request goes to its back rather than ask ahead of it; unless it is
         # a retry of one granted here, which must never wait behind the permit it holds itself: it asks at
         # once and gets that lease back. (A retry of a request still in the line shares its place there.)
-        if not (lined and handoff is not None and handoff.queued(names[0]) and (owner, key) not in self._granted):
+        # Where the store grants in batches, such a request goes to the line at once, and the line grants the
+        # requests at its head together (group commit; handoff.py).
+        to_line = fresh = False
+        if lined and handoff is not None and (owner, key) not in self._granted:
+            fresh = handoff.batches(names[0]) and self._inner.queue_short(owner, key) is None
+            to_line = fresh or handoff.queued(names[0]) > 0
+        if not to_line:
             async with self.prelock.hold(names):
                 lease = await self._inner.try_acquire(owner, key, wants, ttl_ms, wait, recheck)
             rechecked_at = monotonic() if recheck else None
         remaining = wait - (monotonic() - started)
         fair = self._inner.queue_short(owner, key) is not None
         if lease is None and lined and handoff is not None and remaining > 0 and not fair:
-            lease = await handoff.wait(owner, key, wants[0], ttl_ms, remaining, rechecked_at)
+            lease = await handoff.wait(owner, key, wants[0], ttl_ms, remaining, rechecked_at, fresh)
         if lease is not None and (owner, key) not in self._granted:
             self._granted[(owner, key)] = (names, monotonic())
             if len(self._granted) > self.REMEMBERED_LEASES:
@@ -245,12 +251,20 @@ class InstanceStore:
         # A remote client releases by key; a lease granted here is known to be over one semaphore or not.
         known = self._granted.get((owner, key))
         one_semaphore = one_semaphore or (known is not None and len(known[0]) == 1)
-        outcome = await self._inner.release(owner, key, one_semaphore)
+        # A lease over one semaphore granted here goes in the next turn of that semaphore's line, with the other
+        # releases that came meanwhile and the grants they make room for (group commit, handoff.py). One the
+        # turn did not release was not held: released alone, it says what it is.
+        handoff = self.handoff
+        handed = None
+        if known is not None and len(known[0]) == 1 and handoff is not None and handoff.turns:
+            handed = await handoff.release(known[0][0], owner, key)
+        outcome = handed if handed is not None else await self._inner.release(owner, key, one_semaphore)
         granted = self._granted.pop((owner, key), None)
         names = None if granted is None else granted[0]
         if outcome is ReleaseOutcome.RELEASED and granted is not None and self._on_hold is not None:
             self._on_hold(monotonic() - granted[1])
-        if outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.LOST) and self.waker.waiters:
+        # (A turn tells this instance's waiters of room itself, once its line has taken what it needed.)
+        if outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.LOST) and self.waker.waiters and handed is None:
             if names is None:  # granted by another instance: read which semaphores it held
                 with contextlib.suppress(Exception):
                     names = list((await self._inner.get_lease(owner, key)).counts)

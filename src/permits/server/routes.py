@@ -158,6 +158,12 @@ async def acquire(body: schemas.AcquireIn, identity: Caller, state: State) -> JS
     201 with the lease; 409 ``acquire_timeout`` when there was no room within the wait. A retry with the
     same ``key`` returns the same lease and never grants twice.
     """
+    return JSONResponse(await acquire_lease(body, identity, state), status_code=201)
+
+
+async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: ServiceState) -> dict[str, Any]:
+    """What ``POST /v1/leases`` does once its caller and body are checked: the lease's JSON (status 201).
+    Shared with the hot routes (``permits.server.hot``), which call it without the framework."""
     limits = state.config.limits
     pairs = body.want_pairs()
     if len(pairs) > limits.max_wants:
@@ -201,13 +207,19 @@ async def acquire(body: schemas.AcquireIn, identity: Caller, state: State) -> JS
         if outcome == "granted":
             state.metrics.acquire_wait_seconds.observe(elapsed)
     state.note_granted(identity)
-    return JSONResponse(_lease_json(lease, identity, body.owner), status_code=201)
+    return _lease_json(lease, identity, body.owner)
 
 
 @router.post("/leases/release", response_model=schemas.ReleaseOut, responses=_ERRORS, tags=["leases"])
 async def release(body: schemas.LeaseRefIn, identity: Caller, state: State) -> dict[str, Any]:
     """Give a lease's permits back: ``released``, ``already_released``, ``lost`` (it had ended by expiry or
     revocation before) or ``not_found``. Idempotent."""
+    return await release_lease(body, identity, state)
+
+
+async def release_lease(body: schemas.LeaseRefIn, identity: Identity, state: ServiceState) -> dict[str, Any]:
+    """What ``POST /v1/leases/release`` does once its caller and body are checked (status 200). Shared with
+    the hot routes (``permits.server.hot``)."""
     outcome = await state.client.release(body.key, owner=identity.db_owner(body.owner))
     state.metrics.releases.labels(str(outcome)).inc()
     return {"outcome": str(outcome)}

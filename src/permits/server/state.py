@@ -74,6 +74,7 @@ class ServiceState:
             lock_wait_timeout=config.lock_wait_timeout,
             retries=config.retries,
             auto_upgrade=None,
+            pool_size=config.db_pool_size,
         )
         if settings.url.get_backend_name() not in ("sqlite", "mysql", "mariadb", "postgresql"):
             raise ConfigurationError(
