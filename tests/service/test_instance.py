@@ -248,6 +248,142 @@ def test_shutdown_answers_the_waiters_in_line(db_url: str, ns: str) -> None:
     _run(scenario())
 
 
+# ------------------------------------------------------------------------------------ turns (group commit)
+
+#: The servers whose stores work in turns (HAND_OVER); on SQLite the lines ask one request at a time.
+turns = pytest.mark.parametrize("backend", ["postgresql", "mysql"], indirect=True)
+
+
+def _count_turns(state: ServiceState) -> list[tuple[int, int, int]]:
+    """Record each turn the instance's store runs: (releases, requests, granted)."""
+    store: Any = state.sql_store
+    hand_over = store.hand_over
+    seen: list[tuple[int, int, int]] = []
+
+    async def counted(name: str, gone: Any, requests: Any, wait: Any = None) -> Any:
+        handed = await hand_over(name, gone, requests, wait)
+        seen.append((len(gone), len(requests), sum(lease is not None for lease in handed.leases)))
+        return handed
+
+    store.hand_over = counted
+    return seen
+
+
+@turns
+def test_a_turn_hands_the_permits_released_here_to_the_line_in_order(db_url: str, ns: str) -> None:
+    async def scenario() -> None:
+        state = _state(db_url)
+        seen = _count_turns(state)
+        async with state.client as client:
+            name = f"{ns}hot"
+            await client.create_semaphore(name, 3)
+            held = [await client.acquire(name, ttl=30) for _ in range(3)]
+            leases: dict[int, permits.Lease] = {}
+
+            async def waiter(i: int) -> None:
+                leases[i] = await client.acquire(name, ttl=30, timeout=20)
+
+            tasks = []
+            for i in range(6):
+                tasks.append(asyncio.create_task(waiter(i)))
+                await asyncio.sleep(0.02)  # a clear arrival order
+            await asyncio.sleep(0.2)
+            assert state.instance_store.handoff is not None and state.instance_store.handoff.turns
+            assert state.instance_store.handoff.queued(name) == 6
+            seen.clear()
+            await asyncio.gather(*(client.release(lease) for lease in held))
+            for _ in range(200):
+                if len(leases) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            # The first three to come, and no more: the room the releases made.
+            assert sorted(leases) == [0, 1, 2]
+            tokens = [leases[i].token for i in range(3)]
+            assert tokens == sorted(tokens) and tokens[0] > max(lease.token for lease in held)
+            # Released and handed over together, in few statements (one per turn, not one per release and
+            # one per grant).
+            assert sum(granted for _, _, granted in seen) == 3, seen
+            assert any(gone and granted for gone, _, granted in seen), seen
+            assert len(seen) <= 3, seen
+            for i in range(3):
+                await client.release(leases[i])
+            await asyncio.gather(*tasks)
+            for i in range(3, 6):
+                await client.release(leases[i])
+            assert (await client.get_semaphore(name)).used == 0
+            assert await client.reconcile() == []
+
+    _run(scenario())
+
+
+@turns
+def test_a_turn_with_a_key_granted_elsewhere_answers_it_from_its_lease(db_url: str, ns: str) -> None:
+    """A request whose key has a lease already (granted through another instance, its reply lost) goes to
+    the line like any other: its turn does nothing, and asked alone, it is answered from its lease, and the
+    request beside it granted."""
+
+    async def scenario() -> None:
+        state = _state(db_url)
+        seen = _count_turns(state)
+        name = f"{ns}s"
+        async with state.client as client, permits.connect_async(db_url, owner=f"{ns}x") as elsewhere:
+            await client.create_semaphore(name, 2)
+            earlier = await elsewhere.acquire(name, key=f"{ns}k", ttl=30)
+            mine = await client.acquire(name, ttl=30)
+            first = asyncio.create_task(client.acquire(name, owner=f"{ns}y", ttl=30, timeout=20))
+            await asyncio.sleep(0.1)
+            retry = asyncio.create_task(client.acquire(name, owner=f"{ns}x", key=f"{ns}k", ttl=30, timeout=20))
+            await asyncio.sleep(0.2)
+            await client.release(mine)
+            again = await asyncio.wait_for(retry, 5)
+            assert again.token == earlier.token and again.key == earlier.key
+            granted = await asyncio.wait_for(first, 5)
+            assert granted.token > earlier.token
+            assert any(requests == 2 and not got for _, requests, got in seen), seen  # the turn that did nothing
+            await client.release(granted)
+            await elsewhere.release(earlier)
+            assert await client.reconcile() == []
+
+    _run(scenario())
+
+
+@turns
+def test_the_instance_keeps_its_connections_open(db_url: str, ns: str) -> None:
+    """Many requests at once on several semaphores use the pool's connections, and open no new ones once it
+    has them: SQLAlchemy's default pool keeps 5, and past them every checkout opened a connection anew."""
+
+    async def scenario() -> None:
+        state = _state(db_url, db_pool_size=8)
+        store: Any = state.sql_store
+        connects = 0
+
+        def counted(*_: Any) -> None:
+            nonlocal connects
+            connects += 1
+
+        from sqlalchemy import event
+
+        event.listen(store._engine.sync_engine, "connect", counted)
+        async with state.client as client:
+            names = [f"{ns}s{i}" for i in range(6)]
+            for name in names:
+                await client.create_semaphore(name, 4)
+
+            async def cycles(name: str) -> None:
+                for _ in range(5):
+                    lease = await client.acquire(name, ttl=30, timeout=10)
+                    await client.release(lease)
+
+            await asyncio.gather(*(cycles(name) for name in names for _ in range(3)))
+            opened = connects
+            await asyncio.gather(*(cycles(name) for name in names for _ in range(3)))
+            assert connects == opened, (opened, connects)
+            assert opened <= 8 + 1  # the pool's, and the listener's on PostgreSQL
+            assert store._engine.sync_engine.pool.size() == 8
+
+    _run(scenario())
+
+
 # ---------------------------------------------------------------------------------------- maintenance
 
 

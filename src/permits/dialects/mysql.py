@@ -79,6 +79,21 @@ _WANTED_ROWS = """JSON_TABLE(:wants, '$[*]' COLUMNS (
             STRAIGHT_JOIN permits_semaphore s FORCE INDEX (uq_permits_semaphore_name) ON s.name = w.name"""
 
 
+# The requests and the releases of a line's turn (HAND_OVER), from JSON parameters: ``[[owner, key, ttl_ms],
+# ...]`` in the order given (``place`` counts from 1), and ``[[owner, key], ...]``. Their columns have the
+# lease columns' collation, so that the joins use the unique index on (owner, lease_key).
+_ASKED = """JSON_TABLE(:asked, '$[*]' COLUMNS (
+                place FOR ORDINALITY,
+                owner VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin PATH '$[0]',
+                lease_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin PATH '$[1]',
+                ttl_ms BIGINT PATH '$[2]')) a"""
+#: The ids of the leases a turn ends, as its locking read kept them.
+_ENDED = """JSON_TABLE(COALESCE(@permits_gone, '[]'), '$[*]' COLUMNS (id BIGINT PATH '$')) j"""
+_GONE = """JSON_TABLE(:gone, '$[*]' COLUMNS (
+                owner VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin PATH '$[0]',
+                lease_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin PATH '$[1]')) g"""
+
+
 class MariaDB(Dialect):
     name = "mysql"
     # UNIX_TIMESTAMP of the statement's start time; sessions run in UTC (see engine_options) so no daylight
@@ -170,6 +185,75 @@ class MariaDB(Dialect):
             JOIN permits_semaphore s ON s.id = p.semaphore_id
             WHERE l.owner = :owner AND l.lease_key = :key AND @permits_fit = 1;
             COMMIT""",
+        # A line's turn in one request (see self_committing), as PostgreSQL's HAND_OVER: the releases first
+        # (their lease rows are locked by a locking read that keeps their ids, then ended), then the
+        # semaphore's row, locked and read: the room, once the releases have given theirs back, bounds the
+        # requests granted, in the order given; the row is written once, conditionally, and the k-th request
+        # granted gets the k-th of the new tokens. Every later step is gated on a session variable (a
+        # constant to the optimizer: a gated statement that says no reads nothing). A fair semaphore, and a
+        # lease that holds permits of another semaphore too, take no part. The last statement answers: kind
+        # 1, a request granted; 2, a lease released; 3, the semaphore's fair flag (NULL: no such semaphore).
+        # params: name, gone (JSON), asked (JSON) -> kind, owner, key, acquired_at_ms, expires_at_ms, token
+        "HAND_OVER": """
+            SET @permits_gone = NULL, @permits_n = 0, @permits_sem = NULL, @permits_k = 0,
+                @permits_before = NULL;
+            SELECT JSON_ARRAYAGG(l.id) INTO @permits_gone
+            FROM """
+        + _GONE
+        + """
+            STRAIGHT_JOIN permits_lease l FORCE INDEX (uq_permits_lease_owner_key)
+                ON l.owner = g.owner AND l.lease_key = g.lease_key
+            WHERE l.state = 1 AND l.expires_at_ms > {now}
+                AND NOT EXISTS (
+                    SELECT 1 FROM permits_permit p JOIN permits_semaphore o ON o.id = p.semaphore_id
+                    WHERE p.lease_id = l.id AND (o.name <> :name OR o.fair <> 0))
+            FOR UPDATE;
+            UPDATE """
+        + _ENDED
+        + """ STRAIGHT_JOIN permits_lease l FORCE INDEX (PRIMARY) ON l.id = j.id
+            SET l.state = 0, l.end_reason = 'released', l.ended_at_ms = {now};
+            SELECT COALESCE(SUM(p.count), 0) INTO @permits_n
+            FROM """
+        + _ENDED
+        + """ STRAIGHT_JOIN permits_permit p FORCE INDEX (PRIMARY) ON p.lease_id = j.id;
+            SELECT id, CASE WHEN fair = 0 AND deleted = 0
+                THEN LEAST(GREATEST(capacity - used + @permits_n, 0), JSON_LENGTH(:asked)) ELSE 0 END
+            INTO @permits_sem, @permits_k
+            FROM permits_semaphore WHERE name = :name
+            FOR UPDATE;
+            UPDATE permits_semaphore
+            SET used = used - @permits_n + @permits_k, last_token = (@permits_before := last_token) + @permits_k,
+                updated_at_ms = {now}
+            WHERE id = @permits_sem AND (@permits_n > 0 OR @permits_k > 0)
+                AND (@permits_k = 0 OR used - @permits_n + @permits_k <= capacity);
+            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
+            SELECT a.owner, a.lease_key, 1, {now}, {now} + a.ttl_ms FROM """
+        + _ASKED
+        + """
+            WHERE a.place <= @permits_k AND @permits_before IS NOT NULL
+            ORDER BY a.place;
+            INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
+            SELECT l.id, @permits_sem, 1, @permits_before + a.place FROM """
+        + _ASKED
+        + """
+            STRAIGHT_JOIN permits_lease l FORCE INDEX (uq_permits_lease_owner_key)
+                ON l.owner = a.owner AND l.lease_key = a.lease_key
+            WHERE a.place <= @permits_k AND @permits_before IS NOT NULL;
+            SELECT 1, l.owner, l.lease_key, l.acquired_at_ms, l.expires_at_ms, p.token FROM """
+        + _ASKED
+        + """
+            STRAIGHT_JOIN permits_lease l FORCE INDEX (uq_permits_lease_owner_key)
+                ON l.owner = a.owner AND l.lease_key = a.lease_key
+            JOIN permits_permit p ON p.lease_id = l.id AND p.semaphore_id = @permits_sem
+            WHERE a.place <= @permits_k AND @permits_before IS NOT NULL
+            UNION ALL
+            SELECT 2, l.owner, l.lease_key, NULL, NULL, NULL
+            FROM """
+        + _ENDED
+        + """ STRAIGHT_JOIN permits_lease l FORCE INDEX (PRIMARY) ON l.id = j.id
+            UNION ALL
+            SELECT 3, NULL, NULL, NULL, NULL, (SELECT fair FROM permits_semaphore WHERE name = :name AND deleted = 0);
+            COMMIT""",
         "SEM_TICKET": """
             UPDATE permits_semaphore SET last_ticket = LAST_INSERT_ID(last_ticket + 1) WHERE id = :id""",
         # Release in one request (see self_committing).
@@ -232,6 +316,7 @@ class MySQL(MariaDB):
         "ACQUIRE_ONE": None,
         # Written for MariaDB's collation and plan hints, and not tried on MySQL: a statement per step.
         "ACQUIRE_MANY": None,
+        "HAND_OVER": None,
         "LEASE_INSERT": """
             INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
             VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms)""",
@@ -263,6 +348,7 @@ class MariaDBCluster(MariaDB):
         **MariaDB.overrides,
         "ACQUIRE_ONE": None,  # a grant goes the way of a grant over several semaphores, a statement at a time
         "ACQUIRE_MANY": None,
+        "HAND_OVER": None,
         "RELEASE": _RELEASE_UPDATE,
     }
 
@@ -271,7 +357,7 @@ class MySQLCluster(MySQL):
     """A MySQL node of a Group Replication cluster, or a Percona XtraDB Cluster node: no batches."""
 
     self_committing = False
-    overrides: ClassVar[dict[str, str | None]] = {**MySQL.overrides, "RELEASE": _RELEASE_UPDATE}
+    overrides: ClassVar[dict[str, str | None]] = {**MySQL.overrides, "RELEASE": _RELEASE_UPDATE, "HAND_OVER": None}
 
 
 def is_multi_primary(variables: list[tuple[str, str]]) -> bool:
@@ -285,7 +371,7 @@ def is_multi_primary(variables: list[tuple[str, str]]) -> bool:
 class MariaDB105(MariaDB):
     """MariaDB 10.5, which has no JSON_TABLE: a grant over several semaphores a statement at a time."""
 
-    overrides: ClassVar[dict[str, str | None]] = {**MariaDB.overrides, "ACQUIRE_MANY": None}
+    overrides: ClassVar[dict[str, str | None]] = {**MariaDB.overrides, "ACQUIRE_MANY": None, "HAND_OVER": None}
 
 
 #: The first MariaDB with JSON_TABLE (ACQUIRE_MANY).

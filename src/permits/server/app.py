@@ -80,8 +80,9 @@ def create_app(
         async def index() -> Response:
             return HTMLResponse(_NO_DASHBOARD)
 
-    # Innermost of these, so that it sees a body the limit let through, and is logged and counted.
-    app.add_middleware(HotRoutes, fastapi_app=app, state=state)
+    if config.hot_routes:
+        # Innermost of these, so that it sees a body the limit let through, and is logged and counted.
+        app.add_middleware(HotRoutes, fastapi_app=app, state=state)
     app.add_middleware(_BodyLimit, max_bytes=config.limits.max_body_bytes)
 
     app.add_middleware(_AccessLog, metrics=state.metrics)

@@ -126,6 +126,9 @@ class ServerConfig(BaseSettings):
     prelock: bool = True
     #: longest time one request waits in the in-memory queue before a 503 (the database is that slow)
     prelock_wait: float = Field(default=10.0, gt=0)
+    #: answer acquire and release without the framework's routing (server/hot.py); off, every request goes
+    #: through FastAPI, which answers exactly the same, more slowly
+    hot_routes: bool = True
     lock_wait_timeout: float = Field(DEFAULT_LOCK_WAIT_TIMEOUT, gt=0)
     #: database connections this instance keeps open; up to as many again open in a burst, and close after
     db_pool_size: int = Field(default=20, ge=1, le=1000)
