@@ -39,6 +39,7 @@ def test_a_turn_grants_in_order_as_far_as_the_room_goes(db_url: str, ns: str) ->
         granted = [lease for lease in handed.leases if lease is not None]
         assert [lease.key for lease in granted] == [f"{ns}a", f"{ns}b"]  # the room left, in the order given
         assert handed.leases[2:] == [None, None] and not handed.ask_alone and not handed.fair
+        assert handed.room == 0
         # Tokens go on from the last one, in that order, and every grant is a lease like any other.
         assert [lease.tokens[name] for lease in granted] == [held.tokens[name] + 1, held.tokens[name] + 2]
         for lease in granted:
@@ -66,7 +67,7 @@ def test_a_turn_hands_the_permits_it_releases_to_the_requests(db_url: str, ns: s
         assert client.reconcile() == []
         # Releases alone give their permits back, as a release does.
         handed = _store(client).hand_over(name, [(f"{ns}o", f"{ns}a")], [], None)
-        assert handed.released == [True] and handed.leases == []
+        assert handed.released == [True] and handed.leases == [] and handed.room == 1
         assert client.get_semaphore(name).used == 1
         assert client.reconcile() == []
 
@@ -138,7 +139,7 @@ def test_a_lease_over_another_semaphore_too_is_left_to_its_caller(db_url: str, n
 def test_a_semaphore_that_does_not_exist(db_url: str, ns: str) -> None:
     with permits.connect(db_url, owner=f"{ns}o") as client:
         handed = _store(client).hand_over(f"{ns}nothing", [], _requests(ns, "a"), 5.0)
-        assert handed.leases == [None] and handed.ask_alone and not handed.fair
+        assert handed.leases == [None] and handed.ask_alone and not handed.fair and handed.room is None
         with pytest.raises(permits.SemaphoreNotFound):
             client.try_acquire(f"{ns}nothing", key=f"{ns}a")
 

@@ -363,6 +363,8 @@ class HandedOver:
     ask_alone: bool = False
     #: the semaphore is fair: its requests are not for the line's turns
     fair: bool = False
+    #: the permits left free once the turn was done (``None``: not known)
+    room: int | None = None
 
 
 def hand_over(name: str, gone: Sequence[tuple[str, str]], reqs: Sequence[Request]) -> Flow[HandedOver]:
@@ -390,19 +392,24 @@ def hand_over(name: str, gone: Sequence[tuple[str, str]], reqs: Sequence[Request
     granted: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
     released: set[tuple[str, str]] = set()
     fair: Any = None
+    room: Any = None
     for kind, owner, key, at, until, token in done.rows:
         if kind == 1:
             granted[(str(owner), str(key))] = (token, at, until)
         elif kind == 2:
             released.add((str(owner), str(key)))
         elif kind == 3:
-            fair = token
+            room, fair = at, token
     leases: list[Lease | None] = []
     for req in reqs:
         found = granted.get((req.owner, req.key))
         leases.append(None if found is None else _granted(req, {name: int(found[0])}, found[1], found[2]))
     return HandedOver(
-        [lease in released for lease in gone], leases, ask_alone=fair is None or bool(fair), fair=bool(fair)
+        [lease in released for lease in gone],
+        leases,
+        ask_alone=fair is None or bool(fair),
+        fair=bool(fair),
+        room=None if room is None else int(room),
     )
 
 

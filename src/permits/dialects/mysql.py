@@ -192,7 +192,7 @@ class MariaDB(Dialect):
         # granted gets the k-th of the new tokens. Every later step is gated on a session variable (a
         # constant to the optimizer: a gated statement that says no reads nothing). A fair semaphore, and a
         # lease that holds permits of another semaphore too, take no part. The last statement answers: kind
-        # 1, a request granted; 2, a lease released; 3, the semaphore's fair flag (NULL: no such semaphore).
+        # 1, a request granted; 2, a lease released; 3, the semaphore's room and fair flag, as PostgreSQL's.
         # params: name, gone (JSON), asked (JSON) -> kind, owner, key, acquired_at_ms, expires_at_ms, token
         "HAND_OVER": """
             SET @permits_gone = NULL, @permits_n = 0, @permits_sem = NULL, @permits_k = 0,
@@ -252,7 +252,8 @@ class MariaDB(Dialect):
         + _ENDED
         + """ STRAIGHT_JOIN permits_lease l FORCE INDEX (PRIMARY) ON l.id = j.id
             UNION ALL
-            SELECT 3, NULL, NULL, NULL, NULL, (SELECT fair FROM permits_semaphore WHERE name = :name AND deleted = 0);
+            SELECT 3, NULL, NULL, s.capacity - s.used, NULL, s.fair
+            FROM (SELECT 1) AS one LEFT JOIN permits_semaphore s ON s.name = :name AND s.deleted = 0;
             COMMIT""",
         "SEM_TICKET": """
             UPDATE permits_semaphore SET last_ticket = LAST_INSERT_ID(last_ticket + 1) WHERE id = :id""",

@@ -258,8 +258,9 @@ class PostgreSQL(Dialect):
         # answers a retry from its lease. Permits that come back and are not handed over notify as RELEASE's
         # do. params: name, gone_owners, gone_keys (the releases), owners, keys, ttls (the requests; arrays,
         # one item each) -> kind, owner, key, acquired_at_ms, expires_at_ms, token: kind 1, a request granted;
-        # 2, a lease released; 3, one row with the semaphore's fair flag in ``token`` (NULL: no such
-        # semaphore); 4, the notifications' own
+        # 2, a lease released; 3, one row with the semaphore's room once the turn is done in the place of
+        # ``acquired_at_ms`` and its fair flag in that of ``token`` (both NULL: no such semaphore); 4, the
+        # notifications' own
         "HAND_OVER": """
             WITH ended AS (
                 UPDATE permits_lease l SET state = 0, end_reason = 'released', ended_at_ms = {now}
@@ -309,7 +310,7 @@ class PostgreSQL(Dialect):
             UNION ALL
             SELECT 2, e.owner, e.lease_key, NULL, NULL, NULL FROM ended e
             UNION ALL
-            SELECT 3, NULL, NULL, NULL, NULL, CAST(s.fair AS BIGINT)
+            SELECT 3, NULL, NULL, COALESCE((SELECT room FROM taken), s.capacity - s.used), NULL, CAST(s.fair AS BIGINT)
             FROM (SELECT 1) AS one LEFT JOIN permits_semaphore s ON s.name = :name AND s.deleted = 0
             UNION ALL
             SELECT 4, NULL, n.note, NULL, NULL, NULL FROM ("""

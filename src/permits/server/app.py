@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -24,7 +25,6 @@ from permits.server.metrics import Metrics
 from permits.server.state import ServiceState
 
 logger = logging.getLogger("permits.server")
-access_log = logging.getLogger("permits.server.access")
 #: Seconds between refreshes of the per-semaphore gauges.
 GAUGE_REFRESH_SECONDS = 5.0
 
@@ -61,7 +61,7 @@ def create_app(
             await asyncio.gather(*background, return_exceptions=True)
             await state.client.aclose()
 
-    app = FastAPI(
+    app = _Service(
         title="permits",
         version=permits.__version__,
         summary="Distributed counting semaphores, mutexes and leases on a SQL database.",
@@ -80,9 +80,6 @@ def create_app(
         async def index() -> Response:
             return HTMLResponse(_NO_DASHBOARD)
 
-    if config.hot_routes:
-        # Innermost of these, so that it sees a body the limit let through, and is logged and counted.
-        app.add_middleware(HotRoutes, fastapi_app=app, state=state)
     app.add_middleware(_BodyLimit, max_bytes=config.limits.max_body_bytes)
 
     app.add_middleware(_AccessLog, metrics=state.metrics)
@@ -115,7 +112,22 @@ def create_app(
         state.auth.identify(request.headers.get("authorization"))
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    if config.hot_routes:
+        app.hot = HotRoutes(functools.partial(FastAPI.__call__, app), app, state)
     return app
+
+
+class _Service(FastAPI):
+    """The service's app: FastAPI, with the hot routes in front of it (hot.py), where they answer a request
+    before any of the framework's layers, or hand it on."""
+
+    hot: HotRoutes | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.hot is not None and scope["type"] == "http":
+            await self.hot(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
 
 def _document_limits(app: FastAPI, config: ServerConfig) -> None:
@@ -176,22 +188,8 @@ class _AccessLog:
             await self.app(scope, receive, recording_send)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(route, str(status)).inc()
             identity = getattr(scope.get("state", {}).get("identity"), "name", None)
-            if access_log.isEnabledFor(logging.INFO):
-                access_log.info(
-                    "%s %s %s",
-                    scope["method"],
-                    route,
-                    status,
-                    extra={
-                        "method": scope["method"],
-                        "route": route,
-                        "status": status,
-                        "duration_ms": round((time.monotonic() - started) * 1000, 2),
-                        "identity": identity,
-                    },
-                )
+            self.metrics.record_request(scope["method"], route, status, started, identity)
 
 
 class _BodyLimit:

@@ -59,6 +59,8 @@ LINE_POLL = Backoff(base=0.005, cap=0.1)
 TURN_REQUESTS = 64
 #: At most this many releases go in one turn.
 TURN_RELEASES = 256
+#: A turn asks for this many requests more than its semaphore's room and its releases could take.
+TURN_MARGIN = 4
 #: At most this many fair semaphores are remembered as such; past it the memory starts again.
 REMEMBERED_FAIR = 10_000
 #: How long one wait on the store's listener lasts before the line asks it again.
@@ -110,6 +112,9 @@ class _Line:
     heard: asyncio.Future[bool] | None = None
     #: When the line last handed a permit to a request (``monotonic()``).
     handed_at: float = float("-inf")
+    #: The permits its semaphore had free after the line's last turn (``None``: not known): a turn asks for as
+    #: many requests as that and its releases could make room for, and a few more.
+    room_left: int | None = None
 
 
 class HandOff:
@@ -322,10 +327,16 @@ class HandOff:
         batch: list[_Ticket] = []
         if not self.batches(name):
             return batch
+        # As many as the room could take, with a margin for permits that came back elsewhere (an expiry,
+        # another instance): asked for, a request costs the turn a little even when it is not granted.
+        # Fewer than the room takes only cost a turn more, which follows at once.
+        most = TURN_REQUESTS
+        if line.room_left is not None:
+            most = min(most, line.room_left + len(line.releases) + TURN_MARGIN)
         for ticket in line.tickets:
             if ticket.abandoned or ticket.future.done():
                 continue
-            if ticket.alone or len(batch) == TURN_REQUESTS:
+            if ticket.alone or len(batch) >= most:
                 break
             batch.append(ticket)
         return batch
@@ -382,11 +393,13 @@ class HandOff:
                 self._answer(line, ticket, None)
             elif handed.ask_alone:
                 ticket.alone = True
-        if handed.ask_alone or granted == len(batch):
-            # Those that must ask alone do so now; and where every request was granted, room may be left for
-            # those that came meanwhile (and, if permits came back, for waiters elsewhere on this instance).
+        line.room_left = handed.room
+        room_left = handed.room is None or handed.room > 0
+        if handed.ask_alone or (granted == len(batch) and room_left):
+            # Those that must ask alone do so now; and where every request was granted and room is left, it is
+            # for those that came meanwhile, and for waiters elsewhere on this instance.
             line.room.set()
-            if granted == len(batch) and any(handed.released):
+            if not handed.ask_alone:
                 self._waker.notify([name])
         return granted > 0 or (handed.ask_alone and bool(batch))
 

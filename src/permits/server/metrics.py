@@ -7,6 +7,8 @@ database), for at most ``metrics_max_semaphores`` names, since every name become
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable
 
 from prometheus_client import (
@@ -24,6 +26,8 @@ from permits._models import Semaphore
 
 # The *_created series only say when the process started counting: noise on every scrape.
 disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus-client
+
+access_log = logging.getLogger("permits.server.access")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _HOLD_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 86400)
@@ -96,6 +100,25 @@ class Metrics:
         )
         self.semaphores = _SemaphoreGauges()
         r.register(self.semaphores)
+
+    def record_request(self, method: str, route: str, status: int, started: float, identity: str | None) -> None:
+        """Count a request, and write its access log line when that log is on (``started``: its
+        ``time.monotonic()``)."""
+        self.requests.labels(route, str(status)).inc()
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(
+                "%s %s %s",
+                method,
+                route,
+                status,
+                extra={
+                    "method": method,
+                    "route": route,
+                    "status": status,
+                    "duration_ms": round((time.monotonic() - started) * 1000, 2),
+                    "identity": identity,
+                },
+            )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
