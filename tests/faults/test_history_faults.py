@@ -8,6 +8,7 @@ their own, are in ``test_database_restarts.py``; the long mixed run is ``test_so
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,9 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
@@ -133,6 +136,50 @@ def test_service_killed_and_restarted(run: FaultRun, db_url: str) -> None:
     run.progress(2, procs=through)  # through the new instance
     report = run.finish()
     _assert_clean(run, report)
+
+
+def _turns_with_several_grants(svc: Any) -> int:
+    """How many of an instance's turns granted more than one request (its ``permits_turn_grants``)."""
+    text = httpx.get(f"{svc.url}/metrics", timeout=10).text
+    count = re.search(r"^permits_turn_grants_count ([0-9.e+]+)$", text, re.M)
+    one = re.search(r'^permits_turn_grants_bucket\{le="1\.0"\} ([0-9.e+]+)$', text, re.M)
+    assert count is not None and one is not None, text
+    return int(float(count.group(1)) - float(one.group(1)))
+
+
+@pytest.mark.parametrize("backend", ["mysql", "postgresql"])
+@pytest.mark.parametrize("fault", ["kill", "cut"])
+def test_turns_under_faults(tmp_path: Path, db_url: str, ns: str, fault: str) -> None:
+    """Eight workers through one instance on a semaphore of capacity 3, so that its line works in turns of
+    several grants and releases (group commit), while that instance is killed and started again, or its
+    database link cut twice; others go through a second instance and to the database. The checker must
+    find nothing wrong, and the instance must have granted several requests in one turn, before the fault
+    and after it."""
+    run = FaultRun(tmp_path, db_url, ns, capacity=3, hold=0.01)
+    try:
+        url = make_url(db_url)
+        assert url.host is not None and url.port is not None
+        with CuttingProxy((url.host, url.port)) as proxy:
+            via = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+            busy, other = run.services({"db_url": via}, {})
+            through = run.workers(8, busy.url)
+            run.workers(2, other.url)
+            run.worker(db_url)
+            run.wait_for(lambda: _turns_with_several_grants(busy) > 0, what="a turn of several grants")
+            for _ in range(2):
+                run.rec.event(fault)
+                if fault == "kill":
+                    run.kill_service(busy)
+                    run.sleep(0.5)
+                    busy = run.restart_service(busy)
+                else:
+                    proxy.cut_all()
+                run.progress(10, procs=through)
+            run.wait_for(lambda: _turns_with_several_grants(busy) > 0, what="a turn of several grants after it")
+            report = run.finish()
+        _assert_clean(run, report)
+    finally:
+        run.close()
 
 
 @pytest.mark.parametrize("backend", ["mysql", "postgresql"])

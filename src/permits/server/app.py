@@ -19,7 +19,7 @@ import permits
 from permits._exceptions import PermitsError, RequestTooLarge
 from permits.server import auth, dashboard, errors, routes, schemas, stats
 from permits.server.config import ServerConfig
-from permits.server.hot import HotRoutes
+from permits.server.hot import HotRoutes, replaying
 from permits.server.maintenance import LivenessProbe, Maintainer
 from permits.server.metrics import Metrics
 from permits.server.state import ServiceState
@@ -239,16 +239,7 @@ class _BodyLimit:
                 return
             if not message.get("more_body", False):
                 break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(parts), "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(b"".join(parts), receive), send)
 
 
 _BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")

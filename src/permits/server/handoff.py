@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,10 +121,18 @@ class _Line:
 class HandOff:
     """Lines of waiting single-semaphore acquires, one per semaphore, each served by one task."""
 
-    def __init__(self, inner: AsyncStore, prelock: PreLock, waker: Waker) -> None:
+    def __init__(
+        self,
+        inner: AsyncStore,
+        prelock: PreLock,
+        waker: Waker,
+        on_turn: Callable[[int, int], None] | None = None,
+    ) -> None:
         self._inner = inner
         self._prelock = prelock
         self._waker = waker
+        #: told of each turn done: the requests it granted, the leases it released
+        self._on_turn = on_turn
         self._lines: dict[str, _Line] = {}
         #: Semaphores a turn found fair: their requests ask alone, and keep their places in its queue.
         self._fair: set[str] = set()
@@ -182,7 +191,12 @@ class HandOff:
     ) -> Lease | None:
         """Wait in ``want.name``'s line for up to ``seconds``: the lease, or ``None`` when the time is up.
         ``fresh``: the request has not asked yet; one that finds nobody waiting is asked for at once."""
-        with self._waker.admitted():
+        # A fresh request that finds nobody waiting is not refused for the number of waiters: it is likely to
+        # be granted in the turn that follows at once, as it would have been asking alone.
+        existing = self._lines.get(want.name)
+        tickets = () if existing is None else existing.tickets
+        first = fresh and not any(not t.abandoned and not t.future.done() for t in tickets)
+        with self._waker.admitted(bounded=not first):
             line = self._line(want.name)
             # A retry of a request that is still in the line (its reply was lost, and the client asked again
             # under the same key) takes that request's place and answer, rather than queue behind it.
@@ -192,7 +206,7 @@ class HandOff:
                 done, _ = await asyncio.wait({twin.future}, timeout=seconds)
                 return twin.future.result() if done and not twin.future.cancelled() else None
             ticket = _Ticket(owner, key, want, ttl_ms, monotonic() + seconds, rechecked_at)
-            if fresh and not any(not t.abandoned and not t.future.done() for t in line.tickets):
+            if first:
                 line.room.set()  # nobody waits for room: there may be some
             line.tickets.append(ticket)
             self._start(want.name, line)
@@ -374,6 +388,8 @@ class HandOff:
         finally:
             for ticket in batch:
                 ticket.attempting = False
+        if self._on_turn is not None:
+            self._on_turn(sum(lease is not None for lease in handed.leases), sum(handed.released))
         for release, released in zip(releases, handed.released, strict=True):
             if not release.future.done():
                 release.future.set_result(ReleaseOutcome.RELEASED if released else None)

@@ -83,7 +83,7 @@ class HotRoutes:
         body = await _whole_body(receive)
         if body is None:
             return  # the client went away
-        replay = _replaying(body, receive)
+        replay = replaying(body, receive)
         try:
             identity = self.state.auth.identify(authorization)
             given = hot.model.model_validate(json.loads(body))
@@ -143,7 +143,7 @@ async def _whole_body(receive: Receive) -> bytes | None:
             return b"".join(parts)
 
 
-def _replaying(body: bytes, receive: Receive) -> Receive:
+def replaying(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that gives the body read already, then what the client sends next (its disconnect)."""
     replayed = False
 

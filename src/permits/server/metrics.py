@@ -30,6 +30,7 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometh
 access_log = logging.getLogger("permits.server.access")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TURN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 _HOLD_BUCKETS = (0.01, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600, 86400)
 
 
@@ -88,6 +89,15 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.turn_grants = Histogram(
+            "permits_turn_grants",
+            "Requests granted per turn of a line (group commit: one statement for a line's grants and releases)",
+            buckets=_TURN_BUCKETS,
+            registry=r,
+        )
+        self.turn_releases = Histogram(
+            "permits_turn_releases", "Leases released per turn of a line", buckets=_TURN_BUCKETS, registry=r
+        )
         self.waiters = Gauge("permits_waiters", "Requests waiting for room on this instance now", registry=r)
         self.db_connections = Gauge(
             "permits_db_connections_in_use", "Database connections this instance has checked out now", registry=r
@@ -100,6 +110,10 @@ class Metrics:
         )
         self.semaphores = _SemaphoreGauges()
         r.register(self.semaphores)
+
+    def observe_turn(self, granted: int, released: int) -> None:
+        self.turn_grants.observe(granted)
+        self.turn_releases.observe(released)
 
     def record_request(self, method: str, route: str, status: int, started: float, identity: str | None) -> None:
         """Count a request, and write its access log line when that log is on (``started``: its

@@ -103,11 +103,13 @@ class Waker:
         self.draining = asyncio.Event()
 
     @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
-        """Count one more request waiting for room here, within ``max_waiters``, while the block runs."""
+    def admitted(self, bounded: bool = True) -> Iterator[None]:
+        """Count one more request waiting for room here, within ``max_waiters``, while the block runs.
+        ``bounded=False``: a request that has not been refused yet (it waits for its line's turn, not for
+        room), counted but not refused, as the pre-lock's queue does not refuse it."""
         if self.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
-        if self.waiters >= self.max_waiters:
+        if bounded and self.waiters >= self.max_waiters:
             raise LimitExceeded(
                 f"{self.max_waiters} requests are already waiting for room on this instance",
                 limit="max_waiters",

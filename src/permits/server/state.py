@@ -86,7 +86,7 @@ class ServiceState:
         prelock = PreLock(config.prelock, config.prelock_wait, on_wait=metrics.prelock_wait_seconds.observe)
         waker = Waker(config.limits.max_waiters)
         instance_store = InstanceStore(sql_store, prelock, waker, on_hold=metrics.hold_seconds.observe)
-        instance_store.handoff = HandOff(sql_store, prelock, waker)
+        instance_store.handoff = HandOff(sql_store, prelock, waker, on_turn=metrics.observe_turn)
         # Attempts go through the pre-lock, and waits hear the releases this instance sees.
         client = AsyncClient(
             config.database_url,
