@@ -7,13 +7,16 @@ it is tested in tests/service/test_instance.py, and every behaviour test runs th
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import pytest
+from sqlalchemy import create_engine, text
 
 import permits
 from permits import EndReason
+from tests.conftest import sqlalchemy_url
 
 #: The servers whose dialects have the turn's statement.
 servers = pytest.mark.parametrize("backend", ["postgresql", "mysql"], indirect=True)
@@ -154,6 +157,43 @@ def test_a_capacity_lowered_below_use_still_takes_the_releases(db_url: str, ns: 
         handed = _store(client).hand_over(name, [(f"{ns}o", leases[0].key)], _requests(ns, "a"), 5.0)
         assert handed.released == [True] and handed.leases == [None]  # 2 in use, capacity 1: no room
         assert client.get_semaphore(name).used == 2
+        assert client.reconcile() == []
+
+
+@servers
+def test_a_release_committed_while_a_turn_waits_is_counted_with_it(db_url: str, ns: str) -> None:
+    """The semaphore is full when a turn begins; while it waits for the lease it releases, another release
+    commits, and the turn locks the row with room in it. Its one write of the row must take both its release
+    and its grants: on PostgreSQL a count in that write's WHERE was checked against the row as the
+    statement's snapshot had it (full), and the write was skipped, the turn's release with it (a permit
+    lost for good, found by the fault tests)."""
+    name = f"{ns}sem"
+    with permits.connect(db_url, owner=f"{ns}o") as client:
+        client.create_semaphore(name, 3)
+        first, second, _ = (client.acquire(name, ttl=30) for _ in range(3))
+        engine = create_engine(sqlalchemy_url(db_url))
+        try:
+            with engine.connect() as holder:
+                lock = "SELECT id FROM permits_lease WHERE owner = :o AND lease_key = :k FOR UPDATE"
+                holder.execute(text(lock), {"o": f"{ns}o", "k": second.key})
+                turn: dict[str, Any] = {}
+                waiting = threading.Thread(
+                    target=lambda: turn.update(
+                        handed=_store(client).hand_over(name, [(f"{ns}o", second.key)], _requests(ns, "a", "b"), 10.0)
+                    )
+                )
+                waiting.start()
+                time.sleep(0.5)  # the turn has begun, and waits for the lease row
+                with permits.connect(db_url, owner=f"{ns}o") as other:
+                    assert other.release(first.key) is permits.ReleaseOutcome.RELEASED
+                holder.rollback()  # the lease row is free: the turn goes on, and finds room for both
+                waiting.join(20)
+        finally:
+            engine.dispose()
+        handed = turn["handed"]
+        assert handed.released == [True]
+        assert [lease is not None for lease in handed.leases] == [True, True]
+        assert client.get_semaphore(name).used == 3
         assert client.reconcile() == []
 
 

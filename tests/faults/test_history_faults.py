@@ -167,12 +167,12 @@ def test_turns_under_faults(tmp_path: Path, db_url: str, ns: str, fault: str) ->
             run.worker(db_url)
             run.wait_for(lambda: _turns_with_several_grants(busy) > 0, what="a turn of several grants")
             for _ in range(2):
-                run.rec.event(fault)
                 if fault == "kill":
-                    run.kill_service(busy)
+                    run.kill_service(busy)  # recorded as service_kill
                     run.sleep(0.5)
                     busy = run.restart_service(busy)
                 else:
+                    run.rec.event("cut")
                     proxy.cut_all()
                 run.progress(10, procs=through)
             run.wait_for(lambda: _turns_with_several_grants(busy) > 0, what="a turn of several grants after it")

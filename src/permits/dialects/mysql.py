@@ -186,7 +186,10 @@ class MariaDB(Dialect):
             WHERE l.owner = :owner AND l.lease_key = :key AND @permits_fit = 1;
             COMMIT""",
         # A line's turn in one request (see self_committing), as PostgreSQL's HAND_OVER: the releases first
-        # (their lease rows are locked by a locking read that keeps their ids, then ended), then the
+        # (their leases found by a plain read, which locks nothing: a locking read would lock the semaphore
+        # rows its check reads, before the lease rows, against every release's order, and a key with no
+        # lease would take a gap lock that a grant's insert waits on; then the lease rows locked by id and
+        # checked again, their ids kept, and ended), then the
         # semaphore's row, locked and read: the room, once the releases have given theirs back, bounds the
         # requests granted, in the order given; the row is written once, conditionally, and the k-th request
         # granted gets the k-th of the new tokens. Every later step is gated on a session variable (a
@@ -197,16 +200,21 @@ class MariaDB(Dialect):
         "HAND_OVER": """
             SET @permits_gone = NULL, @permits_n = 0, @permits_sem = NULL, @permits_k = 0,
                 @permits_before = NULL;
-            SELECT JSON_ARRAYAGG(l.id) INTO @permits_gone
+            SELECT JSON_ARRAYAGG(DISTINCT l.id) INTO @permits_gone
             FROM """
         + _GONE
         + """
             STRAIGHT_JOIN permits_lease l FORCE INDEX (uq_permits_lease_owner_key)
                 ON l.owner = g.owner AND l.lease_key = g.lease_key
-            WHERE l.state = 1 AND l.expires_at_ms > {now}
+            WHERE l.state = 1
                 AND NOT EXISTS (
                     SELECT 1 FROM permits_permit p JOIN permits_semaphore o ON o.id = p.semaphore_id
-                    WHERE p.lease_id = l.id AND (o.name <> :name OR o.fair <> 0))
+                    WHERE p.lease_id = l.id AND (o.name <> :name OR o.fair <> 0));
+            SELECT JSON_ARRAYAGG(l.id) INTO @permits_gone
+            FROM """
+        + _ENDED
+        + """ STRAIGHT_JOIN permits_lease l FORCE INDEX (PRIMARY) ON l.id = j.id
+            WHERE l.state = 1 AND l.expires_at_ms > {now}
             FOR UPDATE;
             UPDATE """
         + _ENDED

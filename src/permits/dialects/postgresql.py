@@ -249,8 +249,13 @@ class PostgreSQL(Dialect):
         # rows, then the semaphore's row, the order of every release); then, under the row's lock, the
         # requests are granted in the order given, as many as the room left by those releases allows, and the
         # row is written once: its count less what came back and plus what was granted, its token counter
-        # moved on by the number granted, conditionally, so capacity is still checked by the database as the
-        # row is written. The k-th request granted gets the k-th of the new tokens. A fair semaphore takes no
+        # moved on by the number granted. The grant is conditional on the row as it is written (the CASE), so
+        # capacity is still checked by the database as the row is written, and the number granted is read
+        # back from the counter. The row's WHERE names it by id alone: an UPDATE checks its WHERE against the
+        # row as its snapshot has it before it looks at the latest version, and a count there would have
+        # skipped the write (releases included) whenever a release committed between the statement's start
+        # and its lock (tests/faults: test_turns_under_faults found the drift). The k-th request granted gets
+        # the k-th of the new tokens. A fair semaphore takes no
         # part: its queue decides who goes first, and its releases call the waiters that fit (RELEASE); nor
         # does a lease that holds permits of another semaphore too. Those are released alone by their
         # callers, and the requests ask alone. A key that has a lease already
@@ -273,7 +278,7 @@ class PostgreSQL(Dialect):
             returned AS (
                 SELECT COALESCE(SUM(p.count), 0) AS n FROM ended e JOIN permits_permit p ON p.lease_id = e.id),
             locked AS MATERIALIZED (
-                SELECT s.id, r.n, CASE WHEN s.fair = 0 AND s.deleted = 0
+                SELECT s.id, s.last_token, r.n, CASE WHEN s.fair = 0 AND s.deleted = 0
                     THEN LEAST(GREATEST(s.capacity - s.used + r.n, 0), cardinality(CAST(:keys AS TEXT[])))
                     ELSE 0 END AS k
                 FROM permits_semaphore s, returned r
@@ -281,11 +286,13 @@ class PostgreSQL(Dialect):
                 FOR NO KEY UPDATE OF s),
             taken AS (
                 UPDATE permits_semaphore s
-                SET used = s.used - l.n + l.k, last_token = s.last_token + l.k, updated_at_ms = {clock_now}
+                SET used = s.used - l.n + CASE WHEN s.used - l.n + l.k <= s.capacity THEN l.k ELSE 0 END,
+                    last_token = s.last_token + CASE WHEN s.used - l.n + l.k <= s.capacity THEN l.k ELSE 0 END,
+                    updated_at_ms = {clock_now}
                 FROM locked l
-                WHERE s.id = l.id AND (l.n > 0 OR l.k > 0) AND (l.k = 0 OR s.used - l.n + l.k <= s.capacity)
-                RETURNING s.id, s.name, s.last_token - l.k AS before, l.n, l.k, {clock_now} AS granted_ms,
-                    s.capacity - s.used AS room, s.fair, s.listened_until_ms),
+                WHERE s.id = l.id AND (l.n > 0 OR l.k > 0)
+                RETURNING s.id, s.name, l.last_token AS before, s.last_token - l.last_token AS k, l.n,
+                    {clock_now} AS granted_ms, s.capacity - s.used AS room, s.fair, s.listened_until_ms),
             asked AS (
                 SELECT a.owner, a.lease_key, a.ttl_ms, a.place
                 FROM unnest(CAST(:owners AS TEXT[]), CAST(:keys AS TEXT[]), CAST(:ttls AS BIGINT[]))
