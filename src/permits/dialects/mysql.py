@@ -185,18 +185,18 @@ class MariaDB(Dialect):
             JOIN permits_semaphore s ON s.id = p.semaphore_id
             WHERE l.owner = :owner AND l.lease_key = :key AND @permits_fit = 1;
             COMMIT""",
-        # A line's turn in one request (see self_committing), as PostgreSQL's HAND_OVER: the releases first
-        # (their leases found by a plain read, which locks nothing: a locking read would lock the semaphore
-        # rows its check reads, before the lease rows, against every release's order, and a key with no
-        # lease would take a gap lock that a grant's insert waits on; then the lease rows locked by id and
-        # checked again, their ids kept, and ended), then the
-        # semaphore's row, locked and read: the room, once the releases have given theirs back, bounds the
-        # requests granted, in the order given; the row is written once, conditionally, and the k-th request
-        # granted gets the k-th of the new tokens. Every later step is gated on a session variable (a
-        # constant to the optimizer: a gated statement that says no reads nothing). A fair semaphore, and a
-        # lease that holds permits of another semaphore too, take no part. The last statement answers: kind
-        # 1, a request granted; 2, a lease released; 3, the semaphore's room and fair flag, as PostgreSQL's.
-        # params: name, gone (JSON), asked (JSON) -> kind, owner, key, acquired_at_ms, expires_at_ms, token
+        # A line's turn in one request (see self_committing), as PostgreSQL's HAND_OVER: the releases first (their
+        # leases found by a plain read, which locks nothing: a locking read would lock the semaphore rows its check
+        # reads, before the lease rows, against every release's order, and a key with no lease would take a gap lock
+        # that a grant's insert waits on; then the lease rows locked by id and checked again, their ids kept, and
+        # ended), then the semaphore's row, locked and read: the room, once the releases have given theirs back, bounds
+        # the requests granted, in the order given; the row is written once, the releases always and the grants on the
+        # condition that they fit the row as written, and the k-th request granted gets the k-th of the new tokens.
+        # Every later step is gated on a session variable (a constant to the optimizer: a gated statement that says no
+        # reads nothing). A fair semaphore, and a lease that holds permits of another semaphore too, take no part. The
+        # last statement answers: kind 1, a request granted; 2, a lease released; 3, the semaphore's room and fair flag,
+        # as PostgreSQL's. params: name, gone (JSON), asked (JSON) -> kind, owner, key, acquired_at_ms, expires_at_ms,
+        # token
         "HAND_OVER": """
             SET @permits_gone = NULL, @permits_n = 0, @permits_sem = NULL, @permits_k = 0,
                 @permits_before = NULL;
@@ -230,10 +230,10 @@ class MariaDB(Dialect):
             FROM permits_semaphore WHERE name = :name
             FOR UPDATE;
             UPDATE permits_semaphore
-            SET used = used - @permits_n + @permits_k, last_token = (@permits_before := last_token) + @permits_k,
-                updated_at_ms = {now}
-            WHERE id = @permits_sem AND (@permits_n > 0 OR @permits_k > 0)
-                AND (@permits_k = 0 OR used - @permits_n + @permits_k <= capacity);
+            SET used = used - @permits_n
+                    + (@permits_k := CASE WHEN used - @permits_n + @permits_k <= capacity THEN @permits_k ELSE 0 END),
+                last_token = (@permits_before := last_token) + @permits_k, updated_at_ms = {now}
+            WHERE id = @permits_sem AND (@permits_n > 0 OR @permits_k > 0);
             INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
             SELECT a.owner, a.lease_key, 1, {now}, {now} + a.ttl_ms FROM """
         + _ASKED
