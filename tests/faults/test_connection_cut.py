@@ -14,7 +14,9 @@ SQLite has no connection to cut: these tests run on MariaDB and PostgreSQL.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import pytest
 from sqlalchemy.engine import make_url
@@ -22,6 +24,8 @@ from sqlalchemy.engine import make_url
 import permits
 from permits import ReleaseOutcome, StorageUnavailable
 from tests._proxy import CuttingProxy
+
+T = TypeVar("T")
 
 #: every STRIDE-th byte of the reply stream is a cut point, and every one of the first HEAD and last TAIL
 STRIDE = 11
@@ -123,6 +127,21 @@ class _Bench:
 
     def last_tokens(self) -> dict[str, int]:
         return {name: self.direct.get_semaphore(name).last_token for name in self.names}
+
+    def through_cut(self, kind: str, n: int, call: Callable[[], T]) -> T:
+        """``call()`` with the proxy set to cut after ``n`` server bytes (``kind`` "bytes") or client packets
+        ("packets"); if the store gives up, heal and call again. The proxy is healed after."""
+        if kind == "bytes":
+            self.proxy.cut_after_server_bytes(n)
+        else:
+            self.proxy.cut_after_client_packets(n)
+        try:
+            return call()
+        except StorageUnavailable:
+            self.proxy.heal()
+            return call()
+        finally:
+            self.proxy.heal()
 
 
 @pytest.mark.slow
@@ -231,16 +250,7 @@ def test_cut_anywhere_in_one_release(db_url: str, proxy: CuttingProxy, ns: str, 
             where = f"release cut after {n} server bytes" if kind == "bytes" else f"release cut after packet {n}"
             bench.client.acquire(bench.wants, key=key, timeout=5)
             fired = proxy.cuts
-            if kind == "bytes":
-                proxy.cut_after_server_bytes(n)
-            else:
-                proxy.cut_after_client_packets(n)
-            try:
-                outcome = bench.client.release(key)
-            except StorageUnavailable:
-                proxy.heal()
-                outcome = bench.client.release(key)
-            proxy.heal()
+            outcome = bench.through_cut(kind, n, functools.partial(bench.client.release, key))
             try:
                 assert kind == "packets" or proxy.cuts == fired + 1, "no cut"
                 # The reply to the release that did it may be the one that was lost.
@@ -317,5 +327,64 @@ def test_cut_anywhere_in_a_forced_delete(db_url: str, proxy: CuttingProxy, ns: s
                 assert direct.reconcile() == []
             except AssertionError as exc:
                 raise AssertionError(f"{where}: {exc}") from exc
+    finally:
+        bench.close()
+
+
+@pytest.mark.slow
+def test_cut_anywhere_in_one_turn(db_url: str, proxy: CuttingProxy, ns: str) -> None:
+    """A line's turn (the service's group commit, ``HAND_OVER``) that releases a lease and grants the request
+    waiting for its permit, cut at any byte of its reply or after any of its requests, and sent again by the
+    store: the request is granted in the answer, or left to ask alone (which finds its lease under its key),
+    never answered as not granted while its key holds the permit; the release is done, or left to its caller,
+    exactly once."""
+    bench = _Bench(db_url, proxy, ns, "one", "tight")
+    direct, client = bench.direct, bench.client
+    store = client._store  # type: ignore[attr-defined]
+    assert store.hands_over
+    (name,) = bench.names
+
+    def turn(key: str) -> Any:
+        held = client.acquire(name, key=f"{key}-held", ttl=30, timeout=5)
+        return held, lambda: store.hand_over(name, [(bench.owner, held.key)], [(bench.owner, key, 30_000)], 5.0)
+
+    try:
+        sizes: list[tuple[int, int]] = []
+        for i in range(8):
+            _, run = turn(f"{ns}probe{i}")
+            bytes0, packets0 = proxy.server_bytes, proxy.client_packets
+            handed = run()
+            sizes.append((proxy.server_bytes - bytes0, proxy.client_packets - packets0))
+            assert handed.released == [True] and handed.leases[0] is not None
+            assert direct.release(f"{ns}probe{i}") == ReleaseOutcome.RELEASED
+        size, packets = min(s for s, _ in sizes), min(p for _, p in sizes)
+        assert size > 0 and packets > 0
+
+        points = set(range(0, size, STRIDE)) | set(range(min(HEAD, size))) | set(range(max(0, size - TAIL), size))
+        cuts = [("bytes", n) for n in sorted(points)] + [("packets", m) for m in range(1, packets + 1)]
+        for kind, n in cuts:
+            key = f"{ns}{kind}{n}"
+            where = f"turn cut after {n} server bytes" if kind == "bytes" else f"turn cut after packet {n}"
+            held, run = turn(key)
+            before = bench.last_tokens()[name]
+            fired = proxy.cuts
+            handed = bench.through_cut(kind, n, run)
+            try:
+                assert kind == "packets" or proxy.cuts == fired + 1, "no cut"
+                (lease,) = handed.leases
+                if lease is None:
+                    # Not granted in the answer: it asks alone, and that finds the lease a lost reply granted.
+                    assert handed.ask_alone, handed
+                    lease = client.acquire(name, key=key, ttl=30, timeout=0)
+                assert lease.tokens[name] == before + 1
+                assert direct.get_lease(key).tokens == lease.tokens
+                if not handed.released[0]:  # left to its caller, whose release finds it done
+                    assert client.release(held.key) in (ReleaseOutcome.RELEASED, ReleaseOutcome.ALREADY_RELEASED)
+                assert direct.get_lease(held.key).end_reason == permits.EndReason.RELEASED
+                assert direct.get_semaphore(name).used == 1
+                assert direct.reconcile() == []
+            except AssertionError as exc:
+                raise AssertionError(f"{where}: {exc}") from exc
+            assert direct.release(key) == ReleaseOutcome.RELEASED
     finally:
         bench.close()

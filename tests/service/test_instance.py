@@ -17,7 +17,7 @@ import pytest
 import permits
 from permits import EndReason
 from permits._core import observe
-from permits._core.flows import Flow
+from permits._core.flows import Flow, HandedOver
 from permits.server.config import Dashboard, LivenessCheck, Maintenance, ServerConfig
 from permits.server.maintenance import Maintainer, Task
 from permits.server.state import ServiceState
@@ -342,6 +342,52 @@ def test_a_turn_with_a_key_granted_elsewhere_answers_it_from_its_lease(db_url: s
             assert any(requests == 2 and not got for _, requests, got in seen), seen  # the turn that did nothing
             await client.release(granted)
             await elsewhere.release(earlier)
+            assert await client.reconcile() == []
+
+    _run(scenario())
+
+
+@turns
+def test_a_turn_whose_reply_was_lost_past_the_deadline_answers_from_the_lease(db_url: str, ns: str) -> None:
+    """A turn commits a grant and its reply is lost (a cut link): the store sends the turn again, which
+    finds no room (the lost reply's grant took it) and, by then, the request's deadline past. The request is
+    not answered "no room", which would leave its permit held by nobody until its TTL: it asks alone, with
+    its full recheck, and is answered from the lease the lost reply granted."""
+
+    async def scenario() -> None:
+        state = _state(db_url)
+        store: Any = state.sql_store
+        run = store._run
+        lost: list[Any] = []
+
+        async def reply_lost_once(make_flow: Any, *args: Any, **kwargs: Any) -> Any:
+            done = await run(make_flow, *args, **kwargs)
+            if lost or not isinstance(done, HandedOver) or not any(done.leases):
+                return done
+            lost.append(done)  # committed, and its reply lost: sent again (as _run does), past the deadline
+            await asyncio.sleep(0.8)
+            return await run(make_flow, *args, **kwargs)
+
+        store._run = reply_lost_once
+        name = f"{ns}s"
+        async with state.client as client:
+            await client.create_semaphore(name, 1)
+            held = await client.acquire(name, ttl=30)
+            waiters = [
+                asyncio.create_task(client.acquire(name, owner=f"{ns}w{i}", key=f"{ns}k{i}", ttl=30, timeout=0.5))
+                for i in range(2)
+            ]
+            await asyncio.sleep(0.1)
+            await client.release(held)
+            answers = await asyncio.gather(*waiters, return_exceptions=True)
+            assert lost, "no turn granted anything"
+            (granted,) = [lease for lease in lost[0].leases if lease is not None]
+            assert [(a.key, a.token) for a in answers if isinstance(a, permits.Lease)] == [
+                (granted.key, granted.token)
+            ], answers
+            assert all(isinstance(a, (permits.Lease, permits.AcquireTimeout)) for a in answers), answers
+            await client.release(granted)
+            assert (await client.get_semaphore(name)).used == 0
             assert await client.reconcile() == []
 
     _run(scenario())

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections import OrderedDict
@@ -550,9 +551,19 @@ class SQLStore:
         ``try_acquire``; ``None``, releases only: retried as a release's are."""
         asked = [flows.Request(owner, key, [Want(name, 1)], ttl_ms) for owner, key, ttl_ms in requests]
         deadline = None if wait is None else monotonic() + wait
-        handed: flows.HandedOver = self._run(
-            lambda: flows.hand_over(name, gone, asked), deadline=deadline, persist=wait is None
-        )
+        tries = 0
+
+        def attempt() -> Flow[flows.HandedOver]:
+            nonlocal tries
+            tries += 1
+            return flows.hand_over(name, gone, asked)
+
+        handed: flows.HandedOver = self._run(attempt, deadline=deadline, persist=wait is None)
+        if tries > 1 and not handed.ask_alone and not all(handed.leases):
+            # After a lost connection the turn before may have granted a request, its reply lost, and taken
+            # the room this one found missing: only a request asking alone, with its full recheck, finds that
+            # lease under its key (as try_acquire's retry does).
+            handed = dataclasses.replace(handed, ask_alone=True)
         return handed
 
     def _read_place(self, owner: str, key: str, deadline: float | None) -> int | None:

@@ -204,7 +204,11 @@ class HandOff:
             if twin is not None:
                 twin.deadline = max(twin.deadline, monotonic() + seconds)
                 done, _ = await asyncio.wait({twin.future}, timeout=seconds)
-                return twin.future.result() if done and not twin.future.cancelled() else None
+                if not done and (twin.attempting or twin.alone):
+                    # As its own waiter would (below): the attempt under way decides. Shielded: the future is
+                    # the request's own, and this retry's cancellation must not end it.
+                    await asyncio.wait({asyncio.shield(twin.future)})
+                return twin.future.result() if twin.future.done() and not twin.future.cancelled() else None
             ticket = _Ticket(owner, key, want, ttl_ms, monotonic() + seconds, rechecked_at)
             if first:
                 line.room.set()  # nobody waits for room: there may be some
@@ -212,8 +216,9 @@ class HandOff:
             self._start(want.name, line)
             try:
                 done, _ = await asyncio.wait({ticket.future}, timeout=seconds)
-                if not done and ticket.attempting:
-                    await ticket.future  # granted or not, the attempt in flight is this request's answer
+                if not done and (ticket.attempting or ticket.alone):
+                    # Granted or not, the attempt in flight, or the one a turn left it to make, is its answer.
+                    await ticket.future
                 return ticket.future.result() if ticket.future.done() else None
             finally:
                 if not ticket.future.done():
@@ -405,10 +410,15 @@ class HandOff:
                     # TTL, and a retry under the key gets it back.
                     logger.info("lease %r of %r granted after its request was cancelled", ticket.key, name)
                 self._answer(line, ticket, lease)
+            elif handed.ask_alone:
+                # The turn cannot say why: its key may have a lease already, granted by this very turn in a
+                # commit whose reply was lost and found by the store's retry. "No room" could then be false
+                # (the permit held by nobody until its TTL), so it asks alone with its full recheck, even
+                # past its deadline, and its waiter waits for that answer.
+                ticket.alone = True
+                ticket.rechecked_at = None
             elif now >= ticket.deadline:  # its time is up: its waiter may be waiting on this very attempt
                 self._answer(line, ticket, None)
-            elif handed.ask_alone:
-                ticket.alone = True
         line.room_left = handed.room
         room_left = handed.room is None or handed.room > 0
         if handed.ask_alone or (granted == len(batch) and room_left):
