@@ -477,8 +477,7 @@ def test_model_on_a_server_with_a_moving_clock(server: str, monkeypatch: pytest.
             else:
                 pooler = "?pooler=transaction" if variant == "functions" else ""
                 client = stack.enter_context(permits.connect(url + pooler, auto_upgrade=True))
-            # The -as_ variants differ from MariaDB's own in a few statements only: half the examples, for CI's time.
-            _run(client, clock, examples=30 if variant in MYSQL_FAMILY else 60, steps=40)
+            _run(client, clock, examples=60, steps=40)
             if variant in MYSQL_FAMILY:
                 assert type(client._store._dialect) is MYSQL_FAMILY[variant]
         if variant == "functions":  # made (with the moved clock in them) and called; counted as sessions end
