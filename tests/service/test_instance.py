@@ -348,6 +348,33 @@ def test_a_turn_with_a_key_granted_elsewhere_answers_it_from_its_lease(db_url: s
 
 
 @turns
+def test_a_retry_behind_the_line_of_a_key_granted_elsewhere_is_answered_from_its_lease(db_url: str, ns: str) -> None:
+    """A request whose key has a lease already (granted through another instance, its reply lost), which
+    fills the semaphore: retried here, it joins the line behind a waiter, and no turn can grant it or see
+    its lease. At its deadline it is not answered "no room" before it asks once with its full recheck,
+    which answers it from its lease."""
+
+    async def scenario() -> None:
+        state = _state(db_url)
+        name = f"{ns}s"
+        async with state.client as client, permits.connect_async(db_url, owner=f"{ns}x") as elsewhere:
+            await client.create_semaphore(name, 1)
+            earlier = await elsewhere.acquire(name, key=f"{ns}k", ttl=30)
+            ahead = asyncio.create_task(client.acquire(name, owner=f"{ns}y", ttl=30, timeout=3))
+            await asyncio.sleep(0.2)
+            assert state.instance_store.handoff is not None
+            assert state.instance_store.handoff.queued(name) == 1
+            again = await client.acquire(name, owner=f"{ns}x", key=f"{ns}k", ttl=30, timeout=0.5)
+            assert (again.key, again.token) == (earlier.key, earlier.token)
+            await elsewhere.release(earlier)
+            granted = await asyncio.wait_for(ahead, 5)
+            await client.release(granted)
+            assert await client.reconcile() == []
+
+    _run(scenario())
+
+
+@turns
 def test_a_turn_whose_reply_was_lost_past_the_deadline_answers_from_the_lease(db_url: str, ns: str) -> None:
     """A turn commits a grant and its reply is lost (a cut link): the store sends the turn again, which
     finds no room (the lost reply's grant took it) and, by then, the request's deadline past. The request is

@@ -208,7 +208,8 @@ class HandOff:
                     # As its own waiter would (below): the attempt under way decides. Shielded: the future is
                     # the request's own, and this retry's cancellation must not end it.
                     await asyncio.wait({asyncio.shield(twin.future)})
-                return twin.future.result() if twin.future.done() and not twin.future.cancelled() else None
+                lease = twin.future.result() if twin.future.done() and not twin.future.cancelled() else None
+                return lease if lease is not None or twin.rechecked_at is not None else await self._ask_last(twin)
             ticket = _Ticket(owner, key, want, ttl_ms, monotonic() + seconds, rechecked_at)
             if first:
                 line.room.set()  # nobody waits for room: there may be some
@@ -219,7 +220,9 @@ class HandOff:
                 if not done and (ticket.attempting or ticket.alone):
                     # Granted or not, the attempt in flight, or the one a turn left it to make, is its answer.
                     await ticket.future
-                return ticket.future.result() if ticket.future.done() else None
+                lease = ticket.future.result() if ticket.future.done() else None
+                if lease is not None or ticket.rechecked_at is not None:
+                    return lease
             finally:
                 if not ticket.future.done():
                     ticket.abandoned = True
@@ -229,6 +232,17 @@ class HandOff:
                             line.tickets.remove(ticket)
                 elif not ticket.future.cancelled():
                     ticket.future.exception()  # an answer that came as this waiter left: mark it seen
+        return await self._ask_last(ticket)
+
+    async def _ask_last(self, ticket: _Ticket) -> Lease | None:
+        """One attempt alone, with the full recheck and no wait, for a request about to be answered "no room"
+        that never had one. Its key may hold a lease already: granted by an attempt whose answer was lost, the
+        client's retry came to this line as a new request, and a turn that finds no room cannot see that lease
+        (the lease's own permit may be the room it lacks). It is found here, or the answer is a checked one."""
+        async with self._prelock.hold([ticket.want.name]):
+            return await self._inner.try_acquire(
+                ticket.owner, ticket.key, [ticket.want], ticket.ttl_ms, 0.0, recheck=True
+            )
 
     async def _serve(self, name: str, line: _Line) -> None:
         refusals = 1  # the request that formed the line was refused just now
