@@ -281,11 +281,21 @@ def test_bounds_are_refused_with_a_clear_status(service: Service, ns: str) -> No
         assert _error(big) == (413, "request_too_large")
     with _http(service, CAROL) as http:
         # At most 3 held leases per client on this service.
-        for i in range(3):
-            assert http.post("/v1/leases", json={"wants": {f"{ns}{'abc'[i]}": 1}, "ttl": 60}).status_code == 201
+        granted = [
+            http.post("/v1/leases", json={"wants": {f"{ns}{'abc'[i]}": 1}, "ttl": 60, "key": f"{ns}k{i}"})
+            for i in range(3)
+        ]
+        assert [g.status_code for g in granted] == [201, 201, 201]
         refused = http.post("/v1/leases", json={"wants": {f"{ns}d": 1}})
         assert _error(refused) == (429, "limit_exceeded") and refused.headers["Retry-After"]
         assert refused.json()["error"]["details"]["limit"] == "max_leases_per_client"
+        # A retry of a granted request (its reply lost) is no new lease: it is answered from the one it has.
+        again = http.post("/v1/leases", json={"wants": {f"{ns}c": 1}, "ttl": 60, "key": f"{ns}k2"})
+        assert again.status_code == 201 and again.json()["tokens"] == granted[2].json()["tokens"]
+        assert _error(http.post("/v1/leases", json={"wants": {f"{ns}d": 1}, "key": f"{ns}k3"})) == (
+            429,
+            "limit_exceeded",
+        )
 
 
 def test_fencing_tokens_round_trip_exactly_up_to_2_63_minus_1(service: Service, servers: Any, ns: str) -> None:

@@ -375,11 +375,15 @@ def test_a_retry_behind_the_line_of_a_key_granted_elsewhere_is_answered_from_its
 
 
 @turns
-def test_a_turn_whose_reply_was_lost_past_the_deadline_answers_from_the_lease(db_url: str, ns: str) -> None:
+@pytest.mark.parametrize("resent", ["no-room", "conflict"])
+def test_a_turn_whose_reply_was_lost_past_the_deadline_answers_from_the_lease(
+    db_url: str, ns: str, resent: str
+) -> None:
     """A turn commits a grant and its reply is lost (a cut link): the store sends the turn again, which
-    finds no room (the lost reply's grant took it) and, by then, the request's deadline past. The request is
-    not answered "no room", which would leave its permit held by nobody until its TTL: it asks alone, with
-    its full recheck, and is answered from the lease the lost reply granted."""
+    finds no room (the lost reply's grant took it), or meets a lock conflict it may not retry, and, by then,
+    the request's deadline past. The request is not answered "no room" (nor with the conflict, which its
+    caller takes for the same), which would leave its permit held by nobody until its TTL: it asks alone,
+    with its full recheck, and is answered from the lease the lost reply granted."""
 
     async def scenario() -> None:
         state = _state(db_url)
@@ -393,6 +397,9 @@ def test_a_turn_whose_reply_was_lost_past_the_deadline_answers_from_the_lease(db
                 return done
             lost.append(done)  # committed, and its reply lost: sent again (as _run does), past the deadline
             await asyncio.sleep(0.8)
+            if resent == "conflict":
+                make_flow()  # the second try's statement, refused: a lock wait timed out
+                raise permits.StorageConflict("lock wait timeout exceeded (the test's)")
             return await run(make_flow, *args, **kwargs)
 
         store._run = reply_lost_once
@@ -415,6 +422,37 @@ def test_a_turn_whose_reply_was_lost_past_the_deadline_answers_from_the_lease(db
             assert all(isinstance(a, (permits.Lease, permits.AcquireTimeout)) for a in answers), answers
             await client.release(granted)
             assert (await client.get_semaphore(name)).used == 0
+            assert await client.reconcile() == []
+
+    _run(scenario())
+
+
+def test_a_waiter_with_a_place_in_a_fair_queue_asks_while_the_line_holds_others(
+    db_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that holds a place in a fair semaphore's queue asks for itself, as the database orders it,
+    even while this instance's line for that semaphore holds requests (new ones, on their way to their own
+    places, keep it from emptying under load). It must not be left unasked behind the line: at the head of
+    the queue, with room, it would hold up everyone behind it until its place lapsed."""
+
+    async def scenario() -> None:
+        state = _state(db_url)
+        handoff = state.instance_store.handoff
+        assert handoff is not None
+        queued = handoff.queued
+        monkeypatch.setattr(handoff, "queued", lambda name: max(1, queued(name)))  # arrivals, always
+        name = f"{ns}f"
+        async with state.client as client:
+            await client.create_semaphore(name, 1, fair=True)
+            held = await client.acquire(name, ttl=30)
+            waiting = asyncio.create_task(client.acquire(name, owner=f"{ns}w", ttl=30, timeout=3))
+            await asyncio.sleep(0.3)
+            assert [w.owner for w in await client.waiters(name)] == [f"{ns}w"]
+            await client.release(held)
+            # At once (a few ms): left unasked, it was granted only when its place came up for renewal, seconds
+            # later.
+            lease = await asyncio.wait_for(waiting, 1.0)
+            await client.release(lease)
             assert await client.reconcile() == []
 
     _run(scenario())

@@ -557,7 +557,17 @@ class AsyncSQLStore:
             tries += 1
             return flows.hand_over(name, gone, asked)
 
-        handed: flows.HandedOver = await self._run(attempt, deadline=deadline, persist=wait is None)
+        try:
+            handed: flows.HandedOver = await self._run(attempt, deadline=deadline, persist=wait is None)
+        except StorageConflict:
+            if tries < 2:
+                raise
+            # Sent again after a lost connection, then refused for a conflict: the turn before may have
+            # committed, its grants and releases with it. Nothing can be said of any of them, so none is
+            # answered with the conflict (a waiter past its deadline would take it for "no room" while its key
+            # held a lease): the requests ask alone, and the releases are released alone, which says what
+            # each one is.
+            return flows.HandedOver(released=[False] * len(gone), leases=[None] * len(asked), ask_alone=True)
         if tries > 1 and not handed.ask_alone and not all(handed.leases):
             # After a lost connection the turn before may have granted a request, its reply lost, and taken
             # the room this one found missing: only a request asking alone, with its full recheck, finds that

@@ -199,8 +199,17 @@ class HandOff:
         with self._waker.admitted(bounded=not first):
             line = self._line(want.name)
             # A retry of a request that is still in the line (its reply was lost, and the client asked again
-            # under the same key) takes that request's place and answer, rather than queue behind it.
-            twin = next((t for t in line.tickets if (t.owner, t.key) == (owner, key) and not t.abandoned), None)
+            # under the same key) takes that request's place and answer, rather than queue behind it. Not one
+            # whose waiter was cancelled (its future with it) as the line has yet to drop it: that has no answer
+            # to share, and the retry would be told "no room" at once, each time, until the line moved.
+            twin = next(
+                (
+                    t
+                    for t in line.tickets
+                    if (t.owner, t.key) == (owner, key) and not t.abandoned and not t.future.done()
+                ),
+                None,
+            )
             if twin is not None:
                 twin.deadline = max(twin.deadline, monotonic() + seconds)
                 done, _ = await asyncio.wait({twin.future}, timeout=seconds)

@@ -219,10 +219,14 @@ class InstanceStore:
         # a retry of one granted here, which must never wait behind the permit it holds itself: it asks at
         # once and gets that lease back. (A retry of a request still in the line shares its place there.)
         # Where the store grants in batches, such a request goes to the line at once, and the line grants the
-        # requests at its head together (group commit; handoff.py).
+        # requests at its head together (group commit; handoff.py). A request that holds a place in a fair
+        # queue never goes to the line: the database orders it, and it does not wait in the line below either,
+        # so behind a line it would not ask at all, and its place (at the head of the queue, perhaps, holding
+        # up every request behind it) would lapse unasked.
         to_line = fresh = False
-        if lined and handoff is not None and (owner, key) not in self._granted:
-            fresh = handoff.batches(names[0]) and self._inner.queue_short(owner, key) is None
+        placed = self._inner.queue_short(owner, key) is not None
+        if lined and handoff is not None and (owner, key) not in self._granted and not placed:
+            fresh = handoff.batches(names[0])
             to_line = fresh or handoff.queued(names[0]) > 0
         if not to_line:
             async with self.prelock.hold(names):

@@ -176,7 +176,7 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
     _check_ttl(body.ttl, limits.max_ttl)
     owner = identity.db_owner(body.owner)
     key = body.key if body.key is not None else uuid.uuid4().hex
-    await state.check_lease_quota(identity)
+    await state.check_lease_quota(identity, owner, body.key)
 
     started = monotonic()
     outcome = "error"

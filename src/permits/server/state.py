@@ -11,8 +11,9 @@ from typing import Any, cast
 
 from permits._async.client import AsyncClient
 from permits._config import DEFAULT_TTL, Settings
-from permits._exceptions import ConfigurationError, LimitExceeded
+from permits._exceptions import ConfigurationError, LeaseNotFound, LimitExceeded
 from permits._io import monotonic
+from permits._models import Lease
 from permits.server.auth import Authenticator, Identity
 from permits.server.config import ServerConfig
 from permits.server.events import Broadcaster
@@ -104,11 +105,13 @@ class ServiceState:
     def waker(self) -> Waker:
         return self.instance_store.waker
 
-    async def check_lease_quota(self, identity: Identity) -> None:
+    async def check_lease_quota(self, identity: Identity, owner: str, key: str | None) -> None:
         """Refuse a new acquire (429) when the identity holds ``max_leases_per_client`` leases already.
 
         The count is read at most once a second per instance and advanced by the grants made here since,
-        so across several instances the bound can be passed by the grants of the last second.
+        so across several instances the bound can be passed by the grants of the last second. A retry of a
+        request that was granted (``key`` holds a live lease: the reply was lost) is not a new acquire: it is
+        let through, and answered from that lease.
         """
         if not identity.scoped:
             return
@@ -119,10 +122,19 @@ class ServiceState:
             quota = _Quota(await self.sql_store.count_held_leases(identity.name), now)
             self._quotas[identity.name] = quota
         if quota.count + quota.granted_since >= limit:
+            if key is not None and await self._holds(owner, key):
+                return
             raise LimitExceeded(
                 f"{identity.name!r} holds {limit} leases, the most this service allows per client",
                 limit="max_leases_per_client",
             )
+
+    async def _holds(self, owner: str, key: str) -> bool:
+        try:
+            lease: Lease = await self.sql_store.get_lease(owner, key)
+        except LeaseNotFound:
+            return False
+        return lease.held
 
     def note_granted(self, identity: Identity) -> None:
         quota = self._quotas.get(identity.name)
