@@ -84,6 +84,9 @@ def temporary_role(url: str, prefix: str, grants: Sequence[str]) -> Iterator[str
         with inside.connect() as conn:
             for grant in grants:
                 conn.execute(text(grant.format(role=role)))
+        # Not kept in the pool: a test that waits for the database's other sessions to end (function_calls)
+        # would wait for this one.
+        inside.dispose()
         yield make_url(url).set(username=role).render_as_string(hide_password=False)
     finally:
         with inside.connect() as conn:

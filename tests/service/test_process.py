@@ -52,6 +52,27 @@ def test_shutdown_answers_waiters_and_lets_requests_finish(sqlite_url: str, ns: 
         service.stop()
 
 
+def test_shutdown_ends_the_live_event_streams_at_once(sqlite_url: str) -> None:
+    """A dashboard left open must not hold a stopping instance up for the whole grace: its event stream ends
+    when the signal arrives (the page reconnects to another instance from its cursor)."""
+    # Maintenance off: its work would show in the feed, and any event also ended the stream before.
+    service = Service(sqlite_url, env={"PERMITS_SHUTDOWN_GRACE": "60", "PERMITS_MAINTENANCE__ENABLED": "false"})
+    try:
+        with httpx.Client(base_url=service.url, timeout=60) as http, http.stream("GET", "/v1/events/stream") as feed:
+            assert feed.status_code == 200
+            lines = feed.iter_lines()
+            assert next(lines) == ": connected"
+            signalled = time.monotonic()
+            service.process.terminate()
+            rest = list(lines)  # until the server ends the stream
+        assert service.process.wait(30) in (0, -15), service.log()
+        stopped_after = time.monotonic() - signalled
+        assert stopped_after < 5, (stopped_after, rest, service.log())  # not the 60 s grace
+        assert "Application shutdown complete" in service.log()
+    finally:
+        service.stop()
+
+
 def test_cli_commands_accept_a_service_url(sqlite_url: str, ns: str) -> None:
     with running(sqlite_url) as service:
         env = {**os.environ, "PERMITS_DATABASE_URL": service.url}

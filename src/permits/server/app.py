@@ -55,7 +55,7 @@ def create_app(
             yield
         finally:
             state.waker.draining.set()  # answer anyone still waiting for room
-            await state.broadcaster.close()  # end the live streams, which would hold up the shutdown
+            await state.broadcaster.close()  # any stream still open (run.py ends them at the signal)
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)

@@ -241,6 +241,8 @@ async def events_stream(
                 try:
                     item = await asyncio.wait_for(subscriber.queue.get(), STREAM_PING_SECONDS)
                 except TimeoutError:
+                    if state.waker.draining.is_set():  # subscribed as the shutdown began
+                        return
                     yield ": ping\n\n"
                     continue
                 if item is None or state.waker.draining.is_set():

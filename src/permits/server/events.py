@@ -238,10 +238,17 @@ class Broadcaster:
     def unsubscribe(self, subscriber: _Subscriber) -> None:
         self._subscribers.discard(subscriber)
 
-    async def close(self) -> None:
+    def end_streams(self) -> None:
+        """Tell every open stream to end (a shutdown began): uvicorn waits for open responses before it
+        shuts the app down, and a stream that went on would hold the process up for the whole grace."""
         for subscriber in list(self._subscribers):
+            with contextlib.suppress(asyncio.QueueEmpty):
+                subscriber.queue.get_nowait()  # room for the end, even in a full backlog
             with contextlib.suppress(asyncio.QueueFull):
                 subscriber.queue.put_nowait(None)
+
+    async def close(self) -> None:
+        self.end_streams()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

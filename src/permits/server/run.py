@@ -53,10 +53,12 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # In-flight requests finish (uvicorn waits up to shutdown_grace); requests waiting for room are
-        # answered at once with a retryable 503, so their clients retry on another instance.
+        # answered at once with a retryable 503, so their clients retry on another instance; live event
+        # streams end (a dashboard reconnects to another instance from its cursor).
         state: ServiceState = self._app.state.permits
         if self._loop is not None:
             self._loop.call_soon_threadsafe(state.waker.draining.set)
+            self._loop.call_soon_threadsafe(state.broadcaster.end_streams)
         super().handle_exit(sig, frame)
 
 
