@@ -11,7 +11,7 @@ key, and the retry sees the winner's grant. These tests check that end to end:
 - after each run, every node agrees that each semaphore's last_token is its highest permit token, and no
   permit row lacks its lease (what the one-request batches broke on Galera; see dialects/mysql.py).
 
-About a minute on two cores, most of it the cluster coming up (15 s) and the load.
+About a minute on two cores, most of it the cluster coming up (10-15 s, once per session: conftest.py) and the load.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +35,11 @@ from tests.concurrency.test_many_processes import _max_overlap, run_and_check
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def galera() -> Iterator[GaleraCluster]:
-    with GaleraCluster() as cluster:
-        with permits.connect(cluster.url(0), auto_upgrade=True) as client:
-            client.list_semaphores()  # the schema, created through node 0, replicated to all
-        yield cluster
+@pytest.fixture(scope="module", autouse=True)
+def schema(galera: GaleraCluster) -> None:
+    """The schema, created through node 0, replicated to all (the cluster: tests/scaleout/conftest.py)."""
+    with permits.connect(galera.url(0), auto_upgrade=True) as client:
+        client.list_semaphores()
 
 
 def _urls(galera: GaleraCluster) -> list[str]:
@@ -84,24 +82,44 @@ def test_many_processes_over_three_nodes(galera: GaleraCluster, tmp_path: Path) 
 @pytest.mark.timeout(900)
 def test_the_behaviour_suite_passes_with_each_node_serving_a_part(galera: GaleraCluster) -> None:
     """tests/conformance on the cluster, against the database directly (its service half adds nothing
-    the cluster could break): its files dealt out to the three nodes, each run by a pytest of its own."""
+    the cluster could break): its files dealt out to the three nodes, each run by a pytest of its own, the
+    three at once, so that the nodes serve side by side."""
     here = Path(__file__).resolve().parents[1]
     files = sorted(str(f.relative_to(here.parent)) for f in (here / "conformance").glob("test_*.py"))
-    for i in range(galera.size):
-        part = files[i :: galera.size]
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "mysql and db", *part],
+    runs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-k",
+                "mysql and db",
+                *files[i :: galera.size],
+            ],
             cwd=here.parent,
             # CI=true: a node the suite cannot reach fails it instead of skipping every test
             env={**os.environ, "PERMITS_TEST_MYSQL_URL": galera.url(i), "CI": "true"},
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=600,
         )
-        summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-        assert done.returncode == 0, f"node {i} ({part}):\n{done.stdout[-4000:]}\n{done.stderr[-2000:]}"
-        assert " passed" in summary and "skipped" not in summary, f"node {i}: {summary}"
-        print(f"node {i}: {summary}")
+        for i in range(galera.size)
+    ]
+    try:
+        for i, run in enumerate(runs):
+            out, err = run.communicate(timeout=600)
+            summary = out.strip().splitlines()[-1] if out.strip() else ""
+            assert run.returncode == 0, f"node {i} ({files[i :: galera.size]}):\n{out[-4000:]}\n{err[-2000:]}"
+            assert " passed" in summary and "skipped" not in summary, f"node {i}: {summary}"
+            print(f"node {i}: {summary}")
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
 
 
 def test_races_on_three_nodes_never_grant_a_mutex_twice(galera: GaleraCluster) -> None:

@@ -14,7 +14,6 @@ About 90 s on two cores.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,12 +22,6 @@ from tests._galera import GaleraCluster
 from tests.faults.harness import FaultRun, describe
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def galera() -> Iterator[GaleraCluster]:
-    with GaleraCluster() as cluster:
-        yield cluster
 
 
 def test_the_checker_finds_nothing_with_three_nodes_serving_and_one_killed(
