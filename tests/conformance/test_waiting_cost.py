@@ -9,10 +9,15 @@ import threading
 import time
 from typing import Any
 
+import psycopg
+import pymysql
 import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.exc import OperationalError
 
 import permits
 from permits import Want
+from tests.conftest import sqlalchemy_url
 
 #: The read that finds out why an acquire was refused (flows._why_refused).
 WHY_REFUSED = "REFUSAL_READ"
@@ -50,6 +55,49 @@ def test_a_waiting_acquire_still_finds_its_earlier_grant_at_once(db_url: str, ns
         assert time.monotonic() - started < 1.0
         assert again.tokens == first.tokens
         client.release(again)
+
+
+def _connection_lost(backend: str) -> BaseException:
+    """The driver's error for a connection lost during a statement, as the store would see it."""
+    if backend == "mysql":
+        return pymysql.err.OperationalError(2013, "Lost connection to server during query")
+    return psycopg.OperationalError("server closed the connection unexpectedly")
+
+
+@pytest.mark.parametrize("via", ["db"], indirect=True)  # the store's statement hook is the database's
+@pytest.mark.parametrize("backend", ["mysql", "postgresql"], indirect=True)
+def test_a_grant_whose_reply_was_lost_is_the_answer_when_conflicts_outlast_the_callers_time(
+    db_url: str, backend: str, make_client: Any, ns: str
+) -> None:
+    """The grant commits and its reply is lost (the connection drops after the statement: raised here by the
+    store's statement hook, after the real commit); every retry then meets a row lock that another session
+    holds past the caller's time. The acquire ended in AcquireTimeout, and the lease it had got held its
+    permit, unknown to anyone, until its TTL. The lease under the key is the answer."""
+    name, key = f"{ns}s", f"{ns}k"
+    engine = create_engine(sqlalchemy_url(db_url))
+    client = make_client(owner=f"{ns}w", lock_wait_timeout=1)  # sync or asyncio
+    with engine.connect() as blocker:
+        client.create_semaphore(name, 2)
+        lost: list[str] = []
+
+        def lose_the_reply(statement: str) -> None:
+            if statement.startswith("ACQUIRE") and not lost:
+                lost.append(statement)
+                blocker.execute(text("SELECT used FROM permits_semaphore WHERE name = :n FOR UPDATE"), {"n": name})
+                raise OperationalError(statement, {}, _connection_lost(backend))
+
+        client._store.after_statement = lose_the_reply  # type: ignore[attr-defined]
+        started = time.monotonic()
+        try:
+            lease = client.acquire(name, key=key, ttl=60, timeout=3)
+        finally:
+            blocker.rollback()
+        assert lost, "no grant statement was sent"
+        assert 2.5 <= time.monotonic() - started < 10  # it did wait out the conflicts
+        assert (lease.key, lease.counts) == (key, {name: 1})
+        assert [h.key for h in client.holders(name)] == [key]
+        assert client.release(lease) is permits.ReleaseOutcome.RELEASED
+    engine.dispose()
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)

@@ -18,9 +18,12 @@ from sqlalchemy import Connection, create_engine
 from permits import _schema
 from permits._backoff import RETRY_BACKOFF
 from permits._config import Settings
-from permits._core import flows
+from permits._core import decide, flows
 from permits._core.flows import DuplicateKey, Flow, Restart, Result, Retry, Stmt, Then
 from permits._exceptions import (
+    IdempotencyConflict,
+    LeaseLost,
+    LeaseNotFound,
     SchemaMismatch,
     StorageConflict,
     StorageError,
@@ -509,6 +512,14 @@ class SQLStore:
 
         try:
             result: Any = self._run(attempt, deadline=deadline)
+        except StorageConflict:
+            # Lock conflicts outlasted the caller's time. A try before them may have lost its connection
+            # with its grant committed and the reply lost: then the answer is the lease under the key, not
+            # "no room", which would leave that lease holding its permits, unknown to anyone, until its TTL.
+            granted = self._lease_under(owner, key, wants) if tries > 1 else None
+            if granted is None:
+                raise
+            result = granted
         finally:
             if in_line:
                 self._leave_line_seat()
@@ -575,6 +586,15 @@ class SQLStore:
             # lease under its key (as try_acquire's retry does).
             handed = dataclasses.replace(handed, ask_alone=True)
         return handed
+
+    def _lease_under(self, owner: str, key: str, wants: Sequence[Want]) -> Lease | None:
+        """The lease an earlier try of this acquire got, if one did and it is still held: a read, which no
+        row lock holds up."""
+        try:
+            existing = self._run(lambda: flows.get_lease(owner, key), readonly=True)
+            return decide.replay(existing, wants)
+        except (LeaseNotFound, LeaseLost, IdempotencyConflict):
+            return None
 
     def _read_place(self, owner: str, key: str, deadline: float | None) -> int | None:
         """How many permits a queued request is short of fitting now, read without a lock; ``None`` when it
