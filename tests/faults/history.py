@@ -87,6 +87,14 @@ class History:
     def of(self, op: str) -> list[Op]:
         return [o for o in self.ops if o.op == op]
 
+    def met(self, kind: str, window: float = 1.0) -> list[Op]:
+        """The operations that the faults of ``kind`` (events the harness recorded) met: each one under way at
+        some point of the ``window`` seconds from such an event, when the fault had just been injected. A
+        test asserts that these exist, and that some were held up, so that its clean report is about work
+        the fault actually hit."""
+        starts = [e["t"] for e in self.events if e["kind"] == kind]
+        return [o for o in self.ops if any(o.t0 <= t + window and o.t1 >= t for t in starts)]
+
     def killed_at(self) -> dict[str, float]:
         """When each killed process was killed."""
         return {e["target"]: e["t"] for e in self.events if e["kind"] == "kill"}
