@@ -402,6 +402,27 @@ def test_names_that_look_like_sql_are_names(client: Any, ns: str, name: str) -> 
 
 
 @pytest.mark.parametrize(
+    "text",
+    ["'; DROP TABLE permits_lease; --", "%", "_", "a\\b", "' OR '1'='1", "lóck", "\U0001f512" * 255, "a\u0301\u200f"],
+    ids=["sql-quote", "percent", "underscore", "backslash", "or-true", "accented", "emoji-x255", "combining-rtl"],
+)
+def test_keys_and_owners_that_look_like_sql_are_keys_and_owners(client: Any, ns: str, text: str) -> None:
+    """The notes under the table, for keys and owners: stored and found exactly as written, 4-byte
+    characters up to the full 255 included, and no key is a pattern that finds another."""
+    name, owner = f"{ns}s", (ns + text)[:255]  # the owner keeps each test's keys apart
+    client.create_semaphore(name, 2)
+    lease = client.acquire(name, key=text, owner=owner, ttl=30)
+    assert (lease.key, lease.owner) == (text, owner)
+    assert client.get_lease(text, owner=owner).tokens == lease.tokens
+    assert [(h.owner, h.key) for h in client.holders(name)] == [(owner, text)]
+    for pattern in {"%", "_", "%%"} - {text}:
+        with pytest.raises(permits.LeaseNotFound):
+            client.get_lease(pattern, owner=owner)
+    assert client.acquire(name, key=text, owner=owner, ttl=30).tokens == lease.tokens  # a retry: the same lease
+    assert client.release(text, owner=owner) is permits.ReleaseOutcome.RELEASED
+
+
+@pytest.mark.parametrize(
     "row",
     [row for row in ROWS if row.library is not None],
     ids=[row.case for row in ROWS if row.library is not None],
