@@ -87,11 +87,13 @@ def test_killed_holders(run: FaultRun, db_url: str) -> None:
     assert all(caught), "on one path, no victim was killed while holding a lease"
 
 
-def test_holder_paused_past_its_ttl(run: FaultRun, db_url: str) -> None:
+@pytest.mark.parametrize("path", ["library", "service"])
+def test_holder_paused_past_its_ttl(run: FaultRun, db_url: str, path: str) -> None:
     """SIGSTOP a holder past its TTL, then SIGCONT: its lease was reclaimed meanwhile, the register refuses
-    its stale token, and its release finds the lease lost."""
+    its stale token, and its release finds the lease lost. The paused holder talks to the database itself,
+    or goes through the service."""
     svc = run.service()
-    victim = run.worker(svc.url, stop_self_at=2)
+    victim = run.worker(db_url if path == "library" else svc.url, stop_self_at=2)
     run.worker(db_url)
     run.worker(svc.url)
     pid = run.procs[victim].pid
