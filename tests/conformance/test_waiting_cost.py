@@ -74,30 +74,33 @@ def test_a_grant_whose_reply_was_lost_is_the_answer_when_conflicts_outlast_the_c
     holds past the caller's time. The acquire ended in AcquireTimeout, and the lease it had got held its
     permit, unknown to anyone, until its TTL. The lease under the key is the answer."""
     name, key = f"{ns}s", f"{ns}k"
-    engine = create_engine(sqlalchemy_url(db_url))
     client = make_client(owner=f"{ns}w", lock_wait_timeout=1)  # sync or asyncio
-    with engine.connect() as blocker:
-        client.create_semaphore(name, 2)
-        lost: list[str] = []
+    client.create_semaphore(name, 2)
+    engine = create_engine(sqlalchemy_url(db_url))
+    try:
+        with engine.connect() as blocker:
+            lost: list[str] = []
 
-        def lose_the_reply(statement: str) -> None:
-            if statement.startswith("ACQUIRE") and not lost:
-                lost.append(statement)
-                blocker.execute(text("SELECT used FROM permits_semaphore WHERE name = :n FOR UPDATE"), {"n": name})
-                raise OperationalError(statement, {}, _connection_lost(backend))
+            def lose_the_reply(statement: str) -> None:
+                if statement.startswith("ACQUIRE") and not lost:
+                    lost.append(statement)
+                    locking = text("SELECT used FROM permits_semaphore WHERE name = :n FOR UPDATE")
+                    blocker.execute(locking, {"n": name})
+                    raise OperationalError(statement, {}, _connection_lost(backend))
 
-        client._store.after_statement = lose_the_reply  # type: ignore[attr-defined]
-        started = time.monotonic()
-        try:
-            lease = client.acquire(name, key=key, ttl=60, timeout=3)
-        finally:
-            blocker.rollback()
-        assert lost, "no grant statement was sent"
-        assert 2.5 <= time.monotonic() - started < 10  # it did wait out the conflicts
-        assert (lease.key, lease.counts) == (key, {name: 1})
-        assert [h.key for h in client.holders(name)] == [key]
-        assert client.release(lease) is permits.ReleaseOutcome.RELEASED
-    engine.dispose()
+            client._store.after_statement = lose_the_reply  # type: ignore[attr-defined]
+            started = time.monotonic()
+            try:
+                lease = client.acquire(name, key=key, ttl=60, timeout=3)
+            finally:
+                blocker.rollback()
+    finally:
+        engine.dispose()
+    assert lost, "no grant statement was sent"
+    assert 2.5 <= time.monotonic() - started < 10  # it did wait out the conflicts
+    assert (lease.key, lease.counts) == (key, {name: 1})
+    assert [h.key for h in client.holders(name)] == [key]
+    assert client.release(lease) is permits.ReleaseOutcome.RELEASED
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)

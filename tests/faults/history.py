@@ -25,6 +25,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,13 +88,30 @@ class History:
     def of(self, op: str) -> list[Op]:
         return [o for o in self.ops if o.op == op]
 
-    def met(self, kind: str, window: float = 1.0) -> list[Op]:
-        """The operations that the faults of ``kind`` (events the harness recorded) met: each one under way at
-        some point of the ``window`` seconds from such an event, when the fault had just been injected. A
-        test asserts that these exist, and that some were held up, so that its clean report is about work
-        the fault actually hit."""
+    def met(self, kind: str, procs: Collection[str] | None = None, window: float = 1.0) -> list[Op]:
+        """The operations of ``procs`` (all, by default: the processes the fault can reach) under way at some
+        point of the ``window`` seconds from a fault of ``kind`` (an event the harness recorded)."""
         starts = [e["t"] for e in self.events if e["kind"] == kind]
-        return [o for o in self.ops if any(o.t0 <= t + window and o.t1 >= t for t in starts)]
+        return [
+            o
+            for o in self.ops
+            if (procs is None or o.proc in procs) and any(o.t0 <= t + window and o.t1 >= t for t in starts)
+        ]
+
+    def held_up(self, kind: str, procs: Collection[str] | None = None) -> list[Op]:
+        """Of ``procs``' operations, those that a fault of ``kind`` that lasts held up: under way when it
+        ended (the harness records ``<kind>_end`` then: the server back, the link resumed), having begun
+        while it lasted or before, or left with an unknown outcome by it. A test asserts that some exist,
+        so that its clean report is about work the fault actually hit."""
+        starts = [e["t"] for e in self.events if e["kind"] == kind]
+        ends = [e["t"] for e in self.events if e["kind"] == f"{kind}_end"]
+        spans = [(t, min((u for u in ends if u >= t), default=math.inf)) for t in starts]
+        return [
+            o
+            for o in self.ops
+            if (procs is None or o.proc in procs)
+            and any(o.t0 <= end and (o.t1 >= end or (o.outcome == UNKNOWN and o.t1 >= start)) for start, end in spans)
+        ]
 
     def killed_at(self) -> dict[str, float]:
         """When each killed process was killed."""

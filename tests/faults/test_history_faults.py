@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -117,15 +117,16 @@ def test_holder_paused_past_its_ttl(run: FaultRun, db_url: str, path: str) -> No
     assert release is not None and release.outcome == FAIL and release["result"] == "lost", release
 
 
-def _assert_hit(run: FaultRun, kind: str, held_up: bool = True) -> None:
-    """The clean report is about work that the faults of ``kind`` met (``History.met``): operations under way
-    within a second of each, and, for a fault that lasts (an outage, a stall), some of them held up by it,
-    answered only after it or not ok. A cut, which the store's retry heals in milliseconds, need not hold
-    any up."""
-    met = run.history().met(kind)
-    assert met, f"no operation was under way when the {kind} began"
+def _assert_hit(run: FaultRun, kind: str, through: Collection[str], held_up: bool = True) -> None:
+    """The clean report is about work that the faults of ``kind`` met: operations of the workers
+    ``through`` the instance it struck, under way within a second of each (``History.met``), and, for a
+    fault that lasts (an outage, a stall), some of them visibly held up by it (``History.held_up``). A
+    cut, which the store's retry heals in milliseconds, need not hold any up."""
+    history = run.history()
+    met = history.met(kind, through)
+    assert met, f"no operation through the instance was under way around the {kind}"
     if held_up:
-        assert [o for o in met if o.outcome != "ok" or o.t1 - o.t0 > 0.5], [(o.op, o.outcome, o.t1 - o.t0) for o in met]
+        assert history.held_up(kind, through), [(o.op, o.outcome, round(o.t1 - o.t0, 2)) for o in met]
 
 
 def _stopped(pid: int) -> bool:
@@ -149,10 +150,11 @@ def test_service_killed_and_restarted(run: FaultRun, db_url: str) -> None:
     run.kill_service(svc)
     run.sleep(1.0)
     run.restart_service(svc)
+    run.rec.event("service_kill_end")
     run.progress(2, procs=through)  # through the new instance
     report = run.finish()
     _assert_clean(run, report)
-    _assert_hit(run, "service_kill")
+    _assert_hit(run, "service_kill", through)
 
 
 def _turns_with_several_grants(svc: Any) -> int:
@@ -213,7 +215,7 @@ def test_service_database_link(run: FaultRun, db_url: str, fault: str) -> None:
         faulty, healthy = run.services({"db_url": via}, {})
         # Past the TTL, the stall is there to hold up leases that are held: workers through that instance
         # then hold theirs for up to half the TTL, so that one is almost surely held when the stall begins.
-        run.workers(2, faulty.url, **({"hold": run.ttl / 2} if fault == "stall-past-ttl" else {}))
+        through = run.workers(2, faulty.url, **({"hold": run.ttl / 2} if fault == "stall-past-ttl" else {}))
         run.worker(healthy.url)
         run.worker(db_url)
         run.wait_for(lambda: run.acquired() >= 4, what="the first grants")
@@ -228,11 +230,12 @@ def test_service_database_link(run: FaultRun, db_url: str, fault: str) -> None:
                 if round_ == 1:
                     proxy.cut_all()  # the second stall ends in a cut of the stalled connections
                 proxy.resume()
+                run.rec.event(f"{fault}_end")
                 run.sleep(0.7)
         run.progress(3)
         report = run.finish()
     _assert_clean(run, report)
-    _assert_hit(run, fault, held_up=fault != "cut")
+    _assert_hit(run, fault, through, held_up=fault != "cut")
     if fault == "stall-past-ttl":  # the stall did what it is for: leases ran out while it held them up
         assert report.stats.get("ended_expired", 0) + report.stats.get("ended_swept", 0) > 0, report.stats
 

@@ -1,6 +1,7 @@
 """The soak: a long run with a random mix of every fault, checked by the same checker, and watched for
 leaks: the memory (RSS) of the service instance and of each library worker that run throughout, and the
-database's connections, each both against its level after the warm-up and for a steady climb.
+database's connections, each both against its level after the warm-up and for a steady climb. One library
+worker is spared the kills so that one lives through the whole run.
 
 Skipped unless ``PERMITS_SOAK`` is set to the run's length in seconds (``tests/faults/conftest.py``)::
 
@@ -85,6 +86,9 @@ def test_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
             steady, flaky = run.services({}, {"db_url": via})
             for target in (server.url, server.url, steady.url, steady.url, flaky.url, flaky.url):
                 run.worker(target)
+            # One library worker is never killed (it may be paused), so that one lives through the whole run
+            # to be watched for leaks: the others' replacements come and go under new names.
+            sentinel = next(proc for proc, url in run.urls.items() if url == server.url)
             run.wait_for(lambda: run.acquired() >= 5, what="the first grants")
             started = time.monotonic()
             while time.monotonic() - started < SOAK_SECONDS:
@@ -99,7 +103,7 @@ def test_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
                 run.rec.event(fault)
                 live = [p for p, popen in run.procs.items() if popen.poll() is None]
                 if fault == "kill_worker":
-                    victim = rng.choice(live)
+                    victim = rng.choice([proc for proc in live if proc != sentinel])
                     run.kill_worker(victim)
                     run.worker(run.urls[victim])  # a replacement, where the victim went
                 elif fault == "pause_worker":
@@ -131,10 +135,10 @@ def test_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     print("library workers' RSS (s, KiB):", worker_rss)
     assert not report.violations, describe(report, run)
     _assert_flat(samples)
-    lived = {proc: series for proc, series in worker_rss.items() if len(series) >= len(samples) // 2}
-    assert lived, "no library worker lived through half of the run"
-    for proc, series in lived.items():
-        _assert_no_climb(f"RSS of {proc}", series, margin_kib=10 * 1024)
+    assert len(worker_rss[sentinel]) == len(samples), worker_rss[sentinel]
+    for proc, series in worker_rss.items():
+        if len(series) >= len(samples) // 2:
+            _assert_no_climb(f"RSS of {proc}", series, margin_kib=10 * 1024)
 
 
 def _assert_flat(samples: list[tuple[float, int, int]]) -> None:
@@ -157,14 +161,15 @@ def _assert_flat(samples: list[tuple[float, int, int]]) -> None:
 
 def _assert_no_climb(what: str, series: list[tuple[float, int]], margin_kib: int) -> None:
     """No steady climb after the warm-up: the least-squares slope over the rest of the run, times its
-    length, is under ``margin_kib`` and a tenth of the level after the warm-up. A leak of a little per
-    request shows as a slope however noisy the samples; a step (a cache that fills once) stays under the
-    margin."""
+    length, stays under 1.5 times the flat check's margin (``margin_kib`` and a tenth of the level after
+    the warm-up). A leak of a little per request shows as a slope however noisy the samples; a step
+    (a cache that fills once) of up to that margin passes wherever it falls (a step of h half-way reads
+    as 1.5 h)."""
     rest = series[len(series) // 5 :]
     if len(rest) < 4:
         return
     times, values = [t for t, _ in rest], [v for _, v in rest]
     slope = statistics.linear_regression(times, values).slope  # KiB per second
     climb = slope * (times[-1] - times[0])
-    allowed = margin_kib + 0.1 * statistics.median(values[: max(2, len(values) // 4)])
+    allowed = 1.5 * (margin_kib + 0.1 * statistics.median(values[: max(2, len(values) // 4)]))
     assert climb <= allowed, f"{what} climbed {climb:.0f} KiB over the run (allowed {allowed:.0f}): {series}"

@@ -80,46 +80,41 @@ def test_many_processes_over_three_nodes(galera: GaleraCluster, tmp_path: Path) 
 
 
 @pytest.mark.timeout(900)
-def test_the_behaviour_suite_passes_with_each_node_serving_a_part(galera: GaleraCluster) -> None:
+def test_the_behaviour_suite_passes_with_each_node_serving_a_part(galera: GaleraCluster, tmp_path: Path) -> None:
     """tests/conformance on the cluster, against the database directly (its service half adds nothing
     the cluster could break): its files dealt out to the three nodes, each run by a pytest of its own, the
-    three at once, so that the nodes serve side by side."""
+    three at once, so that the nodes serve side by side. Each writes to a file (a pipe read after another
+    could fill and hold its run up), and all three are waited for before any is judged."""
     here = Path(__file__).resolve().parents[1]
     files = sorted(str(f.relative_to(here.parent)) for f in (here / "conformance").glob("test_*.py"))
-    runs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-k",
-                "mysql and db",
-                *files[i :: galera.size],
-            ],
-            cwd=here.parent,
-            # CI=true: a node the suite cannot reach fails it instead of skipping every test
-            env={**os.environ, "PERMITS_TEST_MYSQL_URL": galera.url(i), "CI": "true"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(galera.size)
-    ]
+    parts = [files[i :: galera.size] for i in range(galera.size)]
+    outputs = [tmp_path / f"node{i}.log" for i in range(galera.size)]
+    runs: list[subprocess.Popen[bytes]] = []
     try:
-        for i, run in enumerate(runs):
-            out, err = run.communicate(timeout=600)
-            summary = out.strip().splitlines()[-1] if out.strip() else ""
-            assert run.returncode == 0, f"node {i} ({files[i :: galera.size]}):\n{out[-4000:]}\n{err[-2000:]}"
-            assert " passed" in summary and "skipped" not in summary, f"node {i}: {summary}"
-            print(f"node {i}: {summary}")
+        for i, part in enumerate(parts):
+            with outputs[i].open("wb") as output:
+                runs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "mysql and db", *part],
+                        cwd=here.parent,
+                        # CI=true: a node the suite cannot reach fails it instead of skipping every test
+                        env={**os.environ, "PERMITS_TEST_MYSQL_URL": galera.url(i), "CI": "true"},
+                        stdout=output,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        codes = [run.wait(timeout=600) for run in runs]
     finally:
         for run in runs:
             if run.poll() is None:
                 run.kill()
                 run.wait()
+    for i, code in enumerate(codes):
+        out = outputs[i].read_text(errors="replace")
+        summary = out.strip().splitlines()[-1] if out.strip() else ""
+        assert code == 0, f"node {i} ({parts[i]}):\n{out[-6000:]}"
+        assert " passed" in summary and "skipped" not in summary, f"node {i}: {summary}"
+        print(f"node {i}: {summary}")
 
 
 def test_races_on_three_nodes_never_grant_a_mutex_twice(galera: GaleraCluster) -> None:

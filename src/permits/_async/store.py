@@ -512,10 +512,11 @@ class AsyncSQLStore:
         try:
             result: Any = await self._run(attempt, deadline=deadline)
         except StorageConflict:
-            # Lock conflicts outlasted the caller's time. A try before them may have lost its connection
-            # with its grant committed and the reply lost: then the answer is the lease under the key, not
-            # "no room", which would leave that lease holding its permits, unknown to anyone, until its TTL.
-            granted = await self._lease_under(owner, key, wants) if tries > 1 else None
+            # Lock conflicts outlasted the caller's time. A try before them (an attempt, or a step it went on
+            # to, such as the grant after a reclaim) may have lost its connection with its grant committed
+            # and the reply lost: then the answer is the lease under the key, not "no room", which would
+            # leave that lease holding its permits, unknown to anyone, until its TTL.
+            granted = await self._lease_under(owner, key, wants)
             if granted is None:
                 raise
             result = granted
@@ -587,12 +588,12 @@ class AsyncSQLStore:
         return handed
 
     async def _lease_under(self, owner: str, key: str, wants: Sequence[Want]) -> Lease | None:
-        """The lease an earlier try of this acquire got, if one did and it is still held: a read, which no
-        row lock holds up."""
+        """The lease an earlier try of this acquire got, if one did and it is still held: one read, which no
+        row lock holds up, and no retry past the caller's time (a read that fails is no answer)."""
         try:
-            existing = await self._run(lambda: flows.get_lease(owner, key), readonly=True)
+            existing = await self._attempt(flows.get_lease(owner, key), readonly=True)
             return decide.replay(existing, wants)
-        except (LeaseNotFound, LeaseLost, IdempotencyConflict):
+        except (LeaseNotFound, LeaseLost, IdempotencyConflict, DBAPIError):
             return None
 
     async def _read_place(self, owner: str, key: str, deadline: float | None) -> int | None:

@@ -238,11 +238,12 @@ async def events_stream(
         try:
             yield ": connected\n\n"
             while True:
+                # A stream that subscribed while the shutdown began missed the end that run.py sends.
+                if state.waker.draining.is_set():
+                    return
                 try:
                     item = await asyncio.wait_for(subscriber.queue.get(), STREAM_PING_SECONDS)
                 except TimeoutError:
-                    if state.waker.draining.is_set():  # subscribed as the shutdown began
-                        return
                     yield ": ping\n\n"
                     continue
                 if item is None or state.waker.draining.is_set():
