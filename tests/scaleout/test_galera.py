@@ -79,6 +79,12 @@ def test_many_processes_over_three_nodes(galera: GaleraCluster, tmp_path: Path) 
     assert_tokens_consistent(galera, [f"{ns}a", f"{ns}b"])
 
 
+#: The behaviour suite's tests against MariaDB directly, but one: it loses a grant's reply right after its
+#: commit with the store's statement hook, which sees the commit only where a grant is one statement, and on
+#: a multi-primary cluster a grant is a statement per step in one transaction (dialects/mysql.py).
+SELECTED = "mysql and db and not grant_whose_reply_was_lost"
+
+
 @pytest.mark.timeout(900)
 def test_the_behaviour_suite_passes_with_each_node_serving_a_part(galera: GaleraCluster, tmp_path: Path) -> None:
     """tests/conformance on the cluster, against the database directly (its service half adds nothing
@@ -95,7 +101,7 @@ def test_the_behaviour_suite_passes_with_each_node_serving_a_part(galera: Galera
             with outputs[i].open("wb") as output:
                 runs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "mysql and db", *part],
+                        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", SELECTED, *part],
                         cwd=here.parent,
                         # CI=true: a node the suite cannot reach fails it instead of skipping every test
                         env={**os.environ, "PERMITS_TEST_MYSQL_URL": galera.url(i), "CI": "true"},
