@@ -434,13 +434,6 @@ MYSQL_FAMILY = {
 }
 
 
-#: Fewer examples for the variants that repeat most of another's work, so that CI stays short; each still
-#: reaches every state the check below requires. The dialects' variants send a few statements of their own
-#: on the engine that the plain variant covers with 60; the service's variants run the same store behind
-#: HTTP, at about three times the cost per step.
-EXAMPLES = {**dict.fromkeys(MYSQL_FAMILY, 30), "service": 40}
-
-
 @pytest.mark.parametrize(
     "server",
     [
@@ -484,7 +477,7 @@ def test_model_on_a_server_with_a_moving_clock(server: str, monkeypatch: pytest.
             else:
                 pooler = "?pooler=transaction" if variant == "functions" else ""
                 client = stack.enter_context(permits.connect(url + pooler, auto_upgrade=True))
-            _run(client, clock, examples=EXAMPLES.get(variant, 60), steps=40)
+            _run(client, clock, examples=60, steps=40)
             if variant in MYSQL_FAMILY:
                 assert type(client._store._dialect) is MYSQL_FAMILY[variant]
         if variant == "functions":  # made (with the moved clock in them) and called; counted as sessions end
