@@ -31,6 +31,10 @@ SERVER_URLS = {
 BACKENDS = ["sqlite", "mysql", "postgresql"]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _SESSION_DB = f"permits_t_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+#: Test directories whose tests need the machine to themselves: they start many processes and time them,
+#: kill servers, measure throughput, or change a shared server's global settings (the isolation level).
+#: They are marked ``alone``; scripts/test runs the other tests in parallel workers first, then these.
+ALONE = frozenset({"bench", "concurrency", "faults", "poolers", "scaleout"})
 
 
 def sqlalchemy_url(db_url: str) -> str:
@@ -158,6 +162,15 @@ def function_calls(url: str, within: float = 15.0) -> dict[str, int]:
         statement = name.removeprefix("permits_").rsplit("_", 1)[0]
         counts[statement] = counts.get(statement, 0) + int(calls)
     return counts
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    alone = pytest.mark.alone
+    tests_dir = config.rootpath / "tests"
+    for item in items:
+        parts = item.path.relative_to(tests_dir).parts if item.path.is_relative_to(tests_dir) else ()
+        if parts and parts[0] in ALONE:
+            item.add_marker(alone)
 
 
 class _Servers:
