@@ -240,6 +240,63 @@ def test_the_event_feed_polls_and_streams_grants_endings_and_changes(service: Se
         assert alice.get("/v1/events", params={"since": "nonsense"}).status_code == 422
 
 
+def _stream_events(
+    service: Service, since: str, name: str, until: set[str], seconds: float
+) -> tuple[list[dict[str, Any]], threading.Thread]:
+    """Open a stream at ``since`` on a thread: the list it fills with the events about ``name``, until it has
+    had every type in ``until`` (or ``seconds`` have passed), and the thread."""
+    received: list[dict[str, Any]] = []
+    ready = threading.Event()
+
+    def listen() -> None:
+        with httpx.Client(base_url=service.url, timeout=seconds + 10) as http:
+            headers = {"Authorization": f"Bearer {ADMIN}"}
+            with http.stream("GET", "/v1/events/stream", params={"since": since}, headers=headers) as stream:
+                ready.set()
+                for line in stream.iter_lines():
+                    if line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if name in event.get("names", []):
+                            received.append(event)
+                    if {e["type"] for e in received} >= until:
+                        return
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    assert ready.wait(20)
+    return received, listener
+
+
+def test_a_stream_opened_when_none_is_open_starts_at_its_own_cursor(service: Service, ns: str) -> None:
+    """The instance's poller stops with its last stream and keeps its place. A page opened later, with
+    nothing else open, gets what happened after its own cursor, and nothing from before it: not the changes
+    made while no page was open (the poller's old place), nor any event twice. Every event carries its id."""
+    name = f"{ns}gap"
+    with _http(service) as admin:
+        admin.post("/v1/semaphores", json={"name": name, "capacity": 2})
+        first, listener = _stream_events(service, admin.get("/v1/events").json()["cursor"], name, {"capacity"}, 20)
+        admin.patch(f"/v1/semaphores/{name}", json={"capacity": 3, "reason": "while the first page is open"})
+        listener.join(30)
+        assert [e["new_capacity"] for e in first if e["type"] == "capacity"] == [3], first
+        # The first stream is closed now; the poller stops. Changes while no page is open:
+        time.sleep(1.0)
+        admin.patch(f"/v1/semaphores/{name}", json={"capacity": 4, "reason": "while no page is open"})
+        cursor = admin.get("/v1/events").json()["cursor"]
+        second, listener = _stream_events(service, cursor, name, {"capacity", "grant"}, 20)
+        admin.patch(f"/v1/semaphores/{name}", json={"capacity": 5, "reason": "while the second page is open"})
+        lease = admin.post("/v1/leases", json={"wants": {name: 1}, "ttl": 60}).json()
+        listener.join(30)
+        time.sleep(1.0)  # a few more polls: a repeat would come now
+        admin.post("/v1/leases/release", json={"key": lease["key"]})
+        changes = [e for e in second if e["type"] == "capacity"]
+        assert [e["new_capacity"] for e in changes] == [5], second
+        assert all(isinstance(e["change_id"], int) for e in changes)
+        grants = [e for e in second if e["type"] == "grant"]
+        assert [g["permits"][0]["token"] for g in grants] == [lease["tokens"][name]], second
+        admins = [e for e in second if e["type"] == "admin"]
+        assert admins and all(isinstance(e["admin_id"], int) for e in admins), second
+
+
 def test_nothing_is_readable_without_a_token(service: Service, ns: str) -> None:
     with _http(service, None) as anonymous:
         for path in (

@@ -142,6 +142,7 @@ def assemble(
     for cid, name, old, new, by, reason, at_ms in changes:
         event = {
             "type": "capacity",
+            "change_id": int(cid),
             "at_ms": int(at_ms),
             "names": [str(name)],
             "name": str(name),
@@ -155,6 +156,7 @@ def assemble(
     for aid, at_ms, actor, action, name, lease_owner, lease_key, reason, detail in admin:
         event = {
             "type": "admin",
+            "admin_id": int(aid),
             "at_ms": int(at_ms),
             "names": [] if name is None else [str(name)],
             "actor": str(actor),
@@ -225,12 +227,15 @@ class Broadcaster:
         catch_up = await self._store.run_flow(lambda: read_since(since, sent), readonly=True)
         if catch_up.events:
             subscriber.queue.put_nowait((str(catch_up.cursor), catch_up.events))
-        self._subscribers.add(subscriber)
-        # The shared position never moves on a newcomer's account: the others would skip what lies between.
-        # The newcomer may get some events twice (catch-up and poll overlap); pages drop repeats by lease id.
-        if self._cursor is None:
+        # The shared position never moves on a newcomer's account while others listen: they would skip what
+        # lies between. The newcomer may then get some events twice (catch-up and poll overlap); pages drop
+        # repeats by their ids. With nobody else listening, the position is the newcomer's: the poller's
+        # own was left where the last stream closed, and from there it would send this page everything
+        # that happened while no page was open.
+        if self._cursor is None or not self._subscribers:
             self._cursor = catch_up.cursor
             self._remember_ends(catch_up)
+        self._subscribers.add(subscriber)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._poll(), name="permits-events")
         return subscriber

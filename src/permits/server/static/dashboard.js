@@ -276,9 +276,11 @@ function onStreamEvent(type, raw) {
   if (!d || typeof d !== 'object') return;
   d.type = d.type || type;
   if (!TYPES.includes(d.type)) { view.refresh?.(); return; } // summary/resync etc.: just reload the page data
-  // The feed may repeat a grant or an ending (it re-reads a short overlap): show each lease's once.
-  if (d.lease_id != null) {
-    const id = `${d.type}:${d.lease_id}`;
+  // The feed may repeat an event (it re-reads a short overlap, and a page that joins catches up on its own
+  // while the instance's poller reads for every page): show each once, by its id.
+  const key = d.lease_id ?? d.change_id ?? d.admin_id;
+  if (key != null) {
+    const id = `${d.type}:${key}`;
     if (sent.has(id)) return;
     sent.add(id);
     if (sent.size > 4 * CAP) sent.delete(sent.values().next().value);
