@@ -189,18 +189,21 @@ def take_turns(args: dict[str, Any]) -> None:
     """Acquire ``name`` (or one permit of each of ``names``), hold it ``hold`` seconds and release it, again
     and again for ``seconds``; then say how many grants and how many timeouts this process had, how many
     attempts its acquires made (on a database: the statements that try to take room, one per attempt and
-    semaphore, whether or not it waits in the server's line), and how many of them waited in the lines of
-    several semaphores (LINES_ENTER, or the queued grant that takes its line), as one JSON line."""
+    semaphore, whether or not it waits in the server's line), how many of them waited in the lines of
+    several semaphores (LINES_ENTER, or the queued grant that takes its line), and how many asked outside
+    a line while it was free (ACQUIRE_ONE_LINE_FREE), as one JSON line."""
     granted = timed_out = 0
     attempts = [0]
     lines = [0]
+    line_free = [0]
     # ``names`` instead of ``name``: one permit of each, in one acquire
     wants: Any = dict.fromkeys(args["names"], 1) if "names" in args else args["name"]
     with permits.connect(args["url"], owner=args["owner"]) as client:
         if hasattr(client._store, "after_statement"):
 
             def count(statement: str) -> None:
-                attempts[0] += statement in ("ACQUIRE_ONE", "ACQUIRE_ONE_QUEUED", "SEM_TAKE")
+                attempts[0] += statement in ("ACQUIRE_ONE", "ACQUIRE_ONE_QUEUED", "ACQUIRE_ONE_LINE_FREE", "SEM_TAKE")
+                line_free[0] += statement == "ACQUIRE_ONE_LINE_FREE"
                 if statement in ("ACQUIRE_MANY", "ACQUIRE_MANY_QUEUED"):  # one statement for all the semaphores
                     attempts[0] += len(wants)
                 lines[0] += statement in ("LINES_ENTER", "ACQUIRE_MANY_QUEUED")
@@ -220,7 +223,8 @@ def take_turns(args: dict[str, Any]) -> None:
             time.sleep(args["hold"])
             client.release(lease)
             granted += 1
-    _say(json.dumps({"granted": granted, "timed_out": timed_out, "attempts": attempts[0], "lines": lines[0]}))
+    report = {"granted": granted, "timed_out": timed_out, "attempts": attempts[0], "lines": lines[0]}
+    _say(json.dumps({**report, "line_free": line_free[0]}))
 
 
 def run_take_turns(processes: int, args: dict[str, Any]) -> list[dict[str, int]]:

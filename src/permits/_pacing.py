@@ -61,6 +61,10 @@ QUIET_SECONDS = 30.0
 IN_LINE_TRIES = 2
 #: How long a waiter at the head of the server's lock queue waits there for room, at most.
 LINE_HEAD_WAIT_SECONDS = 0.05
+#: After an attempt that asked outside the line found it busy (or no room), a store's first attempts on that
+#: semaphore go straight into the line for this long: on a hot semaphore, asking outside first costs a round
+#: trip more and is seldom granted.
+LINE_BUSY_SECONDS = 1.0
 #: At most this many attempts of one client wait in the server's lock queues at once: each holds one of the
 #: client's pooled connections (five, and ten more for bursts) while it waits. The rest ask outside the line.
 LINE_SEATS = 4

@@ -43,7 +43,7 @@ from permits._models import (
     Waiter,
     Want,
 )
-from permits._pacing import LINE_HEAD_WAIT_SECONDS, LINE_SEATS
+from permits._pacing import LINE_BUSY_SECONDS, LINE_HEAD_WAIT_SECONDS, LINE_SEATS
 from permits.dialects.base import Dialect, Fault, SettingFix, dialect_for_url
 from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
 from permits.dialects.pg_functions import (
@@ -89,6 +89,8 @@ PERSIST_SECONDS = 30.0
 PLACE_MS = 5000
 #: At most this many queued requests are remembered for a later dequeue; older ones just expire.
 MAX_REMEMBERED_PLACES = 100_000
+#: At most this many semaphores whose line was busy are remembered; past that, the memory starts afresh.
+REMEMBERED_BUSY_LINES = 1_000
 #: SQLSTATE of a setting's value that the server refuses (``_server_takes``)
 INVALID_PARAMETER_VALUE = "22023"
 #: The warnings about server functions this process has given: each once, not at every open of a client.
@@ -160,6 +162,9 @@ class AsyncSQLStore:
         #: store's threads share the count, and a lost update would leave it off for good
         self._in_line_now = 0
         self._seats_mutex = async_mutex()
+        #: semaphores whose line an attempt of this store found busy, and until when (monotonic) its first
+        #: attempts go straight into the line rather than ask outside it first (see try_acquire)
+        self._line_busy_until: dict[str, float] = {}
         # On PostgreSQL, waiters hear released permits (LISTEN/NOTIFY) instead of only polling. Not through
         # a transaction pooler, which hands the LISTENing server connection on to other clients.
         self._listener: AsyncRoomListener | None = None
@@ -487,8 +492,12 @@ class AsyncSQLStore:
         # A waiter in the line holds a connection while it waits there: a few at a time per store, so that
         # its releases (and everything else) always find one. The others ask outside the line.
         in_line = in_line and self._take_line_seat()
+        # A grant that would wait in the line asks outside it first, granted only while nobody is in it: an
+        # uncontended grant then skips the queued grant's function (ACQUIRE_ONE_LINE_FREE). Where that was
+        # refused lately, the line is usually busy, and asking outside it would cost a round trip more.
+        line_free_first = in_line and self._line_free_first(wants)
 
-        def attempt() -> Flow[Lease | flows.Queued | None]:
+        def attempt() -> Flow[Lease | flows.Queued | flows.AskInLine | None]:
             nonlocal tries, full
             tries += 1
             # After a lost connection the last attempt may have been granted with its reply lost: only
@@ -505,12 +514,26 @@ class AsyncSQLStore:
             lined = in_line and tries == 1 and left > 0
             line_wait_ms = round(min(left, self._settings.lock_wait_timeout) * 1000) if lined else None
             request = flows.Request(
-                owner, key, wants, ttl_ms, queue_ms, queued, wake, line_wait_ms, round(LINE_HEAD_WAIT_SECONDS * 1000)
+                owner,
+                key,
+                wants,
+                ttl_ms,
+                queue_ms,
+                queued,
+                wake,
+                line_wait_ms,
+                round(LINE_HEAD_WAIT_SECONDS * 1000),
+                line_free_first=lined and line_free_first,
             )
             return flows.try_acquire(self._dialect, request, recheck=full)
 
         try:
             result: Any = await self._run(attempt, deadline=deadline)
+            if isinstance(result, flows.AskInLine):
+                # Not granted outside the line, and nothing written: ask in it, as a first attempt.
+                self._note_line_busy(wants[0].name)
+                tries, line_free_first = 0, False
+                result = await self._run(attempt, deadline=deadline)
         except StorageConflict:
             # Lock conflicts outlasted the caller's time. A try before them (an attempt, or a step it went on
             # to, such as the grant after a reclaim) may have lost its connection with its grant committed
@@ -604,6 +627,19 @@ class AsyncSQLStore:
             lambda: flows.queue_place(owner, key, alone=self._dialect.free_autocommit), readonly=True, deadline=deadline
         )
         return None if place is None else place.short
+
+    def _line_free_first(self, wants: Sequence[Want]) -> bool:
+        """Whether an attempt that waits in the line for ``wants`` asks outside it first (see try_acquire):
+        one permit of one semaphore, not behind a transaction pooler (where the statement could not be
+        prepared, and the line's own function would be the cheaper call), and no busy line seen lately."""
+        if len(wants) != 1 or not self._prepare or not self._dialect.has("ACQUIRE_ONE_LINE_FREE"):
+            return False
+        return monotonic() >= self._line_busy_until.get(wants[0].name, 0.0)
+
+    def _note_line_busy(self, name: str) -> None:
+        if len(self._line_busy_until) >= REMEMBERED_BUSY_LINES:
+            self._line_busy_until.clear()
+        self._line_busy_until[name] = monotonic() + LINE_BUSY_SECONDS
 
     def _take_line_seat(self) -> bool:
         with self._seats_mutex:

@@ -121,11 +121,14 @@ class Request:
     #: attempt is the usual one.
     line_wait_ms: int | None = None
     line_head_ms: int = 0
+    #: with ``line_wait_ms``: first ask outside the line, granted only while nobody is in it
+    #: (``ACQUIRE_ONE_LINE_FREE``); when that does not grant, the answer is ``AskInLine``
+    line_free_first: bool = False
     #: this attempt has ended the expired leases in its way already, and does not again (``_reclaim_then``)
     reclaimed: bool = False
 
 
-def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | None]:
+def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | AskInLine | None]:
     """Grant every want or none; ``None`` means no room (after reclaiming expired leases).
 
     The fast path is one conditional UPDATE per semaphore, in name order: it counts the permits and bumps
@@ -217,6 +220,17 @@ def _why_refused(d: Dialect, req: Request, may_run_alone: bool = True) -> Flow[L
     return None
 
 
+class AskInLine:
+    """What an attempt that asked outside the line (``Request.line_free_first``) answers when it was not
+    granted: somebody was in the line, or there was no room. Nothing was written; the store asks again in
+    the line, as a first attempt, and may remember that the line was busy."""
+
+    __slots__ = ()
+
+
+ASK_IN_LINE = AskInLine()
+
+
 class Queued:
     """What an attempt answers when it was refused and holds a place in a fair queue: no grant, like
     ``None``, but the store then knows a timeout has a place to give up, and the waiter can pace itself.
@@ -289,7 +303,7 @@ def purge_waiters(age_ms: int) -> Flow[int]:
     return done.rowcount
 
 
-def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | None]:
+def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | AskInLine | None]:
     """One semaphore, one statement: take the room, insert the lease and its permit row, and give up the
     request's place in a fair queue if it had one, all or nothing.
 
@@ -299,7 +313,17 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
     (want,) = req.wants
     params = {"owner": req.owner, "key": req.key, "name": want.name, "count": want.count, "ttl_ms": req.ttl_ms}
     statement = "ACQUIRE_ONE"
-    if req.line_wait_ms is not None and d.has("ACQUIRE_ONE_QUEUED"):
+    lined = req.line_wait_ms is not None and d.has("ACQUIRE_ONE_QUEUED")
+    if lined and req.line_free_first and d.has("ACQUIRE_ONE_LINE_FREE"):
+        try:
+            done = yield Stmt("ACQUIRE_ONE_LINE_FREE", params, alone=True)
+        except DuplicateKey:
+            raise Restart(lambda: _replay(req.owner, req.key, req.wants)) from None
+        if not done.rows:
+            return ASK_IN_LINE
+        _, acquired_ms, expires_ms, token = done.rows[0]
+        return _granted(req, {want.name: int(token)}, acquired_ms, expires_ms)
+    if lined:
         statement = "ACQUIRE_ONE_QUEUED"
         params.update(wait_ms=req.line_wait_ms, head_ms=req.line_head_ms)
     try:

@@ -89,6 +89,43 @@ def _session_settings(lock_wait_timeout: float) -> list[tuple[str, str]]:
     ]
 
 
+# Acquire one semaphore in one statement: each CTE feeds the next, so when the UPDATE finds no room
+# nothing is inserted and no row comes back. The lease is stamped once the semaphore's row is
+# locked (RETURNING runs on the updated row), not when the statement started: a grant that waited
+# for the row still gets its whole TTL, and it is stamped after the commit of the release or grant
+# it waited for, as a grant over several semaphores (ACQUIRE_MANY) is. A grant also gives up
+# the request's places in fair queues (a waiting caller may hold some).
+# params: owner, key, name, count, ttl_ms
+# -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no such semaphore)
+_ACQUIRE_ONE = """
+            WITH taken AS (
+                UPDATE permits_semaphore
+                SET used = used + :count, last_token = last_token + 1, updated_at_ms = {clock_now}
+                WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
+                RETURNING id, last_token, {clock_now} AS granted_ms),
+            lease AS (
+                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
+                SELECT :owner, :key, 1, granted_ms, granted_ms + :ttl_ms FROM taken
+                RETURNING id, acquired_at_ms, expires_at_ms),
+            permit AS (
+                INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
+                SELECT lease.id, taken.id, :count, taken.last_token FROM lease, taken
+                RETURNING token),
+            placed AS (
+                DELETE FROM permits_waiter
+                WHERE owner = :owner AND lease_key = :key AND EXISTS (SELECT 1 FROM lease))
+            SELECT lease.id, lease.acquired_at_ms, lease.expires_at_ms, permit.token FROM lease, permit"""
+#: ACQUIRE_ONE for a caller that would otherwise ask in the semaphore's line (``ACQUIRE_ONE_QUEUED``, see
+#: pg_functions.py), granted only while nobody is in that line: it takes the line's lock if it is free, and
+#: holds it to its commit, so that it passes no waiter there. Without the queued grant's function (PL/pgSQL,
+#: the line's lock, two set_config calls), an uncontended grant costs about a tenth less
+#: (docs/benchmarks.md). No row: the line was busy, or there was no room; either way the caller then asks in
+#: the line, where the head waits a little for room.
+_ACQUIRE_ONE_LINE_FREE = _ACQUIRE_ONE.replace(
+    "{fair_gate}", f"{{fair_gate}}\n                AND pg_try_advisory_xact_lock({LINE_LOCK_KEY}, hashtext(:name))", 1
+)
+
+
 class PostgreSQL(Dialect):
     name = "postgresql"
     # statement_timestamp(): the time the statement started, the same everywhere in one statement.
@@ -166,32 +203,8 @@ class PostgreSQL(Dialect):
                 RETURNING id, name, capacity - used AS room, fair)
             SELECT CAST(pg_notify('permits_room_' || md5(name), name) AS TEXT) FROM changed"""
         + _call_fitting("changed"),
-        # Acquire one semaphore in one statement: each CTE feeds the next, so when the UPDATE finds no room
-        # nothing is inserted and no row comes back. The lease is stamped once the semaphore's row is
-        # locked (RETURNING runs on the updated row), not when the statement started: a grant that waited
-        # for the row still gets its whole TTL, and it is stamped after the commit of the release or grant
-        # it waited for, as a grant over several semaphores (ACQUIRE_MANY) is. A grant also gives up
-        # the request's places in fair queues (a waiting caller may hold some).
-        # params: owner, key, name, count, ttl_ms
-        # -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no such semaphore)
-        "ACQUIRE_ONE": """
-            WITH taken AS (
-                UPDATE permits_semaphore
-                SET used = used + :count, last_token = last_token + 1, updated_at_ms = {clock_now}
-                WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
-                RETURNING id, last_token, {clock_now} AS granted_ms),
-            lease AS (
-                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
-                SELECT :owner, :key, 1, granted_ms, granted_ms + :ttl_ms FROM taken
-                RETURNING id, acquired_at_ms, expires_at_ms),
-            permit AS (
-                INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
-                SELECT lease.id, taken.id, :count, taken.last_token FROM lease, taken
-                RETURNING token),
-            placed AS (
-                DELETE FROM permits_waiter
-                WHERE owner = :owner AND lease_key = :key AND EXISTS (SELECT 1 FROM lease))
-            SELECT lease.id, lease.acquired_at_ms, lease.expires_at_ms, permit.token FROM lease, permit""",
+        "ACQUIRE_ONE": _ACQUIRE_ONE,
+        "ACQUIRE_ONE_LINE_FREE": _ACQUIRE_ONE_LINE_FREE,
         # Acquire several semaphores in one statement, all or none. ``seen`` reads, without a lock, whether
         # every semaphore exists and has room: when the snapshot already says no, nothing is locked, and the
         # refusal waits for no row (a refused request must not hold, nor queue for, the rows the next grant
