@@ -33,7 +33,8 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _SESSION_DB = f"permits_t_{os.getpid()}_{uuid.uuid4().hex[:6]}"
 #: Test directories whose tests need the machine to themselves: they start many processes and time them,
 #: kill servers, measure throughput, or change a shared server's global settings (the isolation level).
-#: They are marked ``alone``; scripts/test runs the other tests in parallel workers first, then these.
+#: They are marked ``alone``; scripts/test runs the other tests in parallel workers first, then these. A
+#: test elsewhere that needs the same is marked ``@pytest.mark.alone`` itself.
 ALONE = frozenset({"bench", "concurrency", "faults", "poolers", "scaleout"})
 
 

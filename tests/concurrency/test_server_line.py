@@ -214,6 +214,72 @@ def test_a_grant_outside_the_line_never_passes_a_waiter_in_it(ns: str, monkeypat
             blocker.close()
 
 
+def test_a_grant_outside_the_line_waits_for_a_locked_row_no_longer_than_the_callers_time(ns: str) -> None:
+    """A session holds the semaphore's row locked (a client frozen inside its transaction, say). The grant
+    outside the line waits for that lock only as long as the caller's time, as the line's own grant does,
+    not for the client's whole lock_wait_timeout (5 s)."""
+    name = f"{ns}m"
+    with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as client:
+        client.create_semaphore(name, 2)
+        blocker = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"))
+        try:
+            blocker.execute("SELECT used FROM permits_semaphore WHERE name = %s FOR UPDATE", (name,))
+            started = time.monotonic()
+            with pytest.raises(permits.AcquireTimeout):
+                client.acquire(name, ttl=30, timeout=0.5)
+            assert time.monotonic() - started < 2.5
+            blocker.rollback()
+            sent = _statements_of(client)
+            client.release(client.acquire(name, ttl=30, timeout=5))
+            assert sent[0] == "ACQUIRE_ONE_LINE_FREE", sent  # the grant that waited above
+            assert client.get_semaphore(name).used == 0
+        finally:
+            blocker.close()
+
+
+def test_on_an_engine_without_advisory_locks_waiters_wait_without_the_line(
+    ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine that speaks PostgreSQL's protocol but has no advisory locks answers the grant outside the
+    line with feature_not_supported (YugabyteDB without its flag, docs/engines.md). Here a schema ahead of
+    pg_catalog on the search_path gives the two lock functions that answer. The client warns once, gives up
+    the line, and its acquires, waiting ones included, still work: no error reaches the caller."""
+    name = f"{ns}m"
+    with own_database("postgresql", "permits_line") as url:
+        engine = create_engine(sqlalchemy_url(url), isolation_level="AUTOCOMMIT")
+        database = make_url(url).database
+        with engine.connect() as conn:
+            conn.execute(text("CREATE SCHEMA no_advisory"))
+            for function in ("pg_try_advisory_xact_lock", "pg_advisory_xact_lock"):
+                returns = "boolean" if function.startswith("pg_try") else "void"
+                conn.execute(
+                    text(
+                        f"CREATE FUNCTION no_advisory.{function}(integer, integer) RETURNS {returns}"
+                        " LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'advisory locks are not supported'"
+                        " USING ERRCODE = 'feature_not_supported'; END $$"
+                    )
+                )
+            conn.execute(text(f"ALTER DATABASE {database} SET search_path = no_advisory, pg_catalog, public"))
+        engine.dispose()
+        with permits.connect(url, auto_upgrade=True) as client, caplog.at_level(logging.WARNING, logger="permits"):
+            client.create_semaphore(name, 1)
+            sent = _statements_of(client)
+            first = client.acquire(name, ttl=30, timeout=5)
+            assert sent == ["ACQUIRE_ONE"], sent  # (a statement that fails is not counted)
+            got: list[permits.Lease] = []
+            waiter = threading.Thread(target=lambda: got.append(client.acquire(name, ttl=30, timeout=10)))
+            waiter.start()
+            time.sleep(0.5)
+            client.release(first)
+            waiter.join(10)
+            assert got, "the waiter was not granted"
+            client.release(got[0])
+            assert "ACQUIRE_ONE_QUEUED" not in sent, sent
+            assert client.get_semaphore(name).used == 0
+        warned = [r.getMessage() for r in caplog.records if "server function for ACQUIRE_ONE_QUEUED" in r.getMessage()]
+        assert len(warned) == 1 and "not supported" in warned[0], warned
+
+
 def test_behind_a_transaction_pooler_an_acquire_asks_in_the_line_at_once(ns: str) -> None:
     """Behind a transaction pooler nothing is prepared on the server, and the line's function is the
     cheaper call: an acquire that may wait asks there first."""

@@ -286,7 +286,6 @@ def test_a_stream_opened_when_none_is_open_starts_at_its_own_cursor(service: Ser
         admin.patch(f"/v1/semaphores/{name}", json={"capacity": 5, "reason": "while the second page is open"})
         lease = admin.post("/v1/leases", json={"wants": {name: 1}, "ttl": 60}).json()
         listener.join(30)
-        time.sleep(1.0)  # a few more polls: a repeat would come now
         admin.post("/v1/leases/release", json={"key": lease["key"]})
         changes = [e for e in second if e["type"] == "capacity"]
         assert [e["new_capacity"] for e in changes] == [5], second
@@ -295,6 +294,26 @@ def test_a_stream_opened_when_none_is_open_starts_at_its_own_cursor(service: Ser
         assert [g["permits"][0]["token"] for g in grants] == [lease["tokens"][name]], second
         admins = [e for e in second if e["type"] == "admin"]
         assert admins and all(isinstance(e["admin_id"], int) for e in admins), second
+
+
+def test_a_cursor_past_the_database_does_not_blind_the_pages_that_join_later(service: Service, ns: str) -> None:
+    """A stream opened with a cursor ahead of everything in the database (any caller can send one; a
+    restored database can be behind a page's cursor), while no other stream is open on the instance: the
+    instance's feed position stays at the database's head, so a page that joins later still gets what
+    happens next, and so does the first."""
+    name = f"{ns}ahead"
+    top = 2**63 - 1
+    with _http(service) as admin:
+        admin.post("/v1/semaphores", json={"name": name, "capacity": 2})
+        time.sleep(0.5)  # the streams of the tests before have closed
+        first, first_listener = _stream_events(service, f"g{top}.e{top}.c{top}.a{top}", name, {"capacity"}, 20)
+        cursor = admin.get("/v1/events").json()["cursor"]
+        second, second_listener = _stream_events(service, cursor, name, {"capacity"}, 20)
+        admin.patch(f"/v1/semaphores/{name}", json={"capacity": 3, "reason": "after both pages opened"})
+        second_listener.join(30)
+        first_listener.join(30)
+        assert [e["new_capacity"] for e in second if e["type"] == "capacity"] == [3], second
+        assert [e["new_capacity"] for e in first if e["type"] == "capacity"] == [3], first
 
 
 def test_nothing_is_readable_without_a_token(service: Service, ns: str) -> None:

@@ -166,6 +166,7 @@ def test_several_instances_serve_one_database(servers: Any, ns: str, server: str
         assert sorted(h.key for h in a.holders(f"{ns}s")) == sorted([held[1].key, waiter[0].key])
 
 
+@pytest.mark.alone  # six processes timed against each other: with the machine to itself (tests/conftest.py)
 def test_waiters_on_a_mutex_take_turns_through_the_service(db_url: str, ns: str) -> None:
     """Six processes share a mutex through one instance: none times out, and they get about equal turns.
 

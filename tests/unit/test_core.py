@@ -220,6 +220,36 @@ def test_postgresql_acquires_one_semaphore_in_one_statement() -> None:
         flow.send(Result([], 0))
 
 
+def test_a_waiting_acquire_on_postgresql_may_ask_outside_an_empty_line_first() -> None:
+    """With ``line_free_first``, the first statement is the grant that asks outside the line, bounded by the
+    caller's time; no row means "ask in the line" (nothing was written), and a duplicate key replays."""
+    d = PostgreSQL().with_statements({"ACQUIRE_ONE_QUEUED": "SELECT 1"})
+    request = flows.Request("o", "k", (Want("a", 1),), 5000, line_wait_ms=1500, line_free_first=True)
+    flow = flows.try_acquire(d, request)
+    first = next(flow)
+    assert (first.name, first.alone, first.params["wait_ms"]) == ("ACQUIRE_ONE_LINE_FREE", True, 1500)
+    with pytest.raises(StopIteration) as done:
+        flow.send(Result([(5, 1000, 6000, 77)], 1))
+    assert done.value.value.tokens == {"a": 77}
+    flow = flows.try_acquire(d, request)
+    next(flow)
+    with pytest.raises(StopIteration) as done:
+        flow.send(Result([], 0))
+    assert done.value.value is flows.ASK_IN_LINE
+    flow = flows.try_acquire(d, request)
+    next(flow)
+    with pytest.raises(flows.Restart):
+        flow.throw(flows.DuplicateKey())
+    # Without it, or where there is no line, the line's own grant, or the plain one.
+    assert next(flows.try_acquire(d, flows.Request("o", "k", (Want("a", 1),), 5000, line_wait_ms=1500))).name == (
+        "ACQUIRE_ONE_QUEUED"
+    )
+    assert next(flows.try_acquire(PostgreSQL(), request)).name == "ACQUIRE_ONE"
+    assert "lock_timeout" in d.sql("ACQUIRE_ONE_LINE_FREE") and "pg_try_advisory_xact_lock" in d.sql(
+        "ACQUIRE_ONE_LINE_FREE"
+    )
+
+
 def test_postgresql_acquires_several_semaphores_in_one_statement() -> None:
     """All or none, alone; in the line, through the queued grant where the store has it, or else after
     LINES_ENTER in the same transaction."""

@@ -57,6 +57,7 @@ from permits.dialects.pg_functions import (
     READ_ONLY,
     ServerFunction,
     function_gone,
+    line_unsupported,
     server_functions,
 )
 from permits.stores._engine import (
@@ -992,6 +993,11 @@ class AsyncSQLStore:
                 raise
             if stmt.name in calls and function_gone(error.orig, calls[stmt.name]):
                 raise _CallGone(stmt.name, str(error.orig).strip().splitlines()[0], error) from exc
+            if stmt.name == "ACQUIRE_ONE_LINE_FREE" and line_unsupported(error.orig):
+                # An engine that speaks PostgreSQL's protocol without its advisory locks: no line can work
+                # there, so the store gives up the line's function, as where calling it fails this way, and
+                # its waiters wait as on other databases. The statement wrote nothing.
+                raise _CallGone("ACQUIRE_ONE_QUEUED", str(error.orig).strip().splitlines()[0], error) from exc
             raise error from exc
         if self.after_statement is not None:
             self.after_statement(stmt.name)

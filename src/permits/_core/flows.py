@@ -316,7 +316,7 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
     lined = req.line_wait_ms is not None and d.has("ACQUIRE_ONE_QUEUED")
     if lined and req.line_free_first and d.has("ACQUIRE_ONE_LINE_FREE"):
         try:
-            done = yield Stmt("ACQUIRE_ONE_LINE_FREE", params, alone=True)
+            done = yield Stmt("ACQUIRE_ONE_LINE_FREE", {**params, "wait_ms": req.line_wait_ms}, alone=True)
         except DuplicateKey:
             raise Restart(lambda: _replay(req.owner, req.key, req.wants)) from None
         if not done.rows:

@@ -263,6 +263,17 @@ def function_gone(error: object, call: str) -> bool:
     return name in message or (state == "3F000" and schema in message)
 
 
+#: SQLSTATEs of the grant that asks outside the line (``ACQUIRE_ONE_LINE_FREE``) on an engine without
+#: PostgreSQL's advisory locks: feature_not_supported, or undefined_function (``pg_try_advisory_xact_lock``)
+LINE_UNSUPPORTED = {"0A000", "42883"}
+
+
+def line_unsupported(error: object) -> bool:
+    """Whether ``error`` (the driver's exception) from ``ACQUIRE_ONE_LINE_FREE`` says that this engine has
+    no advisory locks, and so no line."""
+    return getattr(error, "sqlstate", None) in LINE_UNSUPPORTED
+
+
 #: read_only_sql_transaction: a server that takes no writes (a standby)
 READ_ONLY = "25006"
 #: SQLSTATEs of a CREATE FUNCTION that this role cannot make here: insufficient_privilege, or a standby

@@ -120,9 +120,15 @@ _ACQUIRE_ONE = """
 #: holds it to its commit, so that it passes no waiter there. Without the queued grant's function (PL/pgSQL,
 #: the line's lock, two set_config calls), an uncontended grant costs about a tenth less
 #: (docs/benchmarks.md). No row: the line was busy, or there was no room; either way the caller then asks in
-#: the line, where the head waits a little for room.
+#: the line, where the head waits a little for room. As in the queued grant, a wait for the semaphore row's
+#: lock lasts no longer than the caller's time (``wait_ms``, which never exceeds ``lock_wait_timeout``): the
+#: statement sets its own transaction's ``lock_timeout`` before it can wait. params: ACQUIRE_ONE's, wait_ms
 _ACQUIRE_ONE_LINE_FREE = _ACQUIRE_ONE.replace(
-    "{fair_gate}", f"{{fair_gate}}\n                AND pg_try_advisory_xact_lock({LINE_LOCK_KEY}, hashtext(:name))", 1
+    "{fair_gate}",
+    "{fair_gate}"
+    f"\n                AND pg_try_advisory_xact_lock({LINE_LOCK_KEY}, hashtext(:name))"
+    "\n                AND set_config('lock_timeout', CAST(GREATEST(:wait_ms, 1) AS TEXT), true) IS NOT NULL",
+    1,
 )
 
 

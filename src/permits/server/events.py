@@ -80,6 +80,16 @@ def head() -> Flow[Cursor]:
     return Cursor(lease_id, now_ms, change_id, admin_id)
 
 
+def earliest(a: Cursor, b: Cursor) -> Cursor:
+    """The position that is at or before both ``a`` and ``b`` in every source (pure)."""
+    return Cursor(
+        min(a.lease_id, b.lease_id),
+        min(a.ended_ms, b.ended_ms),
+        min(a.change_id, b.change_id),
+        min(a.admin_id, b.admin_id),
+    )
+
+
 def read_since(cursor: Cursor, sent_ends: Sequence[int] = ()) -> Flow[Batch]:
     """Everything after ``cursor``. ``sent_ends``: ids of leases whose ending was already sent."""
     limit = MAX_ROWS_PER_POLL
@@ -225,15 +235,18 @@ class Broadcaster:
         # The poller's position may be ahead of or behind this subscriber's: catch it up on its own first.
         sent = list(self._sent_ends)
         catch_up = await self._store.run_flow(lambda: read_since(since, sent), readonly=True)
+        now = await self._store.run_flow(head, readonly=True)
         if catch_up.events:
             subscriber.queue.put_nowait((str(catch_up.cursor), catch_up.events))
         # The shared position never moves on a newcomer's account while others listen: they would skip what
         # lies between. The newcomer may then get some events twice (catch-up and poll overlap); pages drop
-        # repeats by their ids. With nobody else listening, the position is the newcomer's: the poller's
-        # own was left where the last stream closed, and from there it would send this page everything
-        # that happened while no page was open.
-        if self._cursor is None or not self._subscribers:
-            self._cursor = catch_up.cursor
+        # repeats by their ids. With nobody else listening, the position is where the newcomer's catch-up
+        # ended: the poller's own was left where the last stream closed, and from there it would send this
+        # page everything that happened while no page was open. Never past the database's head, though (a
+        # cursor is the caller's to give, and a restored database may be behind it), nor in the middle of a
+        # history too long to catch up on in one read.
+        if self._cursor is None or not self._subscribers:  # no await from here to the add
+            self._cursor = now if catch_up.skipped else earliest(catch_up.cursor, now)
             self._remember_ends(catch_up)
         self._subscribers.add(subscriber)
         if self._task is None or self._task.done():
@@ -270,6 +283,8 @@ class Broadcaster:
                 batch = await self._store.run_flow(lambda c=cursor, s=sent: read_since(c, s), readonly=True)
             except PermitsError as exc:
                 logger.warning("event feed: the database did not answer: %s", exc)
+                continue
+            if self._cursor is not cursor:  # a newcomer set the position while this read ran: it is stale
                 continue
             self._remember_ends(batch)
             self._cursor = batch.cursor
