@@ -94,10 +94,13 @@ def test_holder_paused_past_its_ttl(run: FaultRun, db_url: str, path: str) -> No
     or goes through the service."""
     svc = run.service()
     victim = run.worker(db_url if path == "library" else svc.url, stop_self_at=2)
+    pid = run.procs[victim].pid
+    # The others start once the victim holds its lease, stopped: on SQLite, a process can wait a long time
+    # for the write lock that others keep taking (docs/primitives.md), and a loaded CI machine once kept the
+    # victim from its second grant for a minute.
+    run.wait_for(lambda: _stopped(pid), what="the victim to stop itself while holding")
     run.worker(db_url)
     run.worker(svc.url)
-    pid = run.procs[victim].pid
-    run.wait_for(lambda: _stopped(pid), what="the victim to stop itself while holding")
     stopped = run.history()
     token = next(e["token"] for e in stopped.events if e["kind"] == "self_stop")
     run.sleep(run.ttl + SWEEP_INTERVAL + 0.5)
