@@ -314,22 +314,19 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
     params = {"owner": req.owner, "key": req.key, "name": want.name, "count": want.count, "ttl_ms": req.ttl_ms}
     statement = "ACQUIRE_ONE"
     lined = req.line_wait_ms is not None and d.has("ACQUIRE_ONE_QUEUED")
-    if lined and req.line_free_first and d.has("ACQUIRE_ONE_LINE_FREE"):
-        try:
-            done = yield Stmt("ACQUIRE_ONE_LINE_FREE", {**params, "wait_ms": req.line_wait_ms}, alone=True)
-        except DuplicateKey:
-            raise Restart(lambda: _replay(req.owner, req.key, req.wants)) from None
-        if not done.rows:
-            return ASK_IN_LINE
-        _, acquired_ms, expires_ms, token = done.rows[0]
-        return _granted(req, {want.name: int(token)}, acquired_ms, expires_ms)
-    if lined:
+    outside_line = lined and req.line_free_first and d.has("ACQUIRE_ONE_LINE_FREE")
+    if outside_line:
+        statement = "ACQUIRE_ONE_LINE_FREE"
+        params.update(wait_ms=req.line_wait_ms)
+    elif lined:
         statement = "ACQUIRE_ONE_QUEUED"
         params.update(wait_ms=req.line_wait_ms, head_ms=req.line_head_ms)
     try:
         done = yield Stmt(statement, params, alone=True)
     except DuplicateKey:
         raise Restart(lambda: _replay(req.owner, req.key, req.wants)) from None
+    if not done.rows and outside_line:
+        return ASK_IN_LINE
     if not done.rows:
         raise _refused(d, req, recheck)
     _, acquired_ms, expires_ms, token = done.rows[0]

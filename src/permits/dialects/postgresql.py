@@ -118,8 +118,8 @@ _ACQUIRE_ONE = """
 #: ACQUIRE_ONE for a caller that would otherwise ask in the semaphore's line (``ACQUIRE_ONE_QUEUED``, see
 #: pg_functions.py), granted only while nobody is in that line: it takes the line's lock if it is free, and
 #: holds it to its commit, so that it passes no waiter there. Without the queued grant's function (PL/pgSQL,
-#: the line's lock, two set_config calls), an uncontended grant costs about a tenth less
-#: (docs/benchmarks.md). No row: the line was busy, or there was no room; either way the caller then asks in
+#: the line's lock, two set_config calls), an uncontended grant costs less (docs/benchmarks.md, "Asking
+#: outside an empty line"). No row: the line was busy, or there was no room; either way the caller then asks in
 #: the line, where the head waits a little for room. As in the queued grant, a wait for the semaphore row's
 #: lock lasts no longer than the caller's time (``wait_ms``, which never exceeds ``lock_wait_timeout``): the
 #: statement sets its own transaction's ``lock_timeout`` before it can wait. params: ACQUIRE_ONE's, wait_ms
