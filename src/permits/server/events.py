@@ -210,48 +210,57 @@ class _Subscriber:
     )
 
 
+@dataclass(eq=False)
+class _Joining:
+    """A stream waiting for the poller to catch it up and let it in."""
+
+    subscriber: _Subscriber
+    since: Cursor
+    admitted: asyncio.Future[None]
+
+
 class Broadcaster:
-    """One poller per instance, started by the first subscriber and stopped with the last."""
+    """One poller per instance, started by the first subscriber and stopped with the last.
+
+    The poller also catches each newcomer up, between two of its polls: a catch-up read beside the polls
+    could end before an event that a poll then sent to the others only, before the newcomer was listening.
+    """
 
     def __init__(self, store: Any, poll_interval: float, max_streams: int) -> None:
         self._store = store
         self._poll_interval = poll_interval
         self._max_streams = max_streams
         self._subscribers: set[_Subscriber] = set()
+        self._joining: list[_Joining] = []
         self._task: asyncio.Task[None] | None = None
         self._cursor: Cursor | None = None
         #: lease ids whose ending was sent, with their end time, kept for the re-read overlap
         self._sent_ends: dict[int, int] = {}
-        self._wanted = asyncio.Event()
+        self._newcomer = asyncio.Event()
 
     @property
     def subscribers(self) -> int:
         return len(self._subscribers)
 
     async def subscribe(self, identity: Identity, since: Cursor) -> _Subscriber:
-        if len(self._subscribers) >= self._max_streams:
+        """Join the feed after ``since``: returns once the subscriber's queue holds what it missed and it
+        hears every later poll. A failed catch-up read raises here, and the stream is not opened."""
+        if len(self._subscribers) + len(self._joining) >= self._max_streams:
             raise LimitExceeded(f"{self._max_streams} event streams are open on this instance", limit="max_streams")
-        subscriber = _Subscriber(identity)
-        # The poller's position may be ahead of or behind this subscriber's: catch it up on its own first.
-        sent = list(self._sent_ends)
-        catch_up = await self._store.run_flow(lambda: read_since(since, sent), readonly=True)
-        now = await self._store.run_flow(head, readonly=True)
-        if catch_up.events:
-            subscriber.queue.put_nowait((str(catch_up.cursor), catch_up.events))
-        # The shared position never moves on a newcomer's account while others listen: they would skip what
-        # lies between. The newcomer may then get some events twice (catch-up and poll overlap); pages drop
-        # repeats by their ids. With nobody else listening, the position is where the newcomer's catch-up
-        # ended: the poller's own was left where the last stream closed, and from there it would send this
-        # page everything that happened while no page was open. Never past the database's head, though (a
-        # cursor is the caller's to give, and a restored database may be behind it), nor in the middle of a
-        # history too long to catch up on in one read.
-        if self._cursor is None or not self._subscribers:  # no await from here to the add
-            self._cursor = now if catch_up.skipped else earliest(catch_up.cursor, now)
-            self._remember_ends(catch_up)
-        self._subscribers.add(subscriber)
+        joining = _Joining(_Subscriber(identity), since, asyncio.get_running_loop().create_future())
+        self._joining.append(joining)
+        self._newcomer.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._poll(), name="permits-events")
-        return subscriber
+        try:
+            await joining.admitted
+        except BaseException:
+            # The caller went away (or the read failed) while it waited: it never listens.
+            with contextlib.suppress(ValueError):
+                self._joining.remove(joining)
+            self._subscribers.discard(joining.subscriber)
+            raise
+        return joining.subscriber
 
     def unsubscribe(self, subscriber: _Subscriber) -> None:
         self._subscribers.discard(subscriber)
@@ -259,6 +268,11 @@ class Broadcaster:
     def end_streams(self) -> None:
         """Tell every open stream to end (a shutdown began): uvicorn waits for open responses before it
         shuts the app down, and a stream that went on would hold the process up for the whole grace."""
+        for joining in self._joining:
+            joining.subscriber.queue.put_nowait(None)
+            if not joining.admitted.done():
+                joining.admitted.set_result(None)
+        self._joining.clear()
         for subscriber in list(self._subscribers):
             with contextlib.suppress(asyncio.QueueEmpty):
                 subscriber.queue.get_nowait()  # room for the end, even in a full backlog
@@ -273,33 +287,86 @@ class Broadcaster:
                 await self._task
 
     async def _poll(self) -> None:
-        while self._subscribers:
-            await asyncio.sleep(self._poll_interval)
-            cursor = self._cursor
-            if cursor is None:
+        try:
+            while self._subscribers or self._joining:
+                if not self._joining:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._newcomer.wait(), self._poll_interval)
+                self._newcomer.clear()
+                if self._joining:
+                    await self._admit()
+                    continue  # a newcomer's next events come from the next poll, as everybody's do
+                await self._poll_once()
+        finally:
+            self._task = None
+            for joining in self._joining:  # cancelled with newcomers still waiting: they must not hang
+                if not joining.admitted.done():
+                    joining.admitted.cancel()
+
+    async def _poll_once(self) -> None:
+        cursor = self._cursor
+        if cursor is None:
+            return
+        try:
+            sent = list(self._sent_ends)
+            batch = await self._store.run_flow(lambda: read_since(cursor, sent), readonly=True)
+        except PermitsError as exc:
+            logger.warning("event feed: the database did not answer: %s", exc)
+            return
+        self._remember_ends(batch)
+        self._cursor = batch.cursor
+        if not batch.events:
+            return
+        for subscriber in list(self._subscribers):
+            try:
+                subscriber.queue.put_nowait((str(batch.cursor), batch.events))
+            except asyncio.QueueFull:
+                # Too slow to keep up: end its stream; the page reconnects from its last cursor.
+                self._subscribers.discard(subscriber)
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    subscriber.queue.get_nowait()
+                subscriber.queue.put_nowait(None)
+
+    async def _admit(self) -> None:
+        """Catch the newcomers up and let them in. No poll runs meanwhile, so each one's catch-up, read
+        after the last poll, reaches at least as far as the shared position, from which the next poll
+        goes on: a newcomer may get an event twice (pages drop repeats by their ids), never miss one.
+
+        The shared position does not move on a newcomer's account while others listen: they would skip
+        what lies between. With nobody listening it is set to where the newcomers' catch-ups ended: left
+        where the last stream closed, it would send them everything that happened while no page was open.
+        Never past the database's head, though (a cursor is the caller's to give, and a restored database
+        may be behind it), nor in the middle of a history too long to catch up on in one read."""
+        joining, self._joining = self._joining, []
+        listened = bool(self._subscribers)
+        ends: list[Cursor] = []
+        admitted: list[_Joining] = []
+        for newcomer in joining:
+            if newcomer.admitted.done():  # its caller went away
                 continue
             try:
-                sent = list(self._sent_ends)
-                batch = await self._store.run_flow(lambda c=cursor, s=sent: read_since(c, s), readonly=True)
+                # Not the endings sent to the others: the newcomer has not seen them.
+                catch_up = await self._store.run_flow(lambda j=newcomer: read_since(j.since), readonly=True)
+                now = None if listened else await self._store.run_flow(head, readonly=True)
             except PermitsError as exc:
-                logger.warning("event feed: the database did not answer: %s", exc)
+                if not newcomer.admitted.done():
+                    newcomer.admitted.set_exception(exc)
                 continue
-            if self._cursor is not cursor:  # a newcomer set the position while this read ran: it is stale
-                continue
-            self._remember_ends(batch)
-            self._cursor = batch.cursor
-            if not batch.events:
-                continue
-            for subscriber in list(self._subscribers):
-                try:
-                    subscriber.queue.put_nowait((str(batch.cursor), batch.events))
-                except asyncio.QueueFull:
-                    # Too slow to keep up: end its stream; the page reconnects from its last cursor.
-                    self._subscribers.discard(subscriber)
-                    with contextlib.suppress(asyncio.QueueEmpty):
-                        subscriber.queue.get_nowait()
-                    subscriber.queue.put_nowait(None)
-        self._task = None
+            if catch_up.events:
+                newcomer.subscriber.queue.put_nowait((str(catch_up.cursor), catch_up.events))
+            if now is not None:
+                ends.append(now if catch_up.skipped else earliest(catch_up.cursor, now))
+            admitted.append(newcomer)
+        if ends:
+            position = ends[0]
+            for end in ends[1:]:
+                position = earliest(position, end)
+            self._cursor = position
+            self._sent_ends.clear()  # re-sent endings of the overlap are repeats, which pages drop
+        for newcomer in admitted:
+            if not newcomer.admitted.done():
+                self._subscribers.add(newcomer.subscriber)
+                newcomer.admitted.set_result(None)
 
     def _remember_ends(self, batch: Batch) -> None:
         for event in batch.events:

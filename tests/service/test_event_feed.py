@@ -1,0 +1,147 @@
+"""The dashboard's event feed, driven in process against a real database: the interleavings of a poll and
+a newcomer's catch-up that a running service only hits by chance."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import permits
+from permits._config import Settings
+from permits._core.flows import Flow
+from permits.server.auth import Identity
+from permits.server.events import Broadcaster, Cursor, head
+from permits.stores import async_sql_store
+
+ADMIN = Identity("admin", admin=True, scoped=False)
+
+
+class _CatchUpPaused:
+    """The store, holding back one answer: that of the first feed read from ``since`` once armed. The read
+    has run when it stops; it is the caller that waits."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.since: Cursor | None = None
+        self.read_ran = asyncio.Event()
+        self.resume = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def run_flow(self, make_flow: Callable[[], Flow[Any]], readonly: bool = False) -> Any:
+        result = await self._store.run_flow(make_flow, readonly=readonly)
+        if self.since is not None and _reads_from(make_flow, self.since):
+            self.since = None
+            self.read_ran.set()
+            await self.resume.wait()
+        return result
+
+
+def _reads_from(make_flow: Callable[[], Flow[Any]], since: Cursor) -> bool:
+    flow = make_flow()
+    first = next(flow)
+    flow.close()
+    return first.name == "EVENTS_GRANTS" and first.params["after"] == since.lease_id  # type: ignore[call-overload]
+
+
+async def _grants_until(queue: asyncio.Queue[Any], token: int, seconds: float) -> list[int]:
+    """The grant tokens a subscriber gets until ``token`` is among them, or ``seconds`` pass."""
+    tokens: list[int] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while token not in tokens and loop.time() < deadline:
+        try:
+            item = await asyncio.wait_for(queue.get(), deadline - loop.time())
+        except TimeoutError:
+            break
+        assert item is not None, "the stream was ended"
+        tokens += [int(p["token"]) for e in item[1] if e["type"] == "grant" for p in e["permits"]]
+    return tokens
+
+
+def test_a_newcomer_gets_what_a_poll_sent_the_others_while_it_caught_up(db_url: str, ns: str) -> None:
+    """A page joins while another listens. Its catch-up read ends; then a lease is granted, and the poll
+    that lists it would go to the pages already listening. The newcomer still gets that grant (before the
+    fix it got it only if its catch-up happened to list it), and what it missed before joining."""
+    name = f"{ns}feed"
+    with permits.connect(db_url, owner=f"feed-{uuid.uuid4().hex[:6]}") as client:
+        client.create_semaphore(name, 5)
+
+        def grant() -> int:
+            lease = client.acquire(name, ttl=60)
+            return int(lease.tokens[name])
+
+        async def scenario() -> None:
+            store = async_sql_store(
+                Settings.build(db_url, owner="feed-test", ttl=60, lock_wait_timeout=5, retries=3, auto_upgrade=None)
+            )
+            await store.open()
+            paused = _CatchUpPaused(store)
+            feed = Broadcaster(paused, poll_interval=0.05, max_streams=10)
+            try:
+                start = await store.run_flow(head, readonly=True)
+                listening = await feed.subscribe(ADMIN, start)
+                before = await asyncio.to_thread(grant)
+                assert before in await _grants_until(listening.queue, before, 10)
+
+                paused.since = start
+                joining = asyncio.create_task(feed.subscribe(ADMIN, start))
+                await asyncio.wait_for(paused.read_ran.wait(), 10)
+                during = await asyncio.to_thread(grant)
+                # Long enough for a poll beside the catch-up to list it (grants settle for 0.3 s first).
+                seen_by_first = await _grants_until(listening.queue, during, 1.5)
+                paused.resume.set()
+                newcomer = await asyncio.wait_for(joining, 10)
+
+                got = await _grants_until(newcomer.queue, during, 10)
+                assert before in got and during in got, got
+                if during not in seen_by_first:
+                    assert during in await _grants_until(listening.queue, during, 10)
+            finally:
+                await feed.close()
+                await store.close()
+
+        asyncio.run(scenario())
+
+
+def test_a_newcomer_gets_the_endings_already_sent_to_the_others(db_url: str, ns: str) -> None:
+    """A lease ends while one page listens; a page joins later from a cursor before that ending. Its
+    catch-up lists the ending (before the fix it was dropped, as one the instance had already sent)."""
+    name = f"{ns}ends"
+    with permits.connect(db_url, owner=f"feed-{uuid.uuid4().hex[:6]}") as client:
+        client.create_semaphore(name, 5)
+
+        async def ends_until(queue: asyncio.Queue[Any], key: str, seconds: float) -> bool:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + seconds
+            while loop.time() < deadline:
+                try:
+                    item = await asyncio.wait_for(queue.get(), deadline - loop.time())
+                except TimeoutError:
+                    return False
+                if any(e["type"] == "end" and e["key"] == key for e in item[1]):
+                    return True
+            return False
+
+        async def scenario() -> None:
+            store = async_sql_store(
+                Settings.build(db_url, owner="feed-test", ttl=60, lock_wait_timeout=5, retries=3, auto_upgrade=None)
+            )
+            await store.open()
+            feed = Broadcaster(store, poll_interval=0.05, max_streams=10)
+            try:
+                start = await store.run_flow(head, readonly=True)
+                listening = await feed.subscribe(ADMIN, start)
+                lease = await asyncio.to_thread(client.acquire, name, ttl=60)
+                await asyncio.to_thread(client.release, lease)
+                assert await ends_until(listening.queue, lease.key, 10)
+                newcomer = await feed.subscribe(ADMIN, start)
+                assert await ends_until(newcomer.queue, lease.key, 3)
+            finally:
+                await feed.close()
+                await store.close()
+
+        asyncio.run(scenario())
