@@ -30,6 +30,8 @@ import threading
 from dataclasses import dataclass
 from types import TracebackType
 
+from sqlalchemy.engine import make_url
+
 
 @dataclass
 class _Rule:
@@ -121,6 +123,17 @@ class CuttingProxy:
         self.port: int = self._listener.getsockname()[1]
         self._acceptor = threading.Thread(target=self._accept, daemon=True)
         self._acceptor.start()
+
+    @classmethod
+    def before(cls, db_url: str) -> CuttingProxy:
+        """A proxy in front of the server of a database URL (a context manager, as the class is)."""
+        url = make_url(db_url)
+        assert url.host is not None and url.port is not None
+        return cls((url.host, url.port))
+
+    def url_for(self, db_url: str) -> str:
+        """``db_url`` through this proxy."""
+        return make_url(db_url).set(host="127.0.0.1", port=self.port).render_as_string(hide_password=False)
 
     # ---- control
 

@@ -19,6 +19,10 @@ DEFAULT_URL = "sqlite:///permits.db"
 DEFAULT_TTL = 60.0
 DEFAULT_LOCK_WAIT_TIMEOUT = 5.0
 DEFAULT_RETRIES = 5
+#: How long past ``lock_wait_timeout`` an operation's statements may go unanswered before the store takes its
+#: connection as lost (a stalled link, a hung server) and drops it. No statement of an operation waits for a
+#: lock longer than ``lock_wait_timeout``; the rest is room for a slow commit on a loaded server.
+REPLY_GRACE_SECONDS = 10.0
 
 _SCHEME_ALIASES = {"postgres": "postgresql", "pg": "postgresql"}
 #: What the ``pooler`` parameter of a PostgreSQL URL may say: which kind of connection pooler (PgBouncer,
@@ -88,6 +92,11 @@ class Settings:
     #: open in a burst, and close when they come back to a full pool: a client that runs more operations at
     #: once than this pays a new connection for each one past it.
     pool_size: int | None = None
+
+    @property
+    def reply_timeout(self) -> float:
+        """Seconds an operation's transaction may wait for the database's replies (``REPLY_GRACE_SECONDS``)."""
+        return self.lock_wait_timeout + REPLY_GRACE_SECONDS
 
     @property
     def shown_url(self) -> str:

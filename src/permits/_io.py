@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import os
+import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -103,3 +106,121 @@ def async_mutex() -> contextlib.AbstractContextManager[Any]:
 
 def sync_mutex() -> threading.Lock:
     return threading.Lock()
+
+
+# ---- a deadline on a database reply: a link or a server that hangs without failing
+
+
+def _shut_down(fd: int) -> None:
+    """End the connection on socket ``fd`` as a network failure would: the driver's pending read fails at
+    once, with the error of a lost connection, and the store drops the connection and retries. Only the
+    socket is shut down; the driver still owns ``fd`` and closes it."""
+    with contextlib.suppress(OSError):
+        duplicate = socket.socket(fileno=os.dup(fd))
+        try:
+            duplicate.shutdown(socket.SHUT_RDWR)
+        finally:
+            duplicate.close()
+
+
+class _ReplyWatch:
+    """One thread per process that ends the connections whose reply is overdue. Arming and disarming are a
+    dict operation each (disarming under a lock) and never wake the thread: it looks at the armed sockets
+    every ``_WATCH_TICK`` seconds while any was armed lately, so an overdue reply is cut up to a tick late."""
+
+    _WATCH_TICK = 0.5
+    _IDLE_TICKS = 60  # ticks with nothing armed before the thread sleeps until the next arm
+
+    def __init__(self) -> None:
+        self._reset()
+        # A forked child has no watch thread, whatever the parent's state said: it starts its own.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: dict[int, tuple[int, float]] = {}
+        self._tokens = itertools.count(1)
+        self._sleeping = True
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, fd: int, seconds: float) -> int:
+        # No lock: taking a number and setting a key are each atomic under the GIL, and the thread copies
+        # the dict in one step (under the lock, against disarm).
+        token = next(self._tokens)
+        self._armed[token] = (fd, time.monotonic() + seconds)
+        if self._sleeping:
+            with self._lock:
+                self._sleeping = False
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._run, name="permits-reply-watch", daemon=True)
+                    self._thread.start()
+                self._wake.set()
+        return token
+
+    def disarm(self, token: int) -> None:
+        # Under the lock: once this returns, the socket is never shut down on this arm's account, so the
+        # caller may hand the connection back (and its fd be reused) at once.
+        with self._lock:
+            self._armed.pop(token, None)
+
+    def _run(self) -> None:
+        idle = 0
+        while True:
+            self._wake.wait(self._WATCH_TICK)
+            self._wake.clear()
+            with self._lock:
+                now = time.monotonic()
+                for token, (fd, deadline) in list(self._armed.items()):
+                    if deadline <= now:
+                        del self._armed[token]
+                        _shut_down(fd)
+                idle = 0 if self._armed else idle + 1
+                if idle < self._IDLE_TICKS:
+                    continue
+                self._sleeping = True
+            # An arm that read ``_sleeping`` before it was set did not wake this thread, but its socket is in
+            # the dict by then (it is added first): look once more before sleeping.
+            if self._armed:
+                self._sleeping = False
+                continue
+            idle = 0
+            self._wake.wait()
+
+
+_REPLY_WATCH = _ReplyWatch()
+
+
+@contextlib.contextmanager
+def async_reply_deadline(fd: int | None, seconds: float) -> Iterator[None]:
+    """Shut the socket ``fd`` down if the block has not finished within ``seconds``: a statement whose reply
+    does not come (a stalled link, a hung server) then fails as a lost connection, instead of holding its
+    caller until TCP gives up, about 15 minutes later. ``fd`` None (SQLite): no deadline."""
+    if fd is None:
+        yield
+        return
+    timer = asyncio.get_running_loop().call_later(seconds, _shut_down, fd)
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+class sync_reply_deadline:  # named as its async twin, which unasync maps to it
+    """``async_reply_deadline`` for threads: the process's watch thread shuts the socket down. A class, not a
+    generator: it runs around every statement, and this costs half as much."""
+
+    __slots__ = ("_fd", "_seconds", "_token")
+
+    def __init__(self, fd: int | None, seconds: float) -> None:
+        self._fd = fd
+        self._seconds = seconds
+        self._token = 0
+
+    def __enter__(self) -> None:
+        if self._fd is not None:
+            self._token = _REPLY_WATCH.arm(self._fd, self._seconds)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token:
+            _REPLY_WATCH.disarm(self._token)

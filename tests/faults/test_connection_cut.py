@@ -9,21 +9,28 @@ on a fresh one with the same key; when it gives up (``StorageUnavailable``), the
 the network is back. Either way the key must end up granted exactly once. The checks go to the server
 directly, not through the proxy.
 
+A link can also stall without failing: no byte lost, none delivered, no error at either end (a hung
+proxy, a NAT entry that dropped the flow, a frozen server). TCP alone would hold the caller until it gave
+up, about 15 minutes later; the store bounds each wait for a reply (``Settings.reply_timeout``) and each
+new connection, so the caller gets ``StorageUnavailable`` in bounded time and asks again with the same key
+once the link is back: the key is then granted once, whether or not the stalled statement ran.
+
 SQLite has no connection to cut: these tests run on MariaDB and PostgreSQL.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from sqlalchemy.engine import make_url
 
 import permits
-from permits import ReleaseOutcome, StorageUnavailable
+from permits import ReleaseOutcome, StorageUnavailable, _config
 from tests._proxy import CuttingProxy
+from tests.conftest import AsyncFacade
 
 T = TypeVar("T")
 
@@ -45,14 +52,8 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def proxy(db_url: str) -> Iterator[CuttingProxy]:
-    url = make_url(db_url)
-    assert url.host is not None and url.port is not None
-    with CuttingProxy((url.host, url.port)) as running:
+    with CuttingProxy.before(db_url) as running:
         yield running
-
-
-def _via(db_url: str, proxy: CuttingProxy) -> str:
-    return make_url(db_url).set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
 
 
 class _Bench:
@@ -65,7 +66,7 @@ class _Bench:
         self.wants = {f"{ns}{s}": n for s, n in SHAPES[shape].items()}
         self.names = sorted(self.wants)
         self.direct = permits.connect(db_url, owner=self.owner)
-        self.client = permits.connect(_via(db_url, proxy), owner=self.owner)
+        self.client = permits.connect(proxy.url_for(db_url), owner=self.owner)
         for name, count in self.wants.items():
             self.direct.create_semaphore(name, count + ROOMS[room])
         self.client.get_semaphore(self.names[0])  # the pooled connection is open and warm
@@ -388,3 +389,72 @@ def test_cut_anywhere_in_one_turn(db_url: str, proxy: CuttingProxy, ns: str) -> 
             assert direct.release(key) == ReleaseOutcome.RELEASED
     finally:
         bench.close()
+
+
+# ---- a link that stalls without failing
+
+#: what the tests shorten REPLY_GRACE_SECONDS to, beside lock_wait_timeout=1: a reply is overdue after 2 s
+GRACE = 1.0
+#: the bound asserted: the overdue reply (2 s), one new connection that the stalled link never answers
+#: (PostgreSQL's connect_timeout, 5 s; MariaDB's reply timeout, 2 s), a backoff, and slack for a loaded machine
+BOUND = 15.0
+
+
+@pytest.fixture
+def stalling_client(db_url: str, proxy: CuttingProxy, flavour: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.setattr(_config, "REPLY_GRACE_SECONDS", GRACE)
+    url = proxy.url_for(db_url)
+    options: dict[str, Any] = {"owner": "stalled", "lock_wait_timeout": 1, "retries": 1}
+    client: Any
+    if flavour == "sync":
+        client = permits.connect(url, **options)
+    else:
+        client = AsyncFacade(permits.connect_async(url, **options))
+    yield client
+    proxy.resume()
+    client.shutdown() if isinstance(client, AsyncFacade) else client.close()
+
+
+@pytest.mark.slow
+def test_an_acquire_over_a_stalled_link_fails_in_bounded_time_and_its_retry_is_granted_once(
+    db_url: str, proxy: CuttingProxy, stalling_client: Any, ns: str
+) -> None:
+    """Before the bound, the acquire below waited until TCP gave up (over 2 minutes, measured)."""
+    name, key = f"{ns}stalled", f"{ns}key"
+    with permits.connect(db_url, owner="stalled") as direct:
+        direct.create_semaphore(name, 1)
+        stalling_client.release(stalling_client.acquire(name, ttl=30))  # a pooled connection is open
+        proxy.stall()
+        began = time.monotonic()
+        with pytest.raises(StorageUnavailable):
+            stalling_client.acquire(name, key=key, ttl=30, timeout=1)
+        took = time.monotonic() - began
+        assert took < BOUND, f"the acquire took {took:.1f} s over a stalled link"
+        # The stalled grant may run once the link is back; asking again with the same key answers from it, or
+        # grants anew: once, either way.
+        proxy.resume()
+        lease = stalling_client.acquire(name, key=key, ttl=30, timeout=10)
+        assert lease.held and direct.get_lease(key).tokens == lease.tokens
+        assert direct.get_semaphore(name).used == 1
+        assert direct.reconcile() == []
+        assert direct.release(key) == ReleaseOutcome.RELEASED
+
+
+@pytest.mark.slow
+def test_a_release_over_a_stalled_link_fails_in_bounded_time_and_its_retry_releases_once(
+    db_url: str, proxy: CuttingProxy, stalling_client: Any, ns: str
+) -> None:
+    name = f"{ns}stalled"
+    with permits.connect(db_url, owner="stalled") as direct:
+        direct.create_semaphore(name, 1)
+        lease = stalling_client.acquire(name, ttl=30)
+        proxy.stall()
+        began = time.monotonic()
+        with pytest.raises(StorageUnavailable):
+            stalling_client.release(lease)
+        took = time.monotonic() - began
+        assert took < BOUND, f"the release took {took:.1f} s over a stalled link"
+        proxy.resume()
+        assert stalling_client.release(lease) in (ReleaseOutcome.RELEASED, ReleaseOutcome.ALREADY_RELEASED)
+        assert direct.get_semaphore(name).used == 0
+        assert direct.reconcile() == []

@@ -30,7 +30,7 @@ from permits._exceptions import (
     StorageUnavailable,
     UsageError,
 )
-from permits._io import async_mutex, async_sleep, monotonic
+from permits._io import async_mutex, async_reply_deadline, async_sleep, monotonic
 from permits._models import (
     CapacityChange,
     Drift,
@@ -922,8 +922,12 @@ class AsyncSQLStore:
                 return await self._drive_alone(conn, await async_driver_connection(conn), flow, first)
             if readonly:
                 await conn.execution_options(**{READONLY: True})
-            async with conn.begin():
-                return await self._drive(conn, flow, first)
+            # Up to the COMMIT's reply. A socket shut down by the deadline fails the statement waiting on it
+            # as a lost connection, and SQLAlchemy then drops the connection (is_disconnect).
+            socket = self._dialect.reply_socket(await async_driver_connection(conn))
+            with async_reply_deadline(socket, self._settings.reply_timeout):
+                async with conn.begin():
+                    return await self._drive(conn, flow, first)
 
     async def _drive_alone_pooled(self, flow: Flow[T], first: Stmt) -> T:
         """The sync store sends a statement that runs alone on a connection checked out of the pool with no
@@ -972,10 +976,11 @@ class AsyncSQLStore:
         given = dict(stmt.params)  # type: ignore[arg-type]
         params = given if names is None else tuple(given[n] for n in names)
         try:
-            if dialect.self_committing:
-                result = await _send_batch(driver, sql, params)
-            else:
-                result = await _send_autocommit(driver, sql, params, self._prepare)
+            with async_reply_deadline(dialect.reply_socket(driver), self._settings.reply_timeout):
+                if dialect.self_committing:
+                    result = await _send_batch(driver, sql, params)
+                else:
+                    result = await _send_autocommit(driver, sql, params, self._prepare)
         except BaseException as exc:
             error = driver_error(self._engine, exc)
             if error is None or self._dialect.classify(error) is Fault.UNAVAILABLE:

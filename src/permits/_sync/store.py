@@ -31,7 +31,7 @@ from permits._exceptions import (
     StorageUnavailable,
     UsageError,
 )
-from permits._io import sync_mutex, sync_sleep, monotonic
+from permits._io import sync_mutex, sync_reply_deadline, sync_sleep, monotonic
 from permits._models import (
     CapacityChange,
     Drift,
@@ -923,8 +923,12 @@ class SQLStore:
                 return self._drive_alone(conn, sync_driver_connection(conn), flow, first)
             if readonly:
                 conn.execution_options(**{READONLY: True})
-            with conn.begin():
-                return self._drive(conn, flow, first)
+            # Up to the COMMIT's reply. A socket shut down by the deadline fails the statement waiting on it
+            # as a lost connection, and SQLAlchemy then drops the connection (is_disconnect).
+            socket = self._dialect.reply_socket(sync_driver_connection(conn))
+            with sync_reply_deadline(socket, self._settings.reply_timeout):
+                with conn.begin():
+                    return self._drive(conn, flow, first)
 
     def _drive_alone_pooled(self, flow: Flow[T], first: Stmt) -> T:
         """The sync store sends a statement that runs alone on a connection checked out of the pool with no
@@ -973,10 +977,11 @@ class SQLStore:
         given = dict(stmt.params)  # type: ignore[arg-type]
         params = given if names is None else tuple(given[n] for n in names)
         try:
-            if dialect.self_committing:
-                result = _send_batch(driver, sql, params)
-            else:
-                result = _send_autocommit(driver, sql, params, self._prepare)
+            with sync_reply_deadline(dialect.reply_socket(driver), self._settings.reply_timeout):
+                if dialect.self_committing:
+                    result = _send_batch(driver, sql, params)
+                else:
+                    result = _send_autocommit(driver, sql, params, self._prepare)
         except BaseException as exc:
             error = driver_error(self._engine, exc)
             if error is None or self._dialect.classify(error) is Fault.UNAVAILABLE:

@@ -512,6 +512,16 @@ class Dialect:
     def check_driver(self, asynchronous: bool) -> None:
         """Raise ConfigurationError naming the extra to install when the driver is missing."""
 
+    def reply_timeout_args(self, reply_timeout: float, asynchronous: bool) -> dict[str, Any]:
+        """Connection arguments that bound each wait for the server, where the driver has them: they also
+        cover the connection's own handshake, which no statement deadline does."""
+        return {}
+
+    def reply_socket(self, driver: Any) -> int | None:
+        """The file descriptor of the socket under the driver's connection ``driver``, which the store shuts
+        down when a reply is overdue (``_io.sync_reply_deadline``); None: no socket (SQLite), or not known."""
+        return None
+
     def classify(self, exc: DBAPIError) -> Fault:
         if exc.connection_invalidated:
             return Fault.UNAVAILABLE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, ClassVar
 
 from permits._core.flows import Result
@@ -298,6 +299,34 @@ class MariaDB(Dialect):
 
     def check_driver(self, asynchronous: bool) -> None:
         require_module("aiomysql" if asynchronous else "pymysql", self.extra)
+
+    def reply_timeout_args(self, reply_timeout: float, asynchronous: bool) -> dict[str, Any]:
+        # The drivers' connect_timeout covers the TCP connect only: over a stalled link the handshake's read
+        # would wait until TCP gave up. PyMySQL bounds every read and write of its socket; aiomysql has no
+        # such argument, so its whole connect is bounded, through SQLAlchemy's hook for making the
+        # connection (statements are bounded by the store: ``reply_socket``).
+        seconds = max(1, round(reply_timeout))
+        if not asynchronous:
+            return {"read_timeout": seconds, "write_timeout": seconds}
+        import aiomysql
+
+        async def bounded_connect(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await asyncio.wait_for(aiomysql.connect(*args, **kwargs), seconds)
+            except TimeoutError as exc:  # as the driver's own error, which SQLAlchemy wraps and the store retries
+                raise aiomysql.OperationalError(2003, f"no connection within {seconds} s") from exc
+
+        return {"async_creator_fn": bounded_connect}
+
+    def reply_socket(self, driver: Any) -> int | None:
+        # Neither driver gives its socket publicly. PyMySQL's read_timeout would cut a stalled read too,
+        # but aiomysql has none, and the store bounds both drivers (and psycopg) the same way.
+        try:
+            writer = getattr(driver, "_writer", None)  # aiomysql: an asyncio stream
+            sock = writer.get_extra_info("socket") if writer is not None else driver._sock  # PyMySQL
+            return int(sock.fileno())
+        except Exception:  # closed, or another driver: no deadline rather than no statement
+            return None
 
     def _classify(self, orig: BaseException | None) -> Fault:
         args = getattr(orig, "args", ())

@@ -512,6 +512,12 @@ class PostgreSQL(Dialect):
     def check_driver(self, asynchronous: bool) -> None:
         require_module("psycopg", self.extra)
 
+    def reply_socket(self, driver: Any) -> int | None:
+        try:
+            return int(driver.pgconn.socket)  # psycopg's Connection and AsyncConnection alike
+        except Exception:  # closed, or not psycopg's: no deadline rather than no statement
+            return None
+
     def _classify(self, orig: BaseException | None) -> Fault:
         state = getattr(orig, "sqlstate", None) or ""
         if state in _CONFLICT:
@@ -524,6 +530,7 @@ class PostgreSQL(Dialect):
             return Fault.READ_ONLY
         if state in _SCHEMA:
             return Fault.SCHEMA
-        if not state and orig is not None and type(orig).__name__ == "OperationalError":
-            return Fault.UNAVAILABLE  # psycopg reports a refused connection with no SQLSTATE
+        if not state and any(kind.__name__ == "OperationalError" for kind in type(orig).__mro__):
+            # psycopg reports a refused or timed-out connection (ConnectionTimeout) with no SQLSTATE
+            return Fault.UNAVAILABLE
         return Fault.OTHER

@@ -30,6 +30,9 @@ def engine_args(dialect: Dialect, settings: Settings, asynchronous: bool) -> tup
     # The store ends every transaction itself (commit, or rollback on error), so the pool's ROLLBACK on
     # every return would only add a round trip per operation (PyMySQL always sends it).
     options.setdefault("pool_reset_on_return", None)
+    bounded = dialect.reply_timeout_args(settings.reply_timeout, asynchronous)
+    if bounded:
+        options["connect_args"] = {**options.get("connect_args", {}), **bounded}
     in_memory = settings.url.get_backend_name() == "sqlite" and settings.url.database in (None, "", ":memory:")
     if settings.pool_size is not None and not in_memory:  # an in-memory database has one connection per thread
         options["pool_size"] = options["max_overflow"] = settings.pool_size
