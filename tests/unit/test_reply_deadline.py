@@ -4,10 +4,30 @@ wait that ended in time leaves its socket alone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
 
-from permits._io import async_reply_deadline, sync_reply_deadline
+from permits._io import async_unwatch_reply, async_watch_reply, sync_unwatch_reply, sync_watch_reply
+
+
+@contextlib.contextmanager
+def sync_reply_deadline(fd: int | None, seconds: float) -> Iterator[None]:
+    token = sync_watch_reply(fd, seconds)
+    try:
+        yield
+    finally:
+        sync_unwatch_reply(token)
+
+
+@contextlib.contextmanager
+def async_reply_deadline(fd: int | None, seconds: float) -> Iterator[None]:
+    watch = async_watch_reply(fd, seconds)
+    try:
+        yield
+    finally:
+        async_unwatch_reply(watch)
 
 
 def test_an_overdue_read_is_cut_as_a_lost_connection() -> None:

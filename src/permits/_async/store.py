@@ -30,7 +30,7 @@ from permits._exceptions import (
     StorageUnavailable,
     UsageError,
 )
-from permits._io import async_mutex, async_reply_deadline, async_sleep, monotonic
+from permits._io import async_mutex, async_sleep, async_unwatch_reply, async_watch_reply, monotonic
 from permits._models import (
     CapacityChange,
     Drift,
@@ -154,6 +154,8 @@ class AsyncSQLStore:
         # Server-side prepared statements on PostgreSQL's hot path, except behind a transaction pooler: the
         # next transaction may run on another server connection, which has never seen the statement.
         self._prepare = settings.pooler != "transaction"
+        #: how long an operation's transaction waits for replies before its connection is taken as lost
+        self._replies = settings.reply_timeout
         #: the dialect as it was before open() swapped in calls of server functions (PostgreSQL's queued grant,
         #: and behind a transaction pooler the grant and the release): what the functions are made from
         self._before_functions: Dialect | None = None
@@ -924,10 +926,12 @@ class AsyncSQLStore:
                 await conn.execution_options(**{READONLY: True})
             # Up to the COMMIT's reply. A socket shut down by the deadline fails the statement waiting on it
             # as a lost connection, and SQLAlchemy then drops the connection (is_disconnect).
-            socket = self._dialect.reply_socket(await async_driver_connection(conn))
-            with async_reply_deadline(socket, self._settings.reply_timeout):
+            watch = async_watch_reply(self._dialect.reply_socket(await async_driver_connection(conn)), self._replies)
+            try:
                 async with conn.begin():
                     return await self._drive(conn, flow, first)
+            finally:
+                async_unwatch_reply(watch)
 
     async def _drive_alone_pooled(self, flow: Flow[T], first: Stmt) -> T:
         """The sync store sends a statement that runs alone on a connection checked out of the pool with no
@@ -976,11 +980,14 @@ class AsyncSQLStore:
         given = dict(stmt.params)  # type: ignore[arg-type]
         params = given if names is None else tuple(given[n] for n in names)
         try:
-            with async_reply_deadline(dialect.reply_socket(driver), self._settings.reply_timeout):
+            watch = async_watch_reply(dialect.reply_socket(driver), self._replies)
+            try:
                 if dialect.self_committing:
                     result = await _send_batch(driver, sql, params)
                 else:
                     result = await _send_autocommit(driver, sql, params, self._prepare)
+            finally:  # before the handling below, which may close the connection and free its socket's number
+                async_unwatch_reply(watch)
         except BaseException as exc:
             error = driver_error(self._engine, exc)
             if error is None or self._dialect.classify(error) is Fault.UNAVAILABLE:

@@ -31,7 +31,7 @@ from permits._exceptions import (
     StorageUnavailable,
     UsageError,
 )
-from permits._io import sync_mutex, sync_reply_deadline, sync_sleep, monotonic
+from permits._io import sync_mutex, sync_sleep, sync_unwatch_reply, sync_watch_reply, monotonic
 from permits._models import (
     CapacityChange,
     Drift,
@@ -155,6 +155,8 @@ class SQLStore:
         # Server-side prepared statements on PostgreSQL's hot path, except behind a transaction pooler: the
         # next transaction may run on another server connection, which has never seen the statement.
         self._prepare = settings.pooler != "transaction"
+        #: how long an operation's transaction waits for replies before its connection is taken as lost
+        self._replies = settings.reply_timeout
         #: the dialect as it was before open() swapped in calls of server functions (PostgreSQL's queued grant,
         #: and behind a transaction pooler the grant and the release): what the functions are made from
         self._before_functions: Dialect | None = None
@@ -925,10 +927,12 @@ class SQLStore:
                 conn.execution_options(**{READONLY: True})
             # Up to the COMMIT's reply. A socket shut down by the deadline fails the statement waiting on it
             # as a lost connection, and SQLAlchemy then drops the connection (is_disconnect).
-            socket = self._dialect.reply_socket(sync_driver_connection(conn))
-            with sync_reply_deadline(socket, self._settings.reply_timeout):
+            watch = sync_watch_reply(self._dialect.reply_socket(sync_driver_connection(conn)), self._replies)
+            try:
                 with conn.begin():
                     return self._drive(conn, flow, first)
+            finally:
+                sync_unwatch_reply(watch)
 
     def _drive_alone_pooled(self, flow: Flow[T], first: Stmt) -> T:
         """The sync store sends a statement that runs alone on a connection checked out of the pool with no
@@ -977,11 +981,14 @@ class SQLStore:
         given = dict(stmt.params)  # type: ignore[arg-type]
         params = given if names is None else tuple(given[n] for n in names)
         try:
-            with sync_reply_deadline(dialect.reply_socket(driver), self._settings.reply_timeout):
+            watch = sync_watch_reply(dialect.reply_socket(driver), self._replies)
+            try:
                 if dialect.self_committing:
                     result = _send_batch(driver, sql, params)
                 else:
                     result = _send_autocommit(driver, sql, params, self._prepare)
+            finally:  # before the handling below, which may close the connection and free its socket's number
+                sync_unwatch_reply(watch)
         except BaseException as exc:
             error = driver_error(self._engine, exc)
             if error is None or self._dialect.classify(error) is Fault.UNAVAILABLE:
