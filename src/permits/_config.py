@@ -19,9 +19,12 @@ DEFAULT_URL = "sqlite:///permits.db"
 DEFAULT_TTL = 60.0
 DEFAULT_LOCK_WAIT_TIMEOUT = 5.0
 DEFAULT_RETRIES = 5
-#: How long past ``lock_wait_timeout`` an operation's statements may go unanswered before the store takes its
-#: connection as lost (a stalled link, a hung server) and drops it. No statement of an operation waits for a
-#: lock longer than ``lock_wait_timeout``; the rest is room for a slow commit on a loaded server.
+#: How long an operation's statement or transaction may go without its whole answer, beyond two lock waits
+#: (``2 * lock_wait_timeout``), before the store takes its connection as lost (a stalled link, a hung
+#: server) and drops it. Each lock wait is bounded by ``lock_wait_timeout``, and an operation meets one or
+#: two (a row lock, and on MariaDB the AUTO-INC lock of an insert); the rest is room for a slow commit on a
+#: loaded server. The bound is there to catch a hang, not to time operations: a legitimate statement cut
+#: by it is retried like any other lost connection.
 REPLY_GRACE_SECONDS = 10.0
 
 _SCHEME_ALIASES = {"postgres": "postgresql", "pg": "postgresql"}
@@ -95,8 +98,8 @@ class Settings:
 
     @property
     def reply_timeout(self) -> float:
-        """Seconds an operation's transaction may wait for the database's replies (``REPLY_GRACE_SECONDS``)."""
-        return self.lock_wait_timeout + REPLY_GRACE_SECONDS
+        """Seconds an operation's statement or transaction may wait for its answer (``REPLY_GRACE_SECONDS``)."""
+        return 2 * self.lock_wait_timeout + REPLY_GRACE_SECONDS
 
     @property
     def shown_url(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger("permits")
 
 
 async def async_sleep(seconds: float) -> None:
@@ -115,12 +117,17 @@ def _shut_down(fd: int) -> None:
     """End the connection on socket ``fd`` as a network failure would: the driver's pending read fails at
     once, with the error of a lost connection, and the store drops the connection and retries. Only the
     socket is shut down; the driver still owns ``fd`` and closes it."""
-    with contextlib.suppress(OSError):
-        duplicate = socket.socket(fileno=os.dup(fd))
-        try:
-            duplicate.shutdown(socket.SHUT_RDWR)
-        finally:
-            duplicate.close()
+    try:
+        copy = os.dup(fd)
+    except OSError:
+        return
+    try:
+        duplicate = socket.socket(fileno=copy)
+    except OSError:  # not a socket: nothing to shut down
+        os.close(copy)
+        return
+    with contextlib.suppress(OSError), duplicate:
+        duplicate.shutdown(socket.SHUT_RDWR)
 
 
 class _ReplyWatch:
@@ -134,7 +141,8 @@ class _ReplyWatch:
     def __init__(self) -> None:
         self._reset()
         # A forked child has no watch thread, whatever the parent's state said: it starts its own.
-        os.register_at_fork(after_in_child=self._reset)
+        if hasattr(os, "register_at_fork"):  # POSIX only
+            os.register_at_fork(after_in_child=self._reset)
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
@@ -165,6 +173,15 @@ class _ReplyWatch:
             self._armed.pop(token, None)
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        except BaseException:  # pragma: no cover - a bug: say so, and let the next arm start a new thread
+            logger.exception("the reply watch stopped")
+            raise
+        finally:
+            self._sleeping = True
+
+    def _watch(self) -> None:
         idle = 0
         while True:
             self._wake.wait(self._WATCH_TICK)

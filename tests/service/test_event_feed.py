@@ -8,9 +8,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 import permits
 from permits._config import Settings
 from permits._core.flows import Flow
+from permits._exceptions import LimitExceeded
 from permits.server.auth import Identity
 from permits.server.events import Broadcaster, Cursor, head
 from permits.stores import async_sql_store
@@ -38,6 +41,21 @@ class _CatchUpPaused:
             self.read_ran.set()
             await self.resume.wait()
         return result
+
+
+async def _open_store(db_url: str) -> Any:
+    """The asyncio SQL store a service instance would give its feed."""
+    settings = Settings.build(db_url, owner="feed-test", ttl=60, lock_wait_timeout=5, retries=3, auto_upgrade=None)
+    store = async_sql_store(settings)
+    await store.open()
+    return store
+
+
+async def _paused_feed(db_url: str, max_streams: int) -> tuple[Any, _CatchUpPaused, Broadcaster]:
+    """A store, the same with one catch-up held back, and a feed polling through the latter."""
+    store = await _open_store(db_url)
+    paused = _CatchUpPaused(store)
+    return store, paused, Broadcaster(paused, poll_interval=0.05, max_streams=max_streams)
 
 
 def _reads_from(make_flow: Callable[[], Flow[Any]], since: Cursor) -> bool:
@@ -75,12 +93,7 @@ def test_a_newcomer_gets_what_a_poll_sent_the_others_while_it_caught_up(db_url: 
             return int(lease.tokens[name])
 
         async def scenario() -> None:
-            store = async_sql_store(
-                Settings.build(db_url, owner="feed-test", ttl=60, lock_wait_timeout=5, retries=3, auto_upgrade=None)
-            )
-            await store.open()
-            paused = _CatchUpPaused(store)
-            feed = Broadcaster(paused, poll_interval=0.05, max_streams=10)
+            store, paused, feed = await _paused_feed(db_url, max_streams=10)
             try:
                 start = await store.run_flow(head, readonly=True)
                 listening = await feed.subscribe(ADMIN, start)
@@ -127,10 +140,7 @@ def test_a_newcomer_gets_the_endings_already_sent_to_the_others(db_url: str, ns:
             return False
 
         async def scenario() -> None:
-            store = async_sql_store(
-                Settings.build(db_url, owner="feed-test", ttl=60, lock_wait_timeout=5, retries=3, auto_upgrade=None)
-            )
-            await store.open()
+            store = await _open_store(db_url)
             feed = Broadcaster(store, poll_interval=0.05, max_streams=10)
             try:
                 start = await store.run_flow(head, readonly=True)
@@ -145,3 +155,65 @@ def test_a_newcomer_gets_the_endings_already_sent_to_the_others(db_url: str, ns:
                 await store.close()
 
         asyncio.run(scenario())
+
+
+def test_newcomers_arriving_faster_than_the_poll_interval_do_not_hold_up_the_feed(db_url: str, ns: str) -> None:
+    """Pages keep opening (reloads, a script reconnecting in a loop) faster than the instance polls: the
+    pages already open still get each event within about a poll interval."""
+    name = f"{ns}busy"
+    with permits.connect(db_url, owner=f"feed-{uuid.uuid4().hex[:6]}") as client:
+        client.create_semaphore(name, 5)
+
+        async def scenario() -> None:
+            store = await _open_store(db_url)
+            feed = Broadcaster(store, poll_interval=0.5, max_streams=1000)
+            stop = asyncio.Event()
+
+            async def keep_joining() -> None:
+                start = await store.run_flow(head, readonly=True)
+                while not stop.is_set():
+                    feed.unsubscribe(await feed.subscribe(ADMIN, start))
+                    await asyncio.sleep(0.05)
+
+            try:
+                listening = await feed.subscribe(ADMIN, await store.run_flow(head, readonly=True))
+                joiner = asyncio.create_task(keep_joining())
+                await asyncio.sleep(0.3)
+                lease = await asyncio.to_thread(client.acquire, name, ttl=60)
+                # Listed once 0.3 s old, at the next poll: within about a second, newcomers or not.
+                assert lease.tokens[name] in await _grants_until(listening.queue, lease.tokens[name], 3)
+                stop.set()
+                await joiner
+            finally:
+                stop.set()
+                await feed.close()
+                await store.close()
+
+        asyncio.run(scenario())
+
+
+def test_a_newcomer_caught_up_when_the_instance_stops_is_not_left_waiting(db_url: str) -> None:
+    """A shutdown that begins while a page is being caught up ends that page's stream at once, and closing
+    the feed then leaves no request waiting (before, the newcomer was on no list while it caught up)."""
+
+    async def scenario() -> None:
+        store, paused, feed = await _paused_feed(db_url, max_streams=1)
+        try:
+            start = await store.run_flow(head, readonly=True)
+            paused.since = start
+            joining = asyncio.create_task(feed.subscribe(ADMIN, start))
+            await asyncio.wait_for(paused.read_ran.wait(), 10)
+            # Still counted against the limit while it catches up:
+            with pytest.raises(LimitExceeded):
+                await feed.subscribe(ADMIN, start)
+            feed.end_streams()
+            newcomer = await asyncio.wait_for(joining, 2)
+            assert newcomer.queue.get_nowait() is None  # its stream ends at once
+            await asyncio.wait_for(feed.close(), 5)
+            assert feed.subscribers == 0
+        finally:
+            paused.resume.set()
+            await feed.close()
+            await store.close()
+
+    asyncio.run(scenario())

@@ -517,9 +517,12 @@ class Dialect:
         cover the connection's own handshake, which no statement deadline does."""
         return {}
 
+    def connected(self, dbapi_connection: Any) -> None:
+        """Called on each new driver connection, once it is established (``reply_timeout_args``)."""
+
     def reply_socket(self, driver: Any) -> int | None:
         """The file descriptor of the socket under the driver's connection ``driver``, which the store shuts
-        down when a reply is overdue (``_io.sync_reply_deadline``); None: no socket (SQLite), or not known."""
+        down when a reply is overdue (``_io.sync_watch_reply``); None: no socket (SQLite), or not known."""
         return None
 
     def classify(self, exc: DBAPIError) -> Fault:

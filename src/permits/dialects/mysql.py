@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any, ClassVar
 
 from permits._core.flows import Result
@@ -302,10 +303,12 @@ class MariaDB(Dialect):
 
     def reply_timeout_args(self, reply_timeout: float, asynchronous: bool) -> dict[str, Any]:
         # The drivers' connect_timeout covers the TCP connect only: over a stalled link the handshake's read
-        # would wait until TCP gave up. PyMySQL bounds every read and write of its socket; aiomysql has no
-        # such argument, so its whole connect is bounded, through SQLAlchemy's hook for making the
-        # connection (statements are bounded by the store: ``reply_socket``).
-        seconds = max(1, round(reply_timeout))
+        # would wait until TCP gave up. PyMySQL's read and write timeouts bound the handshake, and are lifted
+        # once it is done (``connected``): they would also cut statements the store means to let run, such
+        # as a migration, and the store bounds an operation's statements itself (``reply_socket``).
+        # aiomysql has no such arguments, so its whole connect is bounded, through SQLAlchemy's hook for
+        # making the connection.
+        seconds = math.ceil(reply_timeout)
         if not asynchronous:
             return {"read_timeout": seconds, "write_timeout": seconds}
         import aiomysql
@@ -318,9 +321,12 @@ class MariaDB(Dialect):
 
         return {"async_creator_fn": bounded_connect}
 
+    def connected(self, dbapi_connection: Any) -> None:
+        if hasattr(dbapi_connection, "_read_timeout"):  # PyMySQL's: each read and write applies them anew
+            dbapi_connection._read_timeout = dbapi_connection._write_timeout = None
+
     def reply_socket(self, driver: Any) -> int | None:
-        # Neither driver gives its socket publicly. PyMySQL's read_timeout would cut a stalled read too,
-        # but aiomysql has none, and the store bounds both drivers (and psycopg) the same way.
+        # Neither driver gives its socket publicly.
         try:
             writer = getattr(driver, "_writer", None)  # aiomysql: an asyncio stream
             sock = writer.get_extra_info("socket") if writer is not None else driver._sock  # PyMySQL

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from permits._core.flows import Flow, Stmt
-from permits._exceptions import InvalidArgument, LimitExceeded, PermitsError
+from permits._exceptions import InvalidArgument, LimitExceeded
 from permits._models import ms_to_datetime
 from permits.server.auth import Identity
 
@@ -232,6 +232,8 @@ class Broadcaster:
         self._max_streams = max_streams
         self._subscribers: set[_Subscriber] = set()
         self._joining: list[_Joining] = []
+        #: the newcomers the poller is catching up now
+        self._admitting: list[_Joining] = []
         self._task: asyncio.Task[None] | None = None
         self._cursor: Cursor | None = None
         #: lease ids whose ending was sent, with their end time, kept for the re-read overlap
@@ -245,7 +247,7 @@ class Broadcaster:
     async def subscribe(self, identity: Identity, since: Cursor) -> _Subscriber:
         """Join the feed after ``since``: returns once the subscriber's queue holds what it missed and it
         hears every later poll. A failed catch-up read raises here, and the stream is not opened."""
-        if len(self._subscribers) + len(self._joining) >= self._max_streams:
+        if len(self._subscribers) + len(self._joining) + len(self._admitting) >= self._max_streams:
             raise LimitExceeded(f"{self._max_streams} event streams are open on this instance", limit="max_streams")
         joining = _Joining(_Subscriber(identity), since, asyncio.get_running_loop().create_future())
         self._joining.append(joining)
@@ -268,10 +270,10 @@ class Broadcaster:
     def end_streams(self) -> None:
         """Tell every open stream to end (a shutdown began): uvicorn waits for open responses before it
         shuts the app down, and a stream that went on would hold the process up for the whole grace."""
-        for joining in self._joining:
+        for joining in self._joining + self._admitting:
             joining.subscriber.queue.put_nowait(None)
             if not joining.admitted.done():
-                joining.admitted.set_result(None)
+                joining.admitted.set_result(None)  # the stream opens and ends at once; never listed
         self._joining.clear()
         for subscriber in list(self._subscribers):
             with contextlib.suppress(asyncio.QueueEmpty):
@@ -287,19 +289,23 @@ class Broadcaster:
                 await self._task
 
     async def _poll(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_poll = loop.time() + self._poll_interval
         try:
             while self._subscribers or self._joining:
                 if not self._joining:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._newcomer.wait(), self._poll_interval)
+                        await asyncio.wait_for(self._newcomer.wait(), max(0.0, next_poll - loop.time()))
                 self._newcomer.clear()
                 if self._joining:
                     await self._admit()
-                    continue  # a newcomer's next events come from the next poll, as everybody's do
-                await self._poll_once()
+                # On time however many newcomers come: they must not hold the others' events up.
+                if loop.time() >= next_poll:
+                    next_poll = loop.time() + self._poll_interval
+                    await self._poll_once()
         finally:
             self._task = None
-            for joining in self._joining:  # cancelled with newcomers still waiting: they must not hang
+            for joining in self._joining + self._admitting:  # cancelled: no newcomer may hang
                 if not joining.admitted.done():
                     joining.admitted.cancel()
 
@@ -310,7 +316,7 @@ class Broadcaster:
         try:
             sent = list(self._sent_ends)
             batch = await self._store.run_flow(lambda: read_since(cursor, sent), readonly=True)
-        except PermitsError as exc:
+        except Exception as exc:  # the feed carries on at the next poll, whatever stopped this one
             logger.warning("event feed: the database did not answer: %s", exc)
             return
         self._remember_ends(batch)
@@ -338,6 +344,16 @@ class Broadcaster:
         Never past the database's head, though (a cursor is the caller's to give, and a restored database
         may be behind it), nor in the middle of a history too long to catch up on in one read."""
         joining, self._joining = self._joining, []
+        self._admitting = joining  # still counted, and still told of a shutdown, while they catch up
+        try:
+            await self._catch_up(joining)
+        finally:
+            self._admitting = []
+            for newcomer in joining:  # cancelled half-way: none may hang
+                if not newcomer.admitted.done():
+                    newcomer.admitted.cancel()
+
+    async def _catch_up(self, joining: list[_Joining]) -> None:
         listened = bool(self._subscribers)
         ends: list[Cursor] = []
         admitted: list[_Joining] = []
@@ -348,7 +364,7 @@ class Broadcaster:
                 # Not the endings sent to the others: the newcomer has not seen them.
                 catch_up = await self._store.run_flow(lambda j=newcomer: read_since(j.since), readonly=True)
                 now = None if listened else await self._store.run_flow(head, readonly=True)
-            except PermitsError as exc:
+            except Exception as exc:  # this newcomer's stream is not opened; the others go on
                 if not newcomer.admitted.done():
                     newcomer.admitted.set_exception(exc)
                 continue

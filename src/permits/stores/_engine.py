@@ -43,6 +43,10 @@ def install_events(engine: Engine, dialect: Dialect, settings: Settings) -> None
     """Per-connection settings that cannot go through connect_args."""
     from permits.dialects.sqlite import SQLite
 
+    @event.listens_for(engine, "connect")
+    def _connected(dbapi_connection: Any, _record: Any) -> None:
+        dialect.connected(dbapi_connection)
+
     on_connect = dialect.on_connect_sql(settings.lock_wait_timeout, settings.pooler)
     if on_connect is not None:
 
