@@ -43,7 +43,7 @@ TOKENS = [
     (r"\bAsyncConnection\b", "Connection"),
     (r"\bcreate_async_engine\b", "create_engine"),
     (
-        r"\basync_(sleep|shield|run_sync|store_for|event|wait|spawn|join|current|interrupt|mutex|driver_connection|watch_reply|unwatch_reply)\b",
+        r"\basync_(sleep|shield|run_sync|store_for|event|wait|spawn|join|current|interrupt|mutex|lock|driver_connection|watch_reply|unwatch_reply)\b",
         r"sync_\1",
     ),
     (r"\bpermits\._async\b", "permits._sync"),

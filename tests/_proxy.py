@@ -7,6 +7,9 @@
         proxy.heal()                                       # stop cutting
         proxy.stall()                                      # hold every byte, both ways, on every connection
         proxy.resume()                                     #   (new ones too) until resumed: a stalled link
+        proxy.stall(new_too=False)                         # only the connections open now stall: one path
+                                                           #   through a load balancer hangs, new ones work
+        proxy.stall_on(b"SELECT pid")                      # a connection stalls when its client sends this
 
 
 A stall is a link that stops carrying anything without failing: no byte is lost, none is delivered, and
@@ -51,6 +54,8 @@ class _Link:
         self.server_bytes = 0
         self.client_packets = 0
         self.cut = False
+        #: cleared while this link is stalled
+        self.flowing = threading.Event()
         self._pumps_left = 2
 
     def start(self) -> None:
@@ -74,7 +79,10 @@ class _Link:
                     break
                 if not data:
                     break
-                while not self.proxy._flowing.wait(0.05):  # stalled: hold the data until resumed or cut
+                marker = self.proxy._stall_marker
+                if upstream and marker is not None and marker in data:
+                    self.flowing.clear()
+                while not self.flowing.wait(0.05):  # stalled: hold the data until resumed or cut
                     if self.cut:
                         break
                 if self.cut:
@@ -106,8 +114,8 @@ class CuttingProxy:
         self._rule: _Rule | None = None
         self._links: set[_Link] = set()
         self._closed = False
-        self._flowing = threading.Event()
-        self._flowing.set()
+        self._stall_new = False  # new connections start stalled
+        self._stall_marker: bytes | None = None  # a connection whose client sends this stalls
         #: bytes sent by the server and forwarded to clients, over all connections
         self.server_bytes = 0
         #: packets (recv results) sent by clients and forwarded to the server, over all connections
@@ -154,13 +162,26 @@ class CuttingProxy:
         with self._lock:
             self._rule = None
 
-    def stall(self) -> None:
-        """Stop carrying data, both ways, on every connection (new ones too), without cutting any."""
-        self._flowing.clear()
+    def stall(self, *, new_too: bool = True) -> None:
+        """Stop carrying data, both ways, on every open connection, without cutting any; with ``new_too``,
+        on every connection made from now on as well."""
+        with self._lock:
+            self._stall_new = new_too
+            for link in self._links:
+                link.flowing.clear()
+
+    def stall_on(self, marker: bytes) -> None:
+        """Stall each connection, from the client packet that holds ``marker`` on (that packet included),
+        until resumed: a link that hangs at a chosen point of the exchange."""
+        self._stall_marker = marker
 
     def resume(self) -> None:
         """Carry data again; what was held during the stall is delivered now."""
-        self._flowing.set()
+        with self._lock:
+            self._stall_marker = None
+            self._stall_new = False
+            for link in self._links:
+                link.flowing.set()
 
     def cut_all(self) -> None:
         """Cut every open connection now."""
@@ -171,7 +192,7 @@ class CuttingProxy:
 
     def close(self) -> None:
         self._closed = True
-        self._flowing.set()
+        self.resume()
         self._acceptor.join()
         self._listener.close()
         self.cut_all()
@@ -205,6 +226,8 @@ class CuttingProxy:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             link = _Link(self, client, server)
             with self._lock:
+                if not self._stall_new:
+                    link.flowing.set()
                 self.connections += 1
                 self._links.add(link)
             link.start()

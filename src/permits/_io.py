@@ -110,6 +110,15 @@ def sync_mutex() -> threading.Lock:
     return threading.Lock()
 
 
+def async_lock() -> asyncio.Lock:
+    """A lock held across awaits: the tasks of one event loop interleave there, where a mutex needs none."""
+    return asyncio.Lock()
+
+
+def sync_lock() -> threading.Lock:
+    return threading.Lock()
+
+
 # ---- a deadline on a database reply: a link or a server that hangs without failing
 
 
@@ -166,11 +175,12 @@ class _ReplyWatch:
                 self._wake.set()
         return token
 
-    def disarm(self, token: int) -> None:
+    def disarm(self, token: int) -> bool:
+        """True if the socket was shut down (the arm is gone from the dict only then)."""
         # Under the lock: once this returns, the socket is never shut down on this arm's account, so the
         # caller may hand the connection back (and its fd be reused) at once.
         with self._lock:
-            self._armed.pop(token, None)
+            return self._armed.pop(token, None) is None
 
     def _run(self) -> None:
         try:
@@ -208,17 +218,36 @@ class _ReplyWatch:
 _REPLY_WATCH = _ReplyWatch()
 
 
-def async_watch_reply(fd: int | None, seconds: float) -> asyncio.TimerHandle | None:
+class _ReplyTimer:
+    """One armed deadline on the event loop, and whether it went off."""
+
+    __slots__ = ("fd", "fired", "handle")
+
+    def __init__(self, fd: int, seconds: float) -> None:
+        self.fd = fd
+        self.fired = False
+        self.handle = asyncio.get_running_loop().call_later(seconds, self._fire)
+
+    def _fire(self) -> None:
+        self.fired = True
+        _shut_down(self.fd)
+
+
+def async_watch_reply(fd: int | None, seconds: float) -> _ReplyTimer | None:
     """Shut the socket ``fd`` down unless ``async_unwatch_reply`` comes within ``seconds``: a statement whose
     reply does not come (a stalled link, a hung server) then fails as a lost connection, instead of holding
     its caller until TCP gives up, about 15 minutes later. ``fd`` None (SQLite): nothing to watch. A pair of
     calls rather than a context manager: it runs around every statement, and costs a third less so."""
-    return None if fd is None else asyncio.get_running_loop().call_later(seconds, _shut_down, fd)
+    return None if fd is None else _ReplyTimer(fd, seconds)
 
 
-def async_unwatch_reply(watch: asyncio.TimerHandle | None) -> None:
-    if watch is not None:
-        watch.cancel()
+def async_unwatch_reply(watch: _ReplyTimer | None) -> bool:
+    """Disarm; True if the deadline had shut the socket down (the statement's fate is then unknown, and its
+    server session may still run it when the link comes back)."""
+    if watch is None:
+        return False
+    watch.handle.cancel()
+    return watch.fired
 
 
 def sync_watch_reply(fd: int | None, seconds: float) -> int:
@@ -227,6 +256,5 @@ def sync_watch_reply(fd: int | None, seconds: float) -> int:
     return 0 if fd is None else _REPLY_WATCH.arm(fd, seconds)
 
 
-def sync_unwatch_reply(token: int) -> None:
-    if token:
-        _REPLY_WATCH.disarm(token)
+def sync_unwatch_reply(token: int) -> bool:
+    return bool(token) and _REPLY_WATCH.disarm(token)

@@ -459,3 +459,69 @@ def test_a_release_over_a_stalled_link_fails_in_bounded_time_and_its_retry_relea
         assert stalling_client.release(lease) in (ReleaseOutcome.RELEASED, ReleaseOutcome.ALREADY_RELEASED)
         assert direct.get_semaphore(name).used == 0
         assert direct.reconcile() == []
+
+
+@pytest.mark.slow
+def test_a_grant_held_on_a_stalled_link_is_ended_before_its_retry_and_never_runs_later(
+    db_url: str, proxy: CuttingProxy, stalling_client: Any, ns: str
+) -> None:
+    """A partial failure: the link the pooled connection uses hangs (one path through a load balancer, say)
+    while new connections work. The try's grant is held on the hung link; the store gives up on it, and its
+    retry on a new connection finds no room, so the caller hears "no room" and goes away. Then the holder
+    releases and the hung link delivers what it held. Had the grant's server session lived on, the grant
+    would run then and take a permit under a key nobody holds, for its whole TTL; the store ends that
+    session before the retry, so the held request reaches a closed connection. (Measured before the fix:
+    the semaphore held that permit after the link came back.)"""
+    name, key = f"{ns}late", f"{ns}key"
+    with permits.connect(db_url, owner="stalled") as direct:
+        direct.create_semaphore(name, 1)
+        # A pooled connection is open, and on PostgreSQL has the grant prepared: the stalled request is then
+        # the whole grant, not only its Parse (psycopg waits for the Parse's reply before it sends the rest).
+        for warm in range(2):
+            stalling_client.release(stalling_client.try_acquire(name, key=f"{ns}warm{warm}", ttl=30))
+        holder = direct.acquire(name, key=f"{ns}holder", ttl=30)
+        proxy.stall(new_too=False)
+        began = time.monotonic()
+        assert stalling_client.try_acquire(name, key=key, ttl=30) is None
+        assert time.monotonic() - began < BOUND
+        assert direct.release(holder) == ReleaseOutcome.RELEASED
+        proxy.resume()
+        # Whatever the hung link held is delivered at once; a grant that ran would show within a moment.
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            assert direct.get_semaphore(name).used == 0, "the held grant ran after its caller had gone"
+            time.sleep(0.1)
+        with pytest.raises(permits.LeaseNotFound):
+            direct.get_lease(key, owner="stalled")
+        assert direct.reconcile() == []
+
+
+@pytest.mark.slow
+def test_a_new_connection_whose_link_stalls_after_the_handshake_fails_in_bounded_time(
+    db_url: str, proxy: CuttingProxy, stalling_client: Any, ns: str
+) -> None:
+    """A new connection's own statements (its server session noted, and on PostgreSQL its session settings)
+    run before any operation's: the link stalls just as the first of them goes out. The connect then fails
+    in bounded time, as an operation's statement would, and the call raises ``StorageUnavailable``.
+    (Measured before the fix: the call was still waiting after 60 s.)"""
+    name = f"{ns}setup"
+    with permits.connect(db_url, owner="stalled") as direct:
+        direct.create_semaphore(name, 1)
+        stalling_client.release(stalling_client.acquire(name, ttl=30))  # open, with a pooled connection
+        proxy.stall_on(_first_line(stalling_client, "SESSION_OF"))
+        proxy.cut_all()  # the pooled connection goes: the next call needs a new one
+        began = time.monotonic()
+        with pytest.raises(StorageUnavailable):
+            stalling_client.acquire(name, key=f"{ns}key", ttl=30, timeout=1)
+        took = time.monotonic() - began
+        assert took < BOUND, f"the acquire took {took:.1f} s over a link that stalled after the handshake"
+        proxy.resume()
+        lease = stalling_client.acquire(name, key=f"{ns}key", ttl=30, timeout=10)
+        assert direct.get_semaphore(name).used == 1
+        assert stalling_client.release(lease) == ReleaseOutcome.RELEASED
+
+
+def _first_line(client: Any, statement: str) -> bytes:
+    """The first line of one of the client's named statements, as the driver sends it."""
+    store = client._client._store if isinstance(client, AsyncFacade) else client._store
+    return str(store._dialect.sql(statement)).strip().splitlines()[0].strip().encode()

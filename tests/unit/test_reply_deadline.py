@@ -1,5 +1,6 @@
 """The deadline on a database reply (``permits._io``): an overdue wait is cut as a lost connection, and a
-wait that ended in time leaves its socket alone."""
+wait that ended in time leaves its socket alone. Disarming tells which happened: the store then ends the
+cut connection's server session before it retries."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def test_an_overdue_read_is_cut_as_a_lost_connection() -> None:
         began = time.monotonic()
         watch = sync_watch_reply(ours.fileno(), 0.2)
         assert ours.recv(1) == b""  # shut down: the read ends as if the peer had gone
-        sync_unwatch_reply(watch)
+        assert sync_unwatch_reply(watch) is True
         assert 0.2 <= time.monotonic() - began < 3
 
 
@@ -26,7 +27,7 @@ def test_a_reply_in_time_leaves_the_socket_alone() -> None:
         theirs.sendall(b"a")
         watch = sync_watch_reply(ours.fileno(), 0.2)
         assert ours.recv(1) == b"a"
-        sync_unwatch_reply(watch)
+        assert sync_unwatch_reply(watch) is False
         time.sleep(1.0)  # past the deadline, and past the watch's tick
         theirs.sendall(b"b")
         assert ours.recv(1) == b"b"
@@ -34,7 +35,8 @@ def test_a_reply_in_time_leaves_the_socket_alone() -> None:
 
 def test_no_socket_no_deadline() -> None:
     assert sync_watch_reply(None, 0.0) == 0
-    sync_unwatch_reply(0)
+    assert sync_unwatch_reply(0) is False
+    assert async_unwatch_reply(None) is False
 
 
 def test_the_asyncio_twin_cuts_an_overdue_read_and_spares_a_timely_one() -> None:
@@ -46,12 +48,12 @@ def test_the_asyncio_twin_cuts_an_overdue_read_and_spares_a_timely_one() -> None
             theirs.sendall(b"a")
             watch = async_watch_reply(ours.fileno(), 0.2)
             assert await loop.sock_recv(ours, 1) == b"a"
-            async_unwatch_reply(watch)
+            assert async_unwatch_reply(watch) is False
             await asyncio.sleep(0.4)
             began = loop.time()
             watch = async_watch_reply(ours.fileno(), 0.2)
             assert await loop.sock_recv(ours, 1) == b""
-            async_unwatch_reply(watch)
+            assert async_unwatch_reply(watch) is True
             assert 0.2 <= loop.time() - began < 3
 
     asyncio.run(scenario())

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -30,7 +31,14 @@ from permits._exceptions import (
     StorageUnavailable,
     UsageError,
 )
-from permits._io import async_mutex, async_sleep, async_unwatch_reply, async_watch_reply, monotonic
+from permits._io import (
+    async_lock,
+    async_mutex,
+    async_sleep,
+    async_unwatch_reply,
+    async_watch_reply,
+    monotonic,
+)
 from permits._models import (
     CapacityChange,
     Drift,
@@ -131,7 +139,13 @@ class AsyncSQLStore:
         self._dialect = dialect_for_url(settings.url)
         url, options = engine_args(self._dialect, settings, asynchronous=IS_ASYNC)
         self._engine = create_async_engine(url, **options)
-        install_events(sync_engine(self._engine), self._dialect, settings)
+        #: the server session behind each driver connection (see ``_end_cut_sessions``)
+        self._sessions: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+        install_events(sync_engine(self._engine), self._dialect, settings, self._sessions)
+        #: sessions whose link the reply deadline cut, to end before this store sends anything else, and the
+        #: lock the callers that find some wait on while one of them ends them
+        self._cut: list[dict[str, Any]] = []
+        self._ending = async_lock()
         self._opened = False
         self._closed = False
         #: test hook: called with each statement's name after it ran (fault tests kill the process here)
@@ -846,6 +860,8 @@ class AsyncSQLStore:
         first_flow, first_readonly = make_flow, readonly
         while True:
             try:
+                if self._cut:
+                    await self._end_cut_sessions()
                 done = await self._attempt(make_flow(), readonly)
                 if not isinstance(done, Then):
                     return done
@@ -926,12 +942,74 @@ class AsyncSQLStore:
                 await conn.execution_options(**{READONLY: True})
             # Up to the COMMIT's reply. A socket shut down by the deadline fails the statement waiting on it
             # as a lost connection, and SQLAlchemy then drops the connection (is_disconnect).
-            watch = async_watch_reply(self._dialect.reply_socket(await async_driver_connection(conn)), self._replies)
+            driver = await async_driver_connection(conn)
+            watch = async_watch_reply(self._dialect.reply_socket(driver), self._replies)
             try:
                 async with conn.begin():
                     return await self._drive(conn, flow, first)
             finally:
-                async_unwatch_reply(watch)
+                if async_unwatch_reply(watch):
+                    self._note_cut(driver)
+
+    def _note_cut(self, driver: Any) -> None:
+        """The reply deadline cut the link under ``driver`` with a request in flight. The link may still hold
+        that request and deliver it once it recovers, and the server session would then run it, after the
+        caller had been answered from a retry: a grant nobody knows of, say, held until its TTL runs out."""
+        session = self._sessions.get(driver)
+        if session is not None and self._dialect.has("SESSION_END"):
+            self._cut.append(session)
+
+    async def _end_cut_sessions(self) -> None:
+        """End the server sessions whose links the reply deadline cut (``_note_cut``) before this store sends
+        anything else, so that a retry is answered from a state the cut request can no longer change: what
+        its link held then reaches a closed connection. One caller ends them while the others wait on the
+        lock. A lost connection leaves the session listed and goes to the caller's retry loop; a session that
+        this connection's server does not have, or that the server will not end, is given up with a warning
+        (a load balancer may send each connection to another node)."""
+        async with self._ending:
+            while self._cut:
+                await self._end_session(self._cut[0])
+                self._cut.pop(0)
+
+    async def _end_session(self, session: dict[str, Any]) -> None:
+        find, end = self._dialect.clause("SESSION_FIND"), self._dialect.clause("SESSION_END")
+        refused: DBAPIError | None = None
+        async with self._engine.connect() as conn:
+            driver = await async_driver_connection(conn)
+            watch = async_watch_reply(self._dialect.reply_socket(driver), self._replies)
+            try:
+                # A transaction per look: PostgreSQL reads pg_stat_activity once per transaction.
+                found = (await conn.execute(find, session)).one()
+                await conn.rollback()
+                ends_by = monotonic() + max(1.0, self._settings.lock_wait_timeout)
+                while found.same_server and found.alive and monotonic() < ends_by:
+                    try:
+                        await conn.execute(end, session)
+                    except DBAPIError as exc:  # refused, or gone meanwhile (MariaDB: "unknown thread id")
+                        if self._dialect.classify(exc) is Fault.UNAVAILABLE:
+                            raise
+                        refused = exc
+                    await conn.rollback()
+                    await async_sleep(0.05)
+                    found = (await conn.execute(find, session)).one()
+                    await conn.rollback()
+            finally:
+                if async_unwatch_reply(watch):
+                    self._note_cut(driver)
+        if not found.same_server:
+            logger.warning(
+                "a request cut off by the reply deadline may still run at %s: its server session is on a"
+                " server this connection did not reach",
+                self.url,
+            )
+        elif found.alive:
+            logger.warning(
+                "a request cut off by the reply deadline may still run at %s: the server did not end its session (%s)",
+                self.url,
+                "no error" if refused is None else str(refused.orig).strip().splitlines()[0],
+            )
+        else:
+            logger.info("ended a server session at %s whose link the reply deadline cut", self.url)
 
     async def _drive_alone_pooled(self, flow: Flow[T], first: Stmt) -> T:
         """The sync store sends a statement that runs alone on a connection checked out of the pool with no
@@ -987,7 +1065,8 @@ class AsyncSQLStore:
                 else:
                     result = await _send_autocommit(driver, sql, params, self._prepare)
             finally:  # before the handling below, which may close the connection and free its socket's number
-                async_unwatch_reply(watch)
+                if async_unwatch_reply(watch):
+                    self._note_cut(driver)
         except BaseException as exc:
             error = driver_error(self._engine, exc)
             if error is None or self._dialect.classify(error) is Fault.UNAVAILABLE:

@@ -96,6 +96,28 @@ _GONE = """JSON_TABLE(:gone, '$[*]' COLUMNS (
                 lease_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin PATH '$[1]')) g"""
 
 
+# ---- a server session whose link the reply deadline cut (see the store's ``_end_cut_sessions``)
+#
+# A connection id is unique while the server runs and starts over when it restarts, so a session is told by
+# its id, the client address and port the server sees it from, the server (``@@server_uid``: a hash of a MAC
+# address and the port, the same across restarts) and when that server started (from Uptime, to the second).
+_UPTIME = """(
+    SELECT CAST(VARIABLE_VALUE AS UNSIGNED) FROM information_schema.GLOBAL_STATUS WHERE VARIABLE_NAME = 'UPTIME')"""
+_SESSION_SQL: dict[str, str | None] = {
+    # This connection's session. -> id, host, server, booted
+    "SESSION_OF": f"""
+        SELECT ID AS id, HOST AS host, @@server_uid AS server, UNIX_TIMESTAMP() - {_UPTIME} AS booted
+        FROM information_schema.PROCESSLIST WHERE ID = CONNECTION_ID()""",
+    # Whether this connection reached that session's server, and whether the session is still there.
+    # params: SESSION_OF's row -> same_server, alive
+    "SESSION_FIND": f"""
+        SELECT @@server_uid = :server AND ABS(UNIX_TIMESTAMP() - {_UPTIME} - :booted) <= 2 AS same_server,
+               EXISTS (SELECT 1 FROM information_schema.PROCESSLIST WHERE ID = :id AND HOST = :host) AS alive""",
+    # Sent only once SESSION_FIND has found the session on this server. params: id
+    "SESSION_END": "KILL CONNECTION :id",
+}
+
+
 class MariaDB(Dialect):
     name = "mysql"
     # UNIX_TIMESTAMP of the statement's start time; sessions run in UTC (see engine_options) so no daylight
@@ -110,6 +132,7 @@ class MariaDB(Dialect):
     # bare conditional UPDATE.
     self_committing = True
     overrides: ClassVar[dict[str, str | None]] = {
+        **_SESSION_SQL,
         # No UPDATE ... RETURNING here: LAST_INSERT_ID(expr) stores the new token in the session and the
         # server sends it back in the OK packet (cursor.lastrowid), so it costs no extra round trip.
         "SEM_TAKE": """
@@ -364,6 +387,9 @@ class MySQL(MariaDB):
         "LEASE_INSERT": """
             INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
             VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms)""",
+        # MySQL has no @@server_uid, and keeps its status in performance_schema: a cut session is not ended
+        # there (not written for it until a MySQL server is in the tests).
+        **dict.fromkeys(_SESSION_SQL),
     }
 
 

@@ -3,6 +3,8 @@ translation of driver errors into permits errors (the one choke point)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import MutableMapping
 from typing import Any
 
 from sqlalchemy import Engine, event
@@ -18,7 +20,10 @@ from permits._exceptions import (
     StorageReadOnly,
     StorageUnavailable,
 )
+from permits._io import sync_unwatch_reply, sync_watch_reply
 from permits.dialects.base import Dialect, Fault
+
+logger = logging.getLogger("permits")
 
 #: execution option that marks a transaction as read-only (SQLite then skips the write lock)
 READONLY = "permits_readonly"
@@ -39,8 +44,13 @@ def engine_args(dialect: Dialect, settings: Settings, asynchronous: bool) -> tup
     return dialect.engine_url(settings.url, asynchronous), options
 
 
-def install_events(engine: Engine, dialect: Dialect, settings: Settings) -> None:
-    """Per-connection settings that cannot go through connect_args."""
+def install_events(
+    engine: Engine, dialect: Dialect, settings: Settings, sessions: MutableMapping[Any, dict[str, Any]] | None = None
+) -> None:
+    """Per-connection settings that cannot go through connect_args. With ``sessions``, each new connection's
+    server session is noted there (``SESSION_OF``'s row, by the driver's connection), where the dialect can
+    say it: the store ends a session whose link its reply deadline cut (``_end_cut_sessions``). Not behind a
+    transaction pooler, whose server connections change hands between transactions."""
     from permits.dialects.sqlite import SQLite
 
     @event.listens_for(engine, "connect")
@@ -48,14 +58,55 @@ def install_events(engine: Engine, dialect: Dialect, settings: Settings) -> None
         dialect.connected(dbapi_connection)
 
     on_connect = dialect.on_connect_sql(settings.lock_wait_timeout, settings.pooler)
-    if on_connect is not None:
+    identify = sessions is not None and dialect.has("SESSION_OF") and settings.pooler != "transaction"
+    session_sql = dialect.sql("SESSION_OF") if identify else ""
+    if on_connect is not None or identify:
+
+        def note_session(dbapi_connection: Any) -> None:
+            nonlocal identify
+            cursor = dbapi_connection.cursor()
+            try:
+                cursor.execute(session_sql)
+                row = cursor.fetchone()
+                names = [column[0] for column in cursor.description]
+            except Exception as exc:
+                wrapped = driver_error(engine, exc)
+                if wrapped is None or dialect.classify(wrapped) is Fault.UNAVAILABLE:
+                    raise
+                # A server of the family that cannot answer it (another engine that speaks its protocol): the
+                # connections work as ever, only a cut session is not ended.
+                identify = False
+                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                logger.warning(
+                    "cannot tell the server sessions at %s apart (%s): a request held on a link that the reply"
+                    " deadline cut may still run when the link comes back",
+                    settings.shown_url,
+                    first_line,
+                )
+                dbapi_connection.rollback()
+                return
+            finally:
+                cursor.close()
+            if row is not None and sessions is not None:
+                driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+                sessions[driver] = dict(zip(names, row, strict=True))
 
         @event.listens_for(engine, "connect")
         def _set_session(dbapi_connection: Any, _record: Any) -> None:
-            cursor = dbapi_connection.cursor()
-            cursor.execute(on_connect)
-            cursor.close()
-            dbapi_connection.commit()
+            # Under the reply deadline, as an operation's statements are: a link that stalls right after the
+            # handshake fails the connect, which the store retries, rather than hang it.
+            driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+            watch = sync_watch_reply(dialect.reply_socket(driver), settings.reply_timeout)
+            try:
+                if identify:
+                    note_session(dbapi_connection)
+                if on_connect is not None:
+                    cursor = dbapi_connection.cursor()
+                    cursor.execute(on_connect)
+                    cursor.close()
+                dbapi_connection.commit()
+            finally:
+                sync_unwatch_reply(watch)
 
     if not isinstance(dialect, SQLite):
         return
