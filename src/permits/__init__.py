@@ -72,6 +72,7 @@ def connect(
     retries: int = DEFAULT_RETRIES,
     auto_upgrade: bool | None = None,
     token: str | None = None,
+    reply_timeout: float | None = None,
 ) -> Client:
     """Open a client. ``url`` picks the backend; ``None`` reads ``$PERMITS_DATABASE_URL``, else uses the
     embedded default ``sqlite:///permits.db``. See ``Client`` for the options."""
@@ -83,6 +84,7 @@ def connect(
         retries=retries,
         auto_upgrade=auto_upgrade,
         token=token,
+        reply_timeout=reply_timeout,
     )
 
 
@@ -95,6 +97,7 @@ def connect_async(
     retries: int = DEFAULT_RETRIES,
     auto_upgrade: bool | None = None,
     token: str | None = None,
+    reply_timeout: float | None = None,
 ) -> AsyncClient:
     """The asyncio twin of ``connect``: ``async with permits.connect_async(url) as client:``."""
     return AsyncClient(
@@ -105,6 +108,7 @@ def connect_async(
         retries=retries,
         auto_upgrade=auto_upgrade,
         token=token,
+        reply_timeout=reply_timeout,
     )
 
 

@@ -95,10 +95,15 @@ class Settings:
     #: open in a burst, and close when they come back to a full pool: a client that runs more operations at
     #: once than this pays a new connection for each one past it.
     pool_size: int | None = None
+    #: the ``reply_timeout`` the caller gave (``None``: the default, see ``reply_timeout``)
+    chosen_reply_timeout: float | None = None
 
     @property
     def reply_timeout(self) -> float:
-        """Seconds an operation's statement or transaction may wait for its answer (``REPLY_GRACE_SECONDS``)."""
+        """Seconds an operation's statement or transaction may wait for its answer: as chosen, else two lock
+        waits and ``REPLY_GRACE_SECONDS``."""
+        if self.chosen_reply_timeout is not None:
+            return self.chosen_reply_timeout
         return 2 * self.lock_wait_timeout + REPLY_GRACE_SECONDS
 
     @property
@@ -119,11 +124,13 @@ class Settings:
         auto_upgrade: bool | None,
         token: str | None = None,
         pool_size: int | None = None,
+        reply_timeout: float | None = None,
     ) -> Settings:
         parsed, pooler = _take_pooler(parse_url(url))
         wait = _validate.timeout(lock_wait_timeout)
         if wait is None or wait <= 0:
             raise InvalidArgument("lock_wait_timeout must be a positive number of seconds", field="lock_wait_timeout")
+        replies = _validate.reply_timeout(reply_timeout, wait)
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= 100:
             raise InvalidArgument("retries must be a whole number from 0 to 100", field="retries")
         return cls(
@@ -136,6 +143,7 @@ class Settings:
             token=_token(token),
             pooler=pooler,
             pool_size=pool_size,
+            chosen_reply_timeout=replies,
         )
 
 

@@ -130,6 +130,21 @@ def timeout(value: object) -> float | None:
     return seconds
 
 
+def reply_timeout(value: object, lock_wait_timeout: float) -> float | None:
+    """``None``: the default. An operation may meet two lock waits (a row lock, and on MariaDB an insert's
+    AUTO-INC lock): a deadline within them would cut statements that only wait their turn, on every retry."""
+    if value is None:
+        return None
+    seconds = _seconds(value, "reply_timeout", "reply_timeout")
+    if seconds <= 2 * lock_wait_timeout:
+        raise InvalidArgument(
+            f"reply_timeout must be more than twice lock_wait_timeout ({2 * lock_wait_timeout:g} s), got {seconds:g}:"
+            " an operation may wait for two locks",
+            field="reply_timeout",
+        )
+    return seconds
+
+
 def wants(value: object) -> tuple[Want, ...]:
     """A request as wants sorted by name: the order rows are locked in, so that two multi-semaphore
     acquires can never wait on each other in a cycle."""

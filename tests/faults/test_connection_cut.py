@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import pytest
 
 import permits
-from permits import ReleaseOutcome, StorageUnavailable, _config
+from permits import ReleaseOutcome, StorageUnavailable
 from tests._proxy import CuttingProxy
 from tests.conftest import AsyncFacade
 
@@ -393,8 +393,8 @@ def test_cut_anywhere_in_one_turn(db_url: str, proxy: CuttingProxy, ns: str) -> 
 
 # ---- a link that stalls without failing
 
-#: what the tests shorten REPLY_GRACE_SECONDS to, beside lock_wait_timeout=1: an answer is overdue after 3 s
-GRACE = 1.0
+#: the tests' reply_timeout, beside lock_wait_timeout=1: an answer is overdue after 3 s
+REPLY_TIMEOUT = 3.0
 #: the bound asserted: the overdue answer (3 s, and up to half a second more for the sync store's watch), one
 #: new connection that the stalled link never answers (PostgreSQL's connect_timeout, 5 s; MariaDB's bound on
 #: its handshake, 3 s), a backoff, and slack for a loaded machine
@@ -402,10 +402,9 @@ BOUND = 15.0
 
 
 @pytest.fixture
-def stalling_client(db_url: str, proxy: CuttingProxy, flavour: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    monkeypatch.setattr(_config, "REPLY_GRACE_SECONDS", GRACE)
+def stalling_client(db_url: str, proxy: CuttingProxy, flavour: str) -> Iterator[Any]:
     url = proxy.url_for(db_url)
-    options: dict[str, Any] = {"owner": "stalled", "lock_wait_timeout": 1, "retries": 1}
+    options: dict[str, Any] = {"owner": "stalled", "lock_wait_timeout": 1, "retries": 1, "reply_timeout": REPLY_TIMEOUT}
     client: Any
     if flavour == "sync":
         client = permits.connect(url, **options)

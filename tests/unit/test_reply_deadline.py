@@ -8,6 +8,10 @@ import asyncio
 import socket
 import time
 
+import pytest
+
+import permits
+from permits import _config
 from permits._io import async_unwatch_reply, async_watch_reply, sync_unwatch_reply, sync_watch_reply
 
 
@@ -57,3 +61,44 @@ def test_the_asyncio_twin_cuts_an_overdue_read_and_spares_a_timely_one() -> None
             assert 0.2 <= loop.time() - began < 3
 
     asyncio.run(scenario())
+
+
+# ---- the deadline a client is given: reply_timeout
+
+
+def test_the_default_deadline_is_two_lock_waits_and_the_grace() -> None:
+    with permits.connect("sqlite://", lock_wait_timeout=2) as client:
+        assert client._settings.reply_timeout == 2 * 2 + _config.REPLY_GRACE_SECONDS
+
+
+def test_a_chosen_deadline_is_used() -> None:
+    with permits.connect("sqlite://", lock_wait_timeout=1, reply_timeout=2.5) as client:
+        assert client._settings.reply_timeout == 2.5
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(10, id="two-lock-waits"),  # a statement waiting its turn for two locks would be cut
+        pytest.param(0, id="zero"),
+        pytest.param(-1, id="negative"),
+        pytest.param(float("nan"), id="nan"),
+        pytest.param(float("inf"), id="infinite"),
+        pytest.param("30", id="string"),
+        pytest.param(True, id="bool"),
+    ],
+)
+def test_a_deadline_that_cannot_work_is_refused(value: object) -> None:
+    for connect in (permits.connect, permits.connect_async):
+        with pytest.raises(permits.InvalidArgument) as refused:
+            connect("sqlite://", lock_wait_timeout=5, reply_timeout=value)  # type: ignore[arg-type]
+        assert refused.value.details["field"] == "reply_timeout"
+
+
+def test_the_service_refuses_a_deadline_that_cannot_work_at_start() -> None:
+    from permits.server.config import ServerConfig
+
+    with pytest.raises(permits.ConfigurationError, match="reply_timeout") as refused:
+        ServerConfig.load(lock_wait_timeout=5, reply_timeout=10)
+    assert refused.value.details["field"] == "reply_timeout"
+    assert ServerConfig.load(lock_wait_timeout=5, reply_timeout=10.5).reply_timeout == 10.5

@@ -54,6 +54,9 @@ class AsyncClient:
     :param auto_upgrade: create or upgrade the schema on first use (default: only for SQLite).
     :param token: the bearer token when ``url`` is a permits service (``http://`` or ``https://``);
         default ``$PERMITS_TOKEN``.
+    :param reply_timeout: how long an operation's statement or transaction may wait for its answer before
+        its connection is taken as lost and the operation retried (a stalled link, a hung server); more than
+        twice ``lock_wait_timeout``. Default: twice ``lock_wait_timeout`` plus 10 s.
     :param store: a store to use instead of the one ``url`` picks (see ``permits.stores``); the service
         passes its database store wrapped in its in-memory queue.
     """
@@ -68,6 +71,7 @@ class AsyncClient:
         retries: int = DEFAULT_RETRIES,
         auto_upgrade: bool | None = None,
         token: str | None = None,
+        reply_timeout: float | None = None,
         store: AsyncStore | None = None,
     ) -> None:
         self._settings = Settings.build(
@@ -78,6 +82,7 @@ class AsyncClient:
             retries=retries,
             auto_upgrade=auto_upgrade,
             token=token,
+            reply_timeout=reply_timeout,
         )
         self._store = async_store_for(self._settings) if store is None else store
         self._closed = False

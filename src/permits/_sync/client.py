@@ -55,6 +55,9 @@ class Client:
     :param auto_upgrade: create or upgrade the schema on first use (default: only for SQLite).
     :param token: the bearer token when ``url`` is a permits service (``http://`` or ``https://``);
         default ``$PERMITS_TOKEN``.
+    :param reply_timeout: how long an operation's statement or transaction may wait for its answer before
+        its connection is taken as lost and the operation retried (a stalled link, a hung server); more than
+        twice ``lock_wait_timeout``. Default: twice ``lock_wait_timeout`` plus 10 s.
     :param store: a store to use instead of the one ``url`` picks (see ``permits.stores``); the service
         passes its database store wrapped in its in-memory queue.
     """
@@ -69,6 +72,7 @@ class Client:
         retries: int = DEFAULT_RETRIES,
         auto_upgrade: bool | None = None,
         token: str | None = None,
+        reply_timeout: float | None = None,
         store: Store | None = None,
     ) -> None:
         self._settings = Settings.build(
@@ -79,6 +83,7 @@ class Client:
             retries=retries,
             auto_upgrade=auto_upgrade,
             token=token,
+            reply_timeout=reply_timeout,
         )
         self._store = sync_store_for(self._settings) if store is None else store
         self._closed = False

@@ -19,7 +19,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from permits import _validate
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_URL
-from permits._exceptions import ConfigurationError
+from permits._exceptions import ConfigurationError, InvalidArgument
 
 #: Identities appear in lease owners as ``identity/owner``: no slash, short, printable.
 #: The longest identity (a token's name): it prefixes its client's owners, which must fit the owner column.
@@ -130,6 +130,9 @@ class ServerConfig(BaseSettings):
     #: through FastAPI, which answers exactly the same, more slowly
     hot_routes: bool = True
     lock_wait_timeout: float = Field(DEFAULT_LOCK_WAIT_TIMEOUT, gt=0)
+    #: how long a statement or transaction may wait for its answer before its connection is taken as lost
+    #: (more than twice lock_wait_timeout; default: twice lock_wait_timeout plus 10 s)
+    reply_timeout: float | None = Field(default=None, gt=0)
     #: database connections this instance keeps open; up to as many again open in a burst, and close after
     db_pool_size: int = Field(default=20, ge=1, le=1000)
     retries: int = Field(DEFAULT_RETRIES, ge=0, le=100)
@@ -174,6 +177,10 @@ class ServerConfig(BaseSettings):
         names = [t.name for t in config.tokens]
         if len(set(names)) != len(names):
             raise ConfigurationError("two tokens have the same name", field="tokens")
+        try:
+            _validate.reply_timeout(config.reply_timeout, config.lock_wait_timeout)
+        except InvalidArgument as exc:
+            raise ConfigurationError(f"bad setting reply_timeout: {exc}", field="reply_timeout") from None
         return config
 
     @property

@@ -76,6 +76,7 @@ class ServiceState:
             retries=config.retries,
             auto_upgrade=None,
             pool_size=config.db_pool_size,
+            reply_timeout=config.reply_timeout,
         )
         if settings.url.get_backend_name() not in ("sqlite", "mysql", "mariadb", "postgresql"):
             raise ConfigurationError(
