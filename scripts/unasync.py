@@ -42,6 +42,8 @@ TOKENS = [
     (r"\bpsycopg\.AsyncConnection\b", "psycopg.Connection"),
     (r"\bAsyncConnection\b", "Connection"),
     (r"\bcreate_async_engine\b", "create_engine"),
+    (r"\basynccontextmanager\b", "contextmanager"),
+    (r"\bAsyncIterator\b", "Iterator"),
     (
         r"\basync_(sleep|shield|run_sync|store_for|event|wait|spawn|join|current|interrupt|mutex|lock|driver_connection|watch_reply|unwatch_reply)\b",
         r"sync_\1",

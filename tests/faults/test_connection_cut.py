@@ -29,6 +29,7 @@ import pytest
 
 import permits
 from permits import ReleaseOutcome, StorageUnavailable
+from permits._schema import VERSION_TABLE
 from tests._proxy import CuttingProxy
 from tests.conftest import AsyncFacade
 
@@ -524,3 +525,20 @@ def _first_line(client: Any, statement: str) -> bytes:
     """The first line of one of the client's named statements, as the driver sends it."""
     store = client._client._store if isinstance(client, AsyncFacade) else client._store
     return str(store._dialect.sql(statement)).strip().splitlines()[0].strip().encode()
+
+
+@pytest.mark.slow
+def test_a_client_whose_link_stalls_as_it_opens_fails_in_bounded_time(
+    proxy: CuttingProxy, stalling_client: Any
+) -> None:
+    """The first call opens the client: it reads the schema's revision before anything else. A link that
+    stalls there fails the call in bounded time, and once it is back the client opens and works.
+    (Measured before the fix: the call was still waiting after 60 s.)"""
+    proxy.stall_on(VERSION_TABLE.encode())
+    began = time.monotonic()
+    with pytest.raises(StorageUnavailable):
+        stalling_client.list_semaphores()
+    took = time.monotonic() - began
+    assert took < BOUND, f"opening took {took:.1f} s over a link that stalled"
+    proxy.resume()
+    assert isinstance(stalling_client.list_semaphores(), list)

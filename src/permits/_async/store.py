@@ -8,7 +8,7 @@ import functools
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import text
@@ -292,8 +292,22 @@ class AsyncSQLStore:
                 for function in old:  # a name as PostgreSQL quoted it, with argument types: no parameters
                     await driver.execute(f"DROP FUNCTION IF EXISTS {function}")
 
+    @contextlib.asynccontextmanager
+    async def _bounded(self, conn: AsyncConnection) -> AsyncIterator[None]:
+        """The reply deadline over the statements sent on ``conn`` in the block, as over an operation's: for
+        the statements a client sends when it opens, which a stalled link would otherwise hold for as long
+        as TCP takes to give up. Not around migrations or the making of server functions, whose DDL may wait
+        on the tables' locks for as long as the server lets it."""
+        driver = await async_driver_connection(conn)
+        watch = async_watch_reply(self._dialect.reply_socket(driver), self._replies)
+        try:
+            yield
+        finally:
+            if async_unwatch_reply(watch):
+                self._note_cut(driver)
+
     async def _schema_revision(self) -> str | None:
-        async with self._engine.connect() as conn:
+        async with self._engine.connect() as conn, self._bounded(conn):
             await conn.execution_options(**{READONLY: True})
             async with conn.begin():
                 revision: str | None = await async_run_sync(conn, _schema.current)
@@ -306,7 +320,7 @@ class AsyncSQLStore:
         grant on that semaphore until the pooler or TCP ends it, instead of for 30 s at most. Without
         ``client_connection_check_interval`` (PostgreSQL 14+) a waiter killed in a semaphore's line is granted
         a permit for nobody, held until its TTL (dialects/pg_functions.py)."""
-        async with self._engine.connect() as conn:
+        async with self._engine.connect() as conn, self._bounded(conn):
             row = (await conn.execute(self._dialect.clause("SESSION_TIMEOUTS"))).one()
             fixes = []
             for fix in self._dialect.pooled_settings_fixes(tuple(row), self._settings.lock_wait_timeout):
@@ -411,7 +425,7 @@ class AsyncSQLStore:
             "sources": [f.source for f in functions],
             "results": [f.result for f in functions],
         }
-        async with self._engine.connect() as conn:
+        async with self._engine.connect() as conn, self._bounded(conn):
             found = [(str(state), schema) for state, schema in (await conn.execute(text(PROBE), params))]
             await conn.rollback()
         return found
@@ -455,7 +469,7 @@ class AsyncSQLStore:
         return True
 
     async def _probe_replication(self) -> list[tuple[str, str]]:
-        async with self._engine.connect() as conn:
+        async with self._engine.connect() as conn, self._bounded(conn):
             result = await conn.exec_driver_sql(MULTI_PRIMARY_PROBE)
             found: list[Any] = list(result.fetchall())  # (Variable_name, Value)
             rows = [(_text(name), _text(value)) for name, value in found]
@@ -974,28 +988,22 @@ class AsyncSQLStore:
     async def _end_session(self, session: dict[str, Any]) -> None:
         find, end = self._dialect.clause("SESSION_FIND"), self._dialect.clause("SESSION_END")
         refused: DBAPIError | None = None
-        async with self._engine.connect() as conn:
-            driver = await async_driver_connection(conn)
-            watch = async_watch_reply(self._dialect.reply_socket(driver), self._replies)
-            try:
-                # A transaction per look: PostgreSQL reads pg_stat_activity once per transaction.
+        async with self._engine.connect() as conn, self._bounded(conn):
+            # A transaction per look: PostgreSQL reads pg_stat_activity once per transaction.
+            found = (await conn.execute(find, session)).one()
+            await conn.rollback()
+            ends_by = monotonic() + max(1.0, self._settings.lock_wait_timeout)
+            while found.same_server and found.alive and monotonic() < ends_by:
+                try:
+                    await conn.execute(end, session)
+                except DBAPIError as exc:  # refused, or gone meanwhile (MariaDB: "unknown thread id")
+                    if self._dialect.classify(exc) is Fault.UNAVAILABLE:
+                        raise
+                    refused = exc
+                await conn.rollback()
+                await async_sleep(0.05)
                 found = (await conn.execute(find, session)).one()
                 await conn.rollback()
-                ends_by = monotonic() + max(1.0, self._settings.lock_wait_timeout)
-                while found.same_server and found.alive and monotonic() < ends_by:
-                    try:
-                        await conn.execute(end, session)
-                    except DBAPIError as exc:  # refused, or gone meanwhile (MariaDB: "unknown thread id")
-                        if self._dialect.classify(exc) is Fault.UNAVAILABLE:
-                            raise
-                        refused = exc
-                    await conn.rollback()
-                    await async_sleep(0.05)
-                    found = (await conn.execute(find, session)).one()
-                    await conn.rollback()
-            finally:
-                if async_unwatch_reply(watch):
-                    self._note_cut(driver)
         if not found.same_server:
             logger.warning(
                 "a request cut off by the reply deadline may still run at %s: its server session is on a"

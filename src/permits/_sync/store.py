@@ -9,7 +9,7 @@ import functools
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import text
@@ -293,8 +293,22 @@ class SQLStore:
                 for function in old:  # a name as PostgreSQL quoted it, with argument types: no parameters
                     driver.execute(f"DROP FUNCTION IF EXISTS {function}")
 
+    @contextlib.contextmanager
+    def _bounded(self, conn: Connection) -> Iterator[None]:
+        """The reply deadline over the statements sent on ``conn`` in the block, as over an operation's: for
+        the statements a client sends when it opens, which a stalled link would otherwise hold for as long
+        as TCP takes to give up. Not around migrations or the making of server functions, whose DDL may wait
+        on the tables' locks for as long as the server lets it."""
+        driver = sync_driver_connection(conn)
+        watch = sync_watch_reply(self._dialect.reply_socket(driver), self._replies)
+        try:
+            yield
+        finally:
+            if sync_unwatch_reply(watch):
+                self._note_cut(driver)
+
     def _schema_revision(self) -> str | None:
-        with self._engine.connect() as conn:
+        with self._engine.connect() as conn, self._bounded(conn):
             conn.execution_options(**{READONLY: True})
             with conn.begin():
                 revision: str | None = sync_run_sync(conn, _schema.current)
@@ -307,7 +321,7 @@ class SQLStore:
         grant on that semaphore until the pooler or TCP ends it, instead of for 30 s at most. Without
         ``client_connection_check_interval`` (PostgreSQL 14+) a waiter killed in a semaphore's line is granted
         a permit for nobody, held until its TTL (dialects/pg_functions.py)."""
-        with self._engine.connect() as conn:
+        with self._engine.connect() as conn, self._bounded(conn):
             row = (conn.execute(self._dialect.clause("SESSION_TIMEOUTS"))).one()
             fixes = []
             for fix in self._dialect.pooled_settings_fixes(tuple(row), self._settings.lock_wait_timeout):
@@ -412,7 +426,7 @@ class SQLStore:
             "sources": [f.source for f in functions],
             "results": [f.result for f in functions],
         }
-        with self._engine.connect() as conn:
+        with self._engine.connect() as conn, self._bounded(conn):
             found = [(str(state), schema) for state, schema in (conn.execute(text(PROBE), params))]
             conn.rollback()
         return found
@@ -456,7 +470,7 @@ class SQLStore:
         return True
 
     def _probe_replication(self) -> list[tuple[str, str]]:
-        with self._engine.connect() as conn:
+        with self._engine.connect() as conn, self._bounded(conn):
             result = conn.exec_driver_sql(MULTI_PRIMARY_PROBE)
             found: list[Any] = list(result.fetchall())  # (Variable_name, Value)
             rows = [(_text(name), _text(value)) for name, value in found]
@@ -975,28 +989,22 @@ class SQLStore:
     def _end_session(self, session: dict[str, Any]) -> None:
         find, end = self._dialect.clause("SESSION_FIND"), self._dialect.clause("SESSION_END")
         refused: DBAPIError | None = None
-        with self._engine.connect() as conn:
-            driver = sync_driver_connection(conn)
-            watch = sync_watch_reply(self._dialect.reply_socket(driver), self._replies)
-            try:
-                # A transaction per look: PostgreSQL reads pg_stat_activity once per transaction.
+        with self._engine.connect() as conn, self._bounded(conn):
+            # A transaction per look: PostgreSQL reads pg_stat_activity once per transaction.
+            found = (conn.execute(find, session)).one()
+            conn.rollback()
+            ends_by = monotonic() + max(1.0, self._settings.lock_wait_timeout)
+            while found.same_server and found.alive and monotonic() < ends_by:
+                try:
+                    conn.execute(end, session)
+                except DBAPIError as exc:  # refused, or gone meanwhile (MariaDB: "unknown thread id")
+                    if self._dialect.classify(exc) is Fault.UNAVAILABLE:
+                        raise
+                    refused = exc
+                conn.rollback()
+                sync_sleep(0.05)
                 found = (conn.execute(find, session)).one()
                 conn.rollback()
-                ends_by = monotonic() + max(1.0, self._settings.lock_wait_timeout)
-                while found.same_server and found.alive and monotonic() < ends_by:
-                    try:
-                        conn.execute(end, session)
-                    except DBAPIError as exc:  # refused, or gone meanwhile (MariaDB: "unknown thread id")
-                        if self._dialect.classify(exc) is Fault.UNAVAILABLE:
-                            raise
-                        refused = exc
-                    conn.rollback()
-                    sync_sleep(0.05)
-                    found = (conn.execute(find, session)).one()
-                    conn.rollback()
-            finally:
-                if sync_unwatch_reply(watch):
-                    self._note_cut(driver)
         if not found.same_server:
             logger.warning(
                 "a request cut off by the reply deadline may still run at %s: its server session is on a"
