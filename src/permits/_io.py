@@ -122,21 +122,26 @@ def sync_lock() -> threading.Lock:
 # ---- a deadline on a database reply: a link or a server that hangs without failing
 
 
-def _shut_down(fd: int) -> None:
+def _shut_down(fd: int) -> bool:
     """End the connection on socket ``fd`` as a network failure would: the driver's pending read fails at
     once, with the error of a lost connection, and the store drops the connection and retries. Only the
-    socket is shut down; the driver still owns ``fd`` and closes it."""
+    socket is shut down; the driver still owns ``fd`` and closes it. False: it could not be (no file
+    descriptor left to copy it with, say), and the statement waits on."""
     try:
         copy = os.dup(fd)
     except OSError:
-        return
+        return False
     try:
         duplicate = socket.socket(fileno=copy)
     except OSError:  # not a socket: nothing to shut down
         os.close(copy)
-        return
-    with contextlib.suppress(OSError), duplicate:
-        duplicate.shutdown(socket.SHUT_RDWR)
+        return False
+    with duplicate:
+        try:
+            duplicate.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+    return True
 
 
 class _ReplyWatch:
@@ -156,6 +161,8 @@ class _ReplyWatch:
     def _reset(self) -> None:
         self._lock = threading.Lock()
         self._armed: dict[int, tuple[int, float]] = {}
+        #: arms that went off but whose socket could not be shut down
+        self._missed: set[int] = set()
         self._tokens = itertools.count(1)
         self._sleeping = True
         self._wake = threading.Event()
@@ -180,7 +187,12 @@ class _ReplyWatch:
         # Under the lock: once this returns, the socket is never shut down on this arm's account, so the
         # caller may hand the connection back (and its fd be reused) at once.
         with self._lock:
-            return self._armed.pop(token, None) is None
+            if self._armed.pop(token, None) is not None:
+                return False
+            if token in self._missed:
+                self._missed.discard(token)
+                return False
+            return True
 
     def _run(self) -> None:
         try:
@@ -201,7 +213,8 @@ class _ReplyWatch:
                 for token, (fd, deadline) in list(self._armed.items()):
                     if deadline <= now:
                         del self._armed[token]
-                        _shut_down(fd)
+                        if not _shut_down(fd):
+                            self._missed.add(token)
                 idle = 0 if self._armed else idle + 1
                 if idle < self._IDLE_TICKS:
                     continue
@@ -229,8 +242,7 @@ class _ReplyTimer:
         self.handle = asyncio.get_running_loop().call_later(seconds, self._fire)
 
     def _fire(self) -> None:
-        self.fired = True
-        _shut_down(self.fd)
+        self.fired = _shut_down(self.fd)
 
 
 def async_watch_reply(fd: int | None, seconds: float) -> _ReplyTimer | None:

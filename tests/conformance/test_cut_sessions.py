@@ -51,7 +51,7 @@ def test_each_new_connection_notes_its_server_session(store: Any, backend: str) 
     connection = _checked_out(store)
     try:
         session = store._sessions[connection.driver_connection]
-        expected = {"id", "host", "server", "booted"} if backend == "mysql" else {"pid", "started", "server"}
+        expected = {"id", "host", "server", "booted"} if backend == "mysql" else {"id", "started", "server"}
         assert set(session) == expected
         assert all(value is not None for value in session.values())
     finally:
@@ -83,6 +83,28 @@ def test_a_session_on_a_server_this_connection_did_not_reach_is_left_alone(
             session["server"] = "another server's uid"
         else:
             session["server"] = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
+        store._cut.append(session)
+        with caplog.at_level(logging.WARNING, logger="permits"):
+            store._end_cut_sessions()
+        assert store._cut == []
+        assert "did not reach" in caplog.text
+        assert _answers(victim)
+    finally:
+        victim.close()
+
+
+@pytest.mark.parametrize("shift", [-100, 100])
+def test_a_server_of_the_same_uid_that_started_at_another_time_is_another_server(
+    store: Any, caplog: pytest.LogCaptureFixture, shift: int
+) -> None:
+    """MariaDB: the uid is a hash of a MAC address and a port, which a restarted server keeps and two
+    containers may share; the start time tells them apart, whichever started first."""
+    if store.dialect_name != "mysql":
+        pytest.skip("PostgreSQL tells servers apart by their start alone")
+    victim = _checked_out(store)
+    try:
+        session: dict[str, Any] = dict(store._sessions[victim.driver_connection])
+        session["booted"] = int(session["booted"]) + shift
         store._cut.append(session)
         with caplog.at_level(logging.WARNING, logger="permits"):
             store._end_cut_sessions()

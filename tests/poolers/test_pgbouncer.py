@@ -214,6 +214,25 @@ def test_a_session_pooler_gets_permits_session_settings(pool_db: str, ns: str) -
         _lock_wait_is_bounded(bouncer.url_for(pool_db, pooler="session"), pool_db, ns)
 
 
+def test_behind_a_session_pooler_no_server_session_is_taken_for_the_clients(
+    pool_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once a client's link is cut, PgBouncer may hand the server session it used to another client: the
+    store must not end it (docs/deployment.md, "Errors that are retried"). PgBouncer answers the handshake
+    with a backend id of its own, which the store checks against the session's, and it then notes none."""
+    with (
+        PgBouncer("session", pool_size=SESSION_POOL) as bouncer,
+        caplog.at_level(logging.WARNING, logger="permits"),
+        permits.connect(bouncer.url_for(pool_db, pooler="session")) as client,
+    ):
+        client.list_semaphores()
+        assert len(client._store._sessions) == 0
+    assert "a pooler or a proxy stands between the client and the server" in caplog.text
+    with permits.connect(direct_url(pool_db)) as direct:  # and directly, each connection notes its session
+        direct.list_semaphores()
+        assert len(direct._store._sessions) >= 1
+
+
 def test_a_transaction_pooler_warns_until_the_server_sets_the_timeouts(
     pool_db: str, ns: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -964,22 +964,26 @@ class AsyncSQLStore:
             finally:
                 if async_unwatch_reply(watch):
                     self._note_cut(driver)
+                    # The answer may have come all the same, just as the deadline went off: the socket is
+                    # shut down either way, and the connection must not go back to the pool.
+                    await conn.invalidate()
 
     def _note_cut(self, driver: Any) -> None:
         """The reply deadline cut the link under ``driver`` with a request in flight. The link may still hold
         that request and deliver it once it recovers, and the server session would then run it, after the
         caller had been answered from a retry: a grant nobody knows of, say, held until its TTL runs out."""
         session = self._sessions.get(driver)
-        if session is not None and self._dialect.has("SESSION_END"):
+        if session is not None and self._dialect.has("SESSION_END") and session not in self._cut:
             self._cut.append(session)
 
     async def _end_cut_sessions(self) -> None:
-        """End the server sessions whose links the reply deadline cut (``_note_cut``) before this store sends
-        anything else, so that a retry is answered from a state the cut request can no longer change: what
+        """End the server sessions whose links the reply deadline cut (``_note_cut``) before this store's
+        next operation, so that a retry is answered from a state the cut request can no longer change: what
         its link held then reaches a closed connection. One caller ends them while the others wait on the
-        lock. A lost connection leaves the session listed and goes to the caller's retry loop; a session that
-        this connection's server does not have, or that the server will not end, is given up with a warning
-        (a load balancer may send each connection to another node)."""
+        lock (each end takes a few round trips; a session that takes long to go, up to a lock wait). A lost
+        connection leaves the session listed and goes to the caller's retry loop; a session that this
+        connection's server does not have, or that the server will not end, is given up with a warning (a
+        load balancer may send each connection to another node)."""
         async with self._ending:
             while self._cut:
                 await self._end_session(self._cut[0])
@@ -988,29 +992,35 @@ class AsyncSQLStore:
     async def _end_session(self, session: dict[str, Any]) -> None:
         find, end = self._dialect.clause("SESSION_FIND"), self._dialect.clause("SESSION_END")
         refused: DBAPIError | None = None
-        async with self._engine.connect() as conn, self._bounded(conn):
-            # A transaction per look: PostgreSQL reads pg_stat_activity once per transaction.
-            found = (await conn.execute(find, session)).one()
-            await conn.rollback()
-            ends_by = monotonic() + max(1.0, self._settings.lock_wait_timeout)
-            while found.same_server and found.alive and monotonic() < ends_by:
-                try:
-                    await conn.execute(end, session)
-                except DBAPIError as exc:  # refused, or gone meanwhile (MariaDB: "unknown thread id")
-                    if self._dialect.classify(exc) is Fault.UNAVAILABLE:
-                        raise
-                    refused = exc
-                await conn.rollback()
-                await async_sleep(0.05)
+        try:
+            async with self._engine.connect() as conn, self._bounded(conn):
+                # A transaction per look: PostgreSQL reads pg_stat_activity once per transaction.
                 found = (await conn.execute(find, session)).one()
                 await conn.rollback()
-        if not found.same_server:
+                ends_by = monotonic() + max(1.0, self._settings.lock_wait_timeout)
+                while found.same_server and found.alive and refused is None and monotonic() < ends_by:
+                    try:
+                        await conn.execute(end, session)
+                    except DBAPIError as exc:  # refused, or gone meanwhile (the look below tells which)
+                        if self._dialect.classify(exc) is Fault.UNAVAILABLE:
+                            raise
+                        refused = exc
+                    await conn.rollback()
+                    if refused is None:
+                        await async_sleep(0.05)
+                    found = (await conn.execute(find, session)).one()
+                    await conn.rollback()
+        except DBAPIError as exc:
+            if self._dialect.classify(exc) is Fault.UNAVAILABLE:
+                raise
+            found, refused = None, exc  # the server would not even look: never ask again
+        if found is not None and not found.same_server:
             logger.warning(
                 "a request cut off by the reply deadline may still run at %s: its server session is on a"
                 " server this connection did not reach",
                 self.url,
             )
-        elif found.alive:
+        elif found is None or found.alive:
             logger.warning(
                 "a request cut off by the reply deadline may still run at %s: the server did not end its session (%s)",
                 self.url,
@@ -1065,6 +1075,7 @@ class AsyncSQLStore:
         sql, names = self._driver_sql(stmt.name, dialect)
         given = dict(stmt.params)  # type: ignore[arg-type]
         params = given if names is None else tuple(given[n] for n in names)
+        cut = False
         try:
             watch = async_watch_reply(dialect.reply_socket(driver), self._replies)
             try:
@@ -1074,6 +1085,7 @@ class AsyncSQLStore:
                     result = await _send_autocommit(driver, sql, params, self._prepare)
             finally:  # before the handling below, which may close the connection and free its socket's number
                 if async_unwatch_reply(watch):
+                    cut = True
                     self._note_cut(driver)
         except BaseException as exc:
             error = driver_error(self._engine, exc)
@@ -1098,6 +1110,8 @@ class AsyncSQLStore:
                 # its waiters wait as on other databases. The statement wrote nothing.
                 raise _CallGone("ACQUIRE_ONE_QUEUED", str(error.orig).strip().splitlines()[0], error) from exc
             raise error from exc
+        if cut:  # answered just as the deadline went off: the socket is shut down all the same
+            await conn.invalidate()
         if self.after_statement is not None:
             self.after_statement(stmt.name)
         return result

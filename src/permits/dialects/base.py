@@ -520,6 +520,17 @@ class Dialect:
     def connected(self, dbapi_connection: Any) -> None:
         """Called on each new driver connection, once it is established (``reply_timeout_args``)."""
 
+    def handshake_session(self, driver: Any) -> int | None:
+        """The server session id the driver's connection ``driver`` was given at its handshake, for the
+        server session's own id (``SESSION_OF``'s ``id``) to be checked against: a pooler or a proxy between
+        client and server answers the handshake itself, with an id of its own, and the session behind it may
+        serve other clients once this one's link is cut. None: not known."""
+        return None
+
+    def tells_sessions_apart(self, driver: Any) -> bool:
+        """Whether ``SESSION_OF`` can be asked of the server behind ``driver`` at all."""
+        return True
+
     def reply_socket(self, driver: Any) -> int | None:
         """The file descriptor of the socket under the driver's connection ``driver``, which the store shuts
         down when a reply is overdue (``_io.sync_watch_reply``); None: no socket (SQLite), or not known."""

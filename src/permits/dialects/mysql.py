@@ -101,17 +101,18 @@ _GONE = """JSON_TABLE(:gone, '$[*]' COLUMNS (
 # A connection id is unique while the server runs and starts over when it restarts, so a session is told by
 # its id, the client address and port the server sees it from, the server (``@@server_uid``: a hash of a MAC
 # address and the port, the same across restarts) and when that server started (from Uptime, to the second).
-_UPTIME = """(
-    SELECT CAST(VARIABLE_VALUE AS UNSIGNED) FROM information_schema.GLOBAL_STATUS WHERE VARIABLE_NAME = 'UPTIME')"""
+# Signed: UNSIGNED arithmetic fails (error 1690) where a difference goes below zero.
+_BOOTED = """(CAST(UNIX_TIMESTAMP() AS SIGNED) - (
+    SELECT CAST(VARIABLE_VALUE AS SIGNED) FROM information_schema.GLOBAL_STATUS WHERE VARIABLE_NAME = 'UPTIME'))"""
 _SESSION_SQL: dict[str, str | None] = {
     # This connection's session. -> id, host, server, booted
     "SESSION_OF": f"""
-        SELECT ID AS id, HOST AS host, @@server_uid AS server, UNIX_TIMESTAMP() - {_UPTIME} AS booted
+        SELECT ID AS id, HOST AS host, @@server_uid AS server, {_BOOTED} AS booted
         FROM information_schema.PROCESSLIST WHERE ID = CONNECTION_ID()""",
     # Whether this connection reached that session's server, and whether the session is still there.
     # params: SESSION_OF's row -> same_server, alive
     "SESSION_FIND": f"""
-        SELECT @@server_uid = :server AND ABS(UNIX_TIMESTAMP() - {_UPTIME} - :booted) <= 2 AS same_server,
+        SELECT @@server_uid = :server AND ABS({_BOOTED} - :booted) <= 2 AS same_server,
                EXISTS (SELECT 1 FROM information_schema.PROCESSLIST WHERE ID = :id AND HOST = :host) AS alive""",
     # Sent only once SESSION_FIND has found the session on this server. params: id
     "SESSION_END": "KILL CONNECTION :id",
@@ -347,6 +348,17 @@ class MariaDB(Dialect):
     def connected(self, dbapi_connection: Any) -> None:
         if hasattr(dbapi_connection, "_read_timeout"):  # PyMySQL's: each read and write applies them anew
             dbapi_connection._read_timeout = dbapi_connection._write_timeout = None
+
+    def handshake_session(self, driver: Any) -> int | None:
+        try:
+            return int(driver.server_thread_id[0])  # PyMySQL's and aiomysql's alike
+        except Exception:
+            return None
+
+    def tells_sessions_apart(self, driver: Any) -> bool:
+        # MySQL has no @@server_uid (see _SESSION_SQL); the dialect for it is picked only once the client
+        # opens, after its first connection.
+        return "mariadb" in str(getattr(driver, "server_version", "")).lower()
 
     def reply_socket(self, driver: Any) -> int | None:
         # Neither driver gives its socket publicly.

@@ -149,19 +149,19 @@ class PostgreSQL(Dialect):
         # A server session whose link the reply deadline cut (see the store's ``_end_cut_sessions``): a pid
         # is reused once its backend exits, so a session is told by its pid and start, and its server by
         # when the server started (a primary and its standby, or a restarted server, differ there).
-        # -> pid, started, server
+        # -> id (the pid), started, server
         "SESSION_OF": """
-            SELECT pid, backend_start AS started, pg_postmaster_start_time() AS server
+            SELECT pid AS id, backend_start AS started, pg_postmaster_start_time() AS server
             FROM pg_stat_activity WHERE pid = pg_backend_pid()""",
         # params: SESSION_OF's row -> same_server, alive. (pg_stat_activity is read once per transaction:
         # each look must be a transaction of its own.)
         "SESSION_FIND": """
             SELECT pg_postmaster_start_time() = :server AS same_server,
-                   EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = :pid AND backend_start = :started) AS alive""",
+                   EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = :id AND backend_start = :started) AS alive""",
         # The backend ends its transaction and exits; the request its link held then meets a closed
-        # connection. params: pid, started
+        # connection. params: id, started
         "SESSION_END": """
-            SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = :pid AND backend_start = :started""",
+            SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = :id AND backend_start = :started""",
         # Release in one statement: the CTE ends the lease and the outer UPDATE gives back the permits of
         # each of its semaphores (one permit row per semaphore, so each semaphore row is matched once).
         # Waiters LISTEN on their semaphores' channels (see _async/listener.py): each statement that gives
@@ -527,6 +527,12 @@ class PostgreSQL(Dialect):
 
     def check_driver(self, asynchronous: bool) -> None:
         require_module("psycopg", self.extra)
+
+    def handshake_session(self, driver: Any) -> int | None:
+        try:
+            return int(driver.info.backend_pid)  # psycopg's Connection and AsyncConnection alike
+        except Exception:
+            return None
 
     def reply_socket(self, driver: Any) -> int | None:
         try:

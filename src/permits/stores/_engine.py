@@ -64,6 +64,10 @@ def install_events(
 
         def note_session(dbapi_connection: Any) -> None:
             nonlocal identify
+            driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+            if not dialect.tells_sessions_apart(driver):
+                identify = False
+                return
             cursor = dbapi_connection.cursor()
             try:
                 cursor.execute(session_sql)
@@ -71,25 +75,27 @@ def install_events(
                 names = [column[0] for column in cursor.description]
             except Exception as exc:
                 wrapped = driver_error(engine, exc)
-                if wrapped is None or dialect.classify(wrapped) is Fault.UNAVAILABLE:
+                fault = None if wrapped is None else dialect.classify(wrapped)
+                if fault is None or fault is Fault.UNAVAILABLE:
                     raise
-                # A server of the family that cannot answer it (another engine that speaks its protocol): the
-                # connections work as ever, only a cut session is not ended.
-                identify = False
-                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                logger.warning(
-                    "cannot tell the server sessions at %s apart (%s): a request held on a link that the reply"
-                    " deadline cut may still run when the link comes back",
-                    settings.shown_url,
-                    first_line,
-                )
                 dbapi_connection.rollback()
-                return
+                if not fault.retryable:  # a server that cannot answer it (another engine speaking its protocol)
+                    identify = False
+                    _cannot_end_cut_sessions(settings, _first_line(exc))
+                return  # else a passing conflict: this connection's session goes unnoted, the next one's not
             finally:
                 cursor.close()
-            if row is not None and sessions is not None:
-                driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
-                sessions[driver] = dict(zip(names, row, strict=True))
+            if row is None or sessions is None:
+                return
+            session = dict(zip(names, row, strict=True))
+            told = dialect.handshake_session(driver)
+            if told is not None and told != session["id"]:
+                # A pooler or a proxy answered the handshake: it may hand the session behind it to another
+                # client once this one's link is cut, and ending it would end that client's.
+                identify = False
+                _cannot_end_cut_sessions(settings, "a pooler or a proxy stands between the client and the server")
+                return
+            sessions[driver] = session
 
         @event.listens_for(engine, "connect")
         def _set_session(dbapi_connection: Any, _record: Any) -> None:
@@ -141,6 +147,20 @@ def install_events(
             raise wrapped from exc
         finally:
             cursor.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _cannot_end_cut_sessions(settings: Settings, why: str) -> None:
+    logger.warning(
+        "permits cannot tell the server sessions at %s apart (%s): a request held on a link that the reply"
+        " deadline cut may still run when the link comes back (docs/deployment.md, Errors that are retried)",
+        settings.shown_url,
+        why,
+    )
 
 
 def translate(exc: DBAPIError, fault: Fault, dialect: Dialect, settings: Settings) -> PermitsError:
