@@ -60,10 +60,13 @@ def test_each_new_connection_notes_its_server_session(store: Any, backend: str) 
 
 def test_a_noted_session_is_ended_and_no_other(store: Any) -> None:
     victim, bystander = _checked_out(store), _checked_out(store)
+    heard: list[str] = []
+    store.on_reply_cut = heard.append
     try:
         store._cut.append(store._sessions[victim.driver_connection])
         store._end_cut_sessions()
         assert store._cut == []
+        assert heard == ["ended"]
         assert not _answers(victim), "the session is still there"
         assert _answers(bystander)
     finally:
@@ -74,12 +77,15 @@ def test_a_noted_session_is_ended_and_no_other(store: Any) -> None:
 def _left_alone(store: Any, caplog: pytest.LogCaptureFixture, **changes: Any) -> None:
     """A connection's session, noted with ``changes`` as if on another server, is not ended."""
     victim = _checked_out(store)
+    heard: list[str] = []
+    store.on_reply_cut = heard.append
     try:
         session: dict[str, Any] = {**store._sessions[victim.driver_connection], **changes}
         store._cut.append(session)
         with caplog.at_level(logging.WARNING, logger="permits"):
             store._end_cut_sessions()
         assert store._cut == []
+        assert heard == ["other_server"]
         assert "did not reach" in caplog.text
         assert _answers(victim)
     finally:
@@ -113,8 +119,11 @@ def test_a_session_that_is_gone_already_is_done_with(store: Any, caplog: pytest.
     victim = _checked_out(store)
     session = store._sessions[victim.driver_connection]
     victim.invalidate()  # closed by the client: the server ends the session
+    heard: list[str] = []
+    store.on_reply_cut = heard.append
     store._cut.append(session)
     with caplog.at_level(logging.WARNING, logger="permits"):
         store._end_cut_sessions()
     assert store._cut == []
+    assert heard in (["gone"], ["ended"])  # "ended" if the server had not yet seen the client go
     assert caplog.text == ""

@@ -25,12 +25,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 
 import permits
 from permits import ReleaseOutcome, StorageUnavailable
 from permits._schema import VERSION_TABLE
 from tests._proxy import CuttingProxy
+from tests._service import running, wait_until
 from tests.conftest import AsyncFacade
 
 T = TypeVar("T")
@@ -542,3 +544,35 @@ def test_a_client_whose_link_stalls_as_it_opens_fails_in_bounded_time(
     assert took < BOUND, f"opening took {took:.1f} s over a link that stalled"
     proxy.resume()
     assert isinstance(stalling_client.list_semaphores(), list)
+
+
+@pytest.mark.slow
+def test_the_service_ends_the_sessions_of_the_links_it_cuts_and_counts_them(
+    db_url: str, proxy: CuttingProxy, ns: str
+) -> None:
+    """A real ``permits serve`` whose database links hang while new ones work: its answer still comes, the
+    cut connection's session is ended, and /metrics says so (docs/service.md)."""
+    env = {
+        "PERMITS_LOCK_WAIT_TIMEOUT": "1",
+        "PERMITS_REPLY_TIMEOUT": str(REPLY_TIMEOUT),
+        "PERMITS_DB_POOL_SIZE": "1",
+        "PERMITS_MAINTENANCE__ENABLED": "false",
+    }
+    name = f"{ns}served"
+    with running(proxy.url_for(db_url), env=env) as service, permits.connect(service.url) as client:
+        client.create_semaphore(name, 1)
+        client.release(client.acquire(name, ttl=30))
+        proxy.stall(new_too=False)
+        lease = client.acquire(name, key=f"{ns}key", ttl=30, timeout=60)
+        assert lease.held
+        proxy.resume()
+        wait_until(lambda: (_metric(service, "cut") or 0) >= 1 and (_metric(service, "ended") or 0) >= 1)
+        assert client.release(lease) == ReleaseOutcome.RELEASED
+
+
+def _metric(service: Any, event: str) -> float | None:
+    wanted = f'permits_store_reply_cuts_total{{event="{event}"}} '
+    for line in httpx.get(f"{service.url}/metrics").text.splitlines():
+        if line.startswith(wanted):
+            return float(line.split()[1])
+    return None

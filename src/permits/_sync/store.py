@@ -153,6 +153,9 @@ class SQLStore:
         self.after_statement: Callable[[str], None] | None = None
         #: called with the fault's name each time a transaction is retried (the service counts them)
         self.on_retry: Callable[[str], None] | None = None
+        #: called each time the reply deadline cuts a connection ("cut"), and with what became of its server
+        #: session ("ended"; "gone": it had ended already; "other_server"; "refused"): the service counts them
+        self.on_reply_cut: Callable[[str], None] | None = None
         #: statements compiled for the driver, by name, and the dialect they were compiled from: replaced as a
         #: whole when the dialect is, so that a thread that compiled from the old one never fills the new cache
         self._compiled: tuple[Dialect, dict[str, tuple[str, tuple[str, ...] | None]]] = (self._dialect, {})
@@ -973,6 +976,8 @@ class SQLStore:
         """The reply deadline cut the link under ``driver`` with a request in flight. The link may still hold
         that request and deliver it once it recovers, and the server session would then run it, after the
         caller had been answered from a retry: a grant nobody knows of, say, held until its TTL runs out."""
+        if self.on_reply_cut is not None:
+            self.on_reply_cut("cut")
         session = self._sessions.get(driver)
         if session is not None and self._dialect.has("SESSION_END") and session not in self._cut:
             self._cut.append(session)
@@ -993,6 +998,7 @@ class SQLStore:
     def _end_session(self, session: dict[str, Any]) -> None:
         find, end = self._dialect.clause("SESSION_FIND"), self._dialect.clause("SESSION_END")
         refused: DBAPIError | None = None
+        ended = False
         try:
             with self._engine.connect() as conn, self._bounded(conn):
                 # A transaction per look: PostgreSQL reads pg_stat_activity once per transaction.
@@ -1000,6 +1006,7 @@ class SQLStore:
                 conn.rollback()
                 ends_by = monotonic() + max(1.0, self._settings.lock_wait_timeout)
                 while found.same_server and found.alive and refused is None and monotonic() < ends_by:
+                    ended = True
                     try:
                         conn.execute(end, session)
                     except DBAPIError as exc:  # refused, or gone meanwhile (the look below tells which)
@@ -1015,13 +1022,24 @@ class SQLStore:
             if self._dialect.classify(exc) is Fault.UNAVAILABLE:
                 raise
             found, refused = None, exc  # the server would not even look: never ask again
-        if found is not None and not found.same_server:
+        outcome = (
+            "other_server"
+            if found is not None and not found.same_server
+            else "refused"
+            if found is None or found.alive
+            else "ended"
+            if ended
+            else "gone"
+        )
+        if self.on_reply_cut is not None:
+            self.on_reply_cut(outcome)
+        if outcome == "other_server":
             logger.warning(
                 "a request cut off by the reply deadline may still run at %s: its server session is on a"
                 " server this connection did not reach",
                 self.url,
             )
-        elif found is None or found.alive:
+        elif outcome == "refused":
             logger.warning(
                 "a request cut off by the reply deadline may still run at %s: the server did not end its session (%s)",
                 self.url,

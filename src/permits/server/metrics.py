@@ -77,6 +77,13 @@ class Metrics:
         self.store_retries = Counter(
             "permits_store_retries_total", "Database transactions retried, by fault", ["fault"], registry=r
         )
+        self.reply_cuts = Counter(
+            "permits_store_reply_cuts_total",
+            "Database connections whose answer was overdue past reply_timeout and were cut (cut), and what"
+            " became of each one's server session (ended, gone, other_server, refused)",
+            ["event"],
+            registry=r,
+        )
         self.storage_errors = Counter(
             "permits_storage_errors_total", "Requests that failed on the database, by error code", ["code"], registry=r
         )

@@ -85,6 +85,7 @@ class ServiceState:
             )
         sql_store = async_sql_store(settings)
         sql_store.on_retry = lambda fault: metrics.store_retries.labels(fault).inc()
+        sql_store.on_reply_cut = lambda event: metrics.reply_cuts.labels(event).inc()
         prelock = PreLock(config.prelock, config.prelock_wait, on_wait=metrics.prelock_wait_seconds.observe)
         waker = Waker(config.limits.max_waiters)
         instance_store = InstanceStore(sql_store, prelock, waker, on_hold=metrics.hold_seconds.observe)

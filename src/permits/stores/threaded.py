@@ -45,6 +45,14 @@ class ThreadedSQLStore:
     def on_retry(self, hook: Callable[[str], None] | None) -> None:
         self._inner.on_retry = hook
 
+    @property
+    def on_reply_cut(self) -> Callable[[str], None] | None:
+        return self._inner.on_reply_cut
+
+    @on_reply_cut.setter
+    def on_reply_cut(self, hook: Callable[[str], None] | None) -> None:
+        self._inner.on_reply_cut = hook
+
     def wake_calls(self, names: Any) -> int | None:
         return None  # SQLite: nothing to hear
 
