@@ -142,8 +142,8 @@ class AsyncSQLStore:
         #: the server session behind each driver connection (see ``_end_cut_sessions``)
         self._sessions: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         install_events(sync_engine(self._engine), self._dialect, settings, self._sessions)
-        #: sessions whose link the reply deadline cut, to end before this store sends anything else, and the
-        #: lock the callers that find some wait on while one of them ends them
+        #: sessions whose link the reply deadline cut, to end before this store's next operation, and the lock
+        #: the callers that find some wait on while one of them ends them
         self._cut: list[dict[str, Any]] = []
         self._ending = async_lock()
         self._opened = False
