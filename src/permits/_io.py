@@ -119,6 +119,18 @@ def sync_lock() -> threading.Lock:
     return threading.Lock()
 
 
+async def async_try_lock(lock: asyncio.Lock) -> bool:
+    """Take ``lock`` if nobody holds it; never wait for it."""
+    if lock.locked():
+        return False
+    # Free, so taken at once: an asyncio lock that nobody holds or waits for does not yield to the loop.
+    return await lock.acquire()
+
+
+def sync_try_lock(lock: threading.Lock) -> bool:
+    return lock.acquire(blocking=False)
+
+
 # ---- a deadline on a database reply: a link or a server that hangs without failing
 
 

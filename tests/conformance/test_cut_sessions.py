@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 import permits
+from permits._sync.store import _CutSession
 
 pytestmark = pytest.mark.usefixtures("servers")
 
@@ -33,6 +35,13 @@ def store(db_url: str) -> Iterator[Any]:
 
 def _checked_out(store: Any) -> Any:
     return store._engine.raw_connection()
+
+
+def _list_cut(store: Any, where: dict[str, Any]) -> Any:
+    """List a session as ``_note_cut`` does when the deadline cuts its link."""
+    cut = _CutSession(where)
+    store._cut.append(cut)
+    return cut
 
 
 def _answers(connection: Any) -> bool:
@@ -63,8 +72,8 @@ def test_a_noted_session_is_ended_and_no_other(store: Any) -> None:
     heard: list[str] = []
     store.on_reply_cut = heard.append
     try:
-        store._cut.append(store._sessions[victim.driver_connection])
-        store._end_cut_sessions()
+        _list_cut(store, store._sessions[victim.driver_connection])
+        store._end_cut_sessions([])
         assert store._cut == []
         assert heard == ["ended"]
         assert not _answers(victim), "the session is still there"
@@ -81,9 +90,9 @@ def _left_alone(store: Any, caplog: pytest.LogCaptureFixture, **changes: Any) ->
     store.on_reply_cut = heard.append
     try:
         session: dict[str, Any] = {**store._sessions[victim.driver_connection], **changes}
-        store._cut.append(session)
+        _list_cut(store, session)
         with caplog.at_level(logging.WARNING, logger="permits"):
-            store._end_cut_sessions()
+            store._end_cut_sessions([])
         assert store._cut == []
         assert heard == ["other_server"]
         assert "did not reach" in caplog.text
@@ -120,9 +129,58 @@ def test_a_session_that_is_gone_already_is_done_with(store: Any, caplog: pytest.
     victim.invalidate()  # closed by the client: the server ends the session
     heard: list[str] = []
     store.on_reply_cut = heard.append
-    store._cut.append(session)
+    _list_cut(store, session)
     with caplog.at_level(logging.WARNING, logger="permits"):
-        store._end_cut_sessions()
+        store._end_cut_sessions([])
     assert store._cut == []
     assert heard in (["gone"], ["ended"])  # "ended" if the server had not yet seen the client go
     assert caplog.text == ""
+
+
+def test_other_operations_do_not_wait_while_a_cut_session_is_being_ended(store: Any) -> None:
+    """Another caller holds the session's ending (a session slow to go, say): an operation whose own
+    attempt was not cut goes on at once and leaves the session to that caller."""
+    victim = _checked_out(store)
+    cut = _list_cut(store, store._sessions[victim.driver_connection])
+    cut.ending.acquire()
+    try:
+        done = threading.Event()
+        other = threading.Thread(target=lambda: (store.list_semaphores(""), done.set()), daemon=True)
+        other.start()
+        assert done.wait(10), "an operation that was not cut waited for another caller's ending"
+        assert store._cut == [cut] and not cut.settled
+        assert _answers(victim)
+    finally:
+        cut.ending.release()
+        victim.invalidate()
+
+
+def test_the_operation_whose_attempt_was_cut_waits_for_its_own_session(store: Any) -> None:
+    """The cut attempt's retry must not be answered while its request may still run: it waits for the
+    caller ending its session, and once that caller lets go without having settled it, ends it itself."""
+    victim = _checked_out(store)
+    cut = _list_cut(store, store._sessions[victim.driver_connection])
+    cut.ending.acquire()
+    done = threading.Event()
+    retry = threading.Thread(target=lambda: (store._end_cut_sessions([cut]), done.set()), daemon=True)
+    try:
+        retry.start()
+        assert not done.wait(1), "the retry went on while its own session could still run the cut request"
+        assert _answers(victim)
+    finally:
+        cut.ending.release()
+    assert done.wait(10)
+    assert cut.settled and store._cut == []
+    assert not _answers(victim), "the session is still there"
+    victim.invalidate()
+
+
+def test_a_session_ended_by_another_caller_is_not_ended_again(store: Any) -> None:
+    victim = _checked_out(store)
+    cut = _list_cut(store, store._sessions[victim.driver_connection])
+    heard: list[str] = []
+    store.on_reply_cut = heard.append
+    store._end_cut_sessions([])  # another operation got to it first
+    store._end_cut_sessions([cut])  # the retry of the cut one
+    assert heard == ["ended"]
+    victim.invalidate()

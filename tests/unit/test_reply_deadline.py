@@ -12,7 +12,16 @@ import pytest
 
 import permits
 from permits import _config
-from permits._io import async_unwatch_reply, async_watch_reply, sync_unwatch_reply, sync_watch_reply
+from permits._io import (
+    async_lock,
+    async_try_lock,
+    async_unwatch_reply,
+    async_watch_reply,
+    sync_lock,
+    sync_try_lock,
+    sync_unwatch_reply,
+    sync_watch_reply,
+)
 
 
 def test_an_overdue_read_is_cut_as_a_lost_connection() -> None:
@@ -102,3 +111,20 @@ def test_the_service_refuses_a_deadline_that_cannot_work_at_start() -> None:
         ServerConfig.load(lock_wait_timeout=5, reply_timeout=10)
     assert refused.value.details["field"] == "reply_timeout"
     assert ServerConfig.load(lock_wait_timeout=5, reply_timeout=10.5).reply_timeout == 10.5
+
+
+def test_try_lock_takes_a_free_lock_and_never_waits_for_a_held_one() -> None:
+    """What a caller uses to end another caller's cut session only if nobody is ending it already."""
+    lock = sync_lock()
+    assert sync_try_lock(lock) is True
+    assert sync_try_lock(lock) is False
+    lock.release()
+
+    async def main() -> None:
+        held = async_lock()
+        assert await async_try_lock(held) is True
+        assert await async_try_lock(held) is False
+        held.release()
+        assert await async_try_lock(held) is True
+
+    asyncio.run(main())

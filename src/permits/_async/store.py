@@ -35,6 +35,7 @@ from permits._io import (
     async_lock,
     async_mutex,
     async_sleep,
+    async_try_lock,
     async_unwatch_reply,
     async_watch_reply,
     monotonic,
@@ -131,6 +132,19 @@ class _CallGone(Exception):
         self.statement, self.reason, self.error = statement, reason, error
 
 
+@dataclasses.dataclass(eq=False)
+class _CutSession:
+    """A server session whose link the reply deadline cut with a request in flight (``_note_cut``), until
+    it is ended or given up (``_end_cut_sessions``)."""
+
+    #: what SESSION_OF read when the connection was made: the session's id and its server's
+    where: dict[str, Any]
+    #: held by the caller that is ending the session
+    ending: Any = dataclasses.field(default_factory=async_lock)
+    #: ended, found gone, or given up: nothing more to do
+    settled: bool = False
+
+
 class AsyncSQLStore:
     """Carries out operations on SQLite, MariaDB/MySQL or PostgreSQL."""
 
@@ -142,10 +156,8 @@ class AsyncSQLStore:
         #: the server session behind each driver connection (see ``_end_cut_sessions``)
         self._sessions: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         install_events(sync_engine(self._engine), self._dialect, settings, self._sessions)
-        #: sessions whose link the reply deadline cut, to end before this store's next operation, and the lock
-        #: the callers that find some wait on while one of them ends them
-        self._cut: list[dict[str, Any]] = []
-        self._ending = async_lock()
+        #: sessions whose link the reply deadline cut, to end before the next operation (``_end_cut_sessions``)
+        self._cut: list[_CutSession] = []
         self._opened = False
         self._closed = False
         #: test hook: called with each statement's name after it ran (fault tests kill the process here)
@@ -307,7 +319,7 @@ class AsyncSQLStore:
             yield
         finally:
             if async_unwatch_reply(watch):
-                self._note_cut(driver)
+                self._note_cut(driver, [])
 
     async def _schema_revision(self) -> str | None:
         async with self._engine.connect() as conn, self._bounded(conn):
@@ -648,7 +660,7 @@ class AsyncSQLStore:
         """The lease an earlier try of this acquire got, if one did and it is still held: one read, which no
         row lock holds up, and no retry past the caller's time (a read that fails is no answer)."""
         try:
-            existing = await self._attempt(flows.get_lease(owner, key), readonly=True)
+            existing = await self._attempt(flows.get_lease(owner, key), True, [])
             return decide.replay(existing, wants)
         except (LeaseNotFound, LeaseLost, IdempotencyConflict, DBAPIError):
             return None
@@ -875,11 +887,12 @@ class AsyncSQLStore:
         if persist and deadline is None:
             deadline = monotonic() + PERSIST_SECONDS
         first_flow, first_readonly = make_flow, readonly
+        own_cuts: list[_CutSession] = []  # this operation's attempts that the reply deadline cut
         while True:
             try:
                 if self._cut:
-                    await self._end_cut_sessions()
-                done = await self._attempt(make_flow(), readonly)
+                    await self._end_cut_sessions(own_cuts)
+                done = await self._attempt(make_flow(), readonly, own_cuts)
                 if not isinstance(done, Then):
                     return done
                 restarts += 1  # committed; the operation goes on in a transaction of its own
@@ -941,7 +954,9 @@ class AsyncSQLStore:
         await async_sleep(delay)
         return failures + 1
 
-    async def _attempt(self, flow: Flow[T], readonly: bool) -> T:
+    async def _attempt(self, flow: Flow[T], readonly: bool, cuts: list[_CutSession]) -> T:
+        """Run ``flow`` in one transaction. A link that the reply deadline cuts meanwhile is noted in ``cuts``
+        (and ``_cut``)."""
         try:
             first = next(flow)
         except StopIteration as stop:  # pragma: no cover - every flow sends at least one statement
@@ -951,10 +966,10 @@ class AsyncSQLStore:
             return self._direct.run(flow, first, readonly, self.after_statement)
         alone = first.alone and (self._dialect.free_autocommit or self._dialect.self_committing)
         if alone and not IS_ASYNC:
-            return await self._drive_alone_pooled(flow, first)
+            return await self._drive_alone_pooled(flow, first, cuts)
         async with self._engine.connect() as conn:
             if alone:
-                return await self._drive_alone(conn, await async_driver_connection(conn), flow, first)
+                return await self._drive_alone(conn, await async_driver_connection(conn), flow, first, cuts)
             if readonly:
                 await conn.execution_options(**{READONLY: True})
             # Up to the COMMIT's reply. A socket shut down by the deadline fails the statement waiting on it
@@ -966,36 +981,54 @@ class AsyncSQLStore:
                     return await self._drive(conn, flow, first)
             finally:
                 if async_unwatch_reply(watch):
-                    self._note_cut(driver)
+                    self._note_cut(driver, cuts)
                     # The answer may have come all the same, just as the deadline went off: the socket is
                     # shut down either way, and the connection must not go back to the pool.
                     await conn.invalidate()
 
-    def _note_cut(self, driver: Any) -> None:
+    def _note_cut(self, driver: Any, cuts: list[_CutSession]) -> None:
         """The reply deadline cut the link under ``driver`` with a request in flight. The link may still hold
         that request and deliver it once it recovers, and the server session would then run it, after the
-        caller had been answered from a retry: a grant nobody knows of, say, held until its TTL runs out."""
+        caller had been answered from a retry: a grant nobody knows of, say, held until its TTL runs out. So
+        the session is listed for ending, and in ``cuts``, the operation's own list, for its retry to wait
+        on."""
         if self.on_reply_cut is not None:
             self.on_reply_cut("cut")
-        session = self._sessions.get(driver)
-        if session is not None and self._dialect.has("SESSION_END") and session not in self._cut:
-            self._cut.append(session)
+        where = self._sessions.get(driver)
+        if where is None or not self._dialect.has("SESSION_END"):
+            return
+        cut = next((listed for listed in self._cut if listed.where == where), None)
+        if cut is None:
+            cut = _CutSession(where)
+            self._cut.append(cut)
+        cuts.append(cut)
 
-    async def _end_cut_sessions(self) -> None:
-        """End the server sessions whose links the reply deadline cut (``_note_cut``) before this store's
-        next operation, so that a retry is answered from a state the cut request can no longer change: what
-        its link held then reaches a closed connection. One caller ends them while the others wait on the
-        lock (each end takes a few round trips; a session that takes long to go, up to a lock wait). A lost
-        connection leaves the session listed and goes to the caller's retry loop; a session that this
-        connection's server does not have, or that the server will not end, is given up with a warning (a
-        load balancer may send each connection to another node)."""
-        async with self._ending:
-            while self._cut:
-                await self._end_session(self._cut[0])
-                self._cut.pop(0)
+    async def _end_cut_sessions(self, own: list[_CutSession]) -> None:
+        """End the server sessions whose links the reply deadline cut (``_note_cut``), so that a retry is
+        answered from a state the cut request can no longer change: what its link held then reaches a closed
+        connection. An operation's retry waits for its own cut sessions (``own``), even while another caller
+        ends them: each end takes a few round trips, and a session that is slow to go up to a lock wait. Any
+        other listed session, one whose operation has given up say, it ends only if nobody is ending it
+        already, and it never waits on another caller's ending. A lost connection leaves the session listed
+        and goes to the caller's retry loop; a session that this connection's server does not have, or that
+        the server will not end, is given up with a warning (a load balancer may send each connection to
+        another node)."""
+        for cut in list(self._cut):
+            if cut in own:
+                async with cut.ending:
+                    if not cut.settled:
+                        await self._end_session(cut)
+            elif await async_try_lock(cut.ending):
+                try:
+                    if not cut.settled:
+                        await self._end_session(cut)
+                finally:
+                    cut.ending.release()
 
-    async def _end_session(self, session: dict[str, Any]) -> None:
+    async def _end_session(self, cut: _CutSession) -> None:
+        """End ``cut``'s session, or give it up; the caller holds ``cut.ending``."""
         find, end = self._dialect.clause("SESSION_FIND"), self._dialect.clause("SESSION_END")
+        session = cut.where
         refused: DBAPIError | None = None
         ended = False
         try:
@@ -1030,6 +1063,9 @@ class AsyncSQLStore:
             if ended
             else "gone"
         )
+        cut.settled = True
+        if cut in self._cut:
+            self._cut.remove(cut)
         if self.on_reply_cut is not None:
             self.on_reply_cut(outcome)
         if outcome == "other_server":
@@ -1047,7 +1083,7 @@ class AsyncSQLStore:
         else:
             logger.info("ended a server session at %s whose link the reply deadline cut", self.url)
 
-    async def _drive_alone_pooled(self, flow: Flow[T], first: Stmt) -> T:
+    async def _drive_alone_pooled(self, flow: Flow[T], first: Stmt, cuts: list[_CutSession]) -> T:
         """The sync store sends a statement that runs alone on a connection checked out of the pool with no
         SQLAlchemy Connection around it: setting one up and closing it cost about a fifth of a PostgreSQL
         client's CPU per grant (docs/benchmarks.md). Sync only: the asyncio store keeps the Connection,
@@ -1061,15 +1097,15 @@ class AsyncSQLStore:
                 raise
             raise error from exc
         try:
-            return await self._drive_alone(pooled, pooled.driver_connection, flow, first)
+            return await self._drive_alone(pooled, pooled.driver_connection, flow, first, cuts)
         finally:
             pooled.close()
 
-    async def _drive_alone(self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt) -> T:
+    async def _drive_alone(self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt, cuts: list[_CutSession]) -> T:
         """``conn``: a checked-out AsyncConnection, or in the sync store a pooled connection; ``driver``: the
         driver's connection under it."""
         try:
-            result = await self._send_alone(conn, driver, stmt)
+            result = await self._send_alone(conn, driver, stmt, cuts)
         except DBAPIError as exc:
             if self._dialect.classify(exc) is not Fault.DUPLICATE:
                 raise
@@ -1082,7 +1118,7 @@ class AsyncSQLStore:
             return value
         raise RuntimeError("a flow went on after a statement that runs alone")
 
-    async def _send_alone(self, conn: Any, driver: Any, stmt: Stmt) -> Result:
+    async def _send_alone(self, conn: Any, driver: Any, stmt: Stmt, cuts: list[_CutSession]) -> Result:
         """Send a statement that is a whole transaction by itself (a grant, a release) as one request, on
         the driver's own connection. SQLAlchemy never opens a transaction on ``conn``, so it adds no COMMIT
         of its own (PyMySQL sends one even when there is nothing to commit) and none of its per-statement
@@ -1104,7 +1140,7 @@ class AsyncSQLStore:
             finally:  # before the handling below, which may close the connection and free its socket's number
                 if async_unwatch_reply(watch):
                     cut = True
-                    self._note_cut(driver)
+                    self._note_cut(driver, cuts)
         except BaseException as exc:
             error = driver_error(self._engine, exc)
             if error is None or self._dialect.classify(error) is Fault.UNAVAILABLE:

@@ -36,6 +36,7 @@ from permits._io import (
     sync_lock,
     sync_mutex,
     sync_sleep,
+    sync_try_lock,
     sync_unwatch_reply,
     sync_watch_reply,
     monotonic,
@@ -132,6 +133,19 @@ class _CallGone(Exception):
         self.statement, self.reason, self.error = statement, reason, error
 
 
+@dataclasses.dataclass(eq=False)
+class _CutSession:
+    """A server session whose link the reply deadline cut with a request in flight (``_note_cut``), until
+    it is ended or given up (``_end_cut_sessions``)."""
+
+    #: what SESSION_OF read when the connection was made: the session's id and its server's
+    where: dict[str, Any]
+    #: held by the caller that is ending the session
+    ending: Any = dataclasses.field(default_factory=sync_lock)
+    #: ended, found gone, or given up: nothing more to do
+    settled: bool = False
+
+
 class SQLStore:
     """Carries out operations on SQLite, MariaDB/MySQL or PostgreSQL."""
 
@@ -143,10 +157,8 @@ class SQLStore:
         #: the server session behind each driver connection (see ``_end_cut_sessions``)
         self._sessions: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         install_events(sync_engine(self._engine), self._dialect, settings, self._sessions)
-        #: sessions whose link the reply deadline cut, to end before this store's next operation, and the lock
-        #: the callers that find some wait on while one of them ends them
-        self._cut: list[dict[str, Any]] = []
-        self._ending = sync_lock()
+        #: sessions whose link the reply deadline cut, to end before the next operation (``_end_cut_sessions``)
+        self._cut: list[_CutSession] = []
         self._opened = False
         self._closed = False
         #: test hook: called with each statement's name after it ran (fault tests kill the process here)
@@ -308,7 +320,7 @@ class SQLStore:
             yield
         finally:
             if sync_unwatch_reply(watch):
-                self._note_cut(driver)
+                self._note_cut(driver, [])
 
     def _schema_revision(self) -> str | None:
         with self._engine.connect() as conn, self._bounded(conn):
@@ -649,7 +661,7 @@ class SQLStore:
         """The lease an earlier try of this acquire got, if one did and it is still held: one read, which no
         row lock holds up, and no retry past the caller's time (a read that fails is no answer)."""
         try:
-            existing = self._attempt(flows.get_lease(owner, key), readonly=True)
+            existing = self._attempt(flows.get_lease(owner, key), True, [])
             return decide.replay(existing, wants)
         except (LeaseNotFound, LeaseLost, IdempotencyConflict, DBAPIError):
             return None
@@ -876,11 +888,12 @@ class SQLStore:
         if persist and deadline is None:
             deadline = monotonic() + PERSIST_SECONDS
         first_flow, first_readonly = make_flow, readonly
+        own_cuts: list[_CutSession] = []  # this operation's attempts that the reply deadline cut
         while True:
             try:
                 if self._cut:
-                    self._end_cut_sessions()
-                done = self._attempt(make_flow(), readonly)
+                    self._end_cut_sessions(own_cuts)
+                done = self._attempt(make_flow(), readonly, own_cuts)
                 if not isinstance(done, Then):
                     return done
                 restarts += 1  # committed; the operation goes on in a transaction of its own
@@ -942,7 +955,9 @@ class SQLStore:
         sync_sleep(delay)
         return failures + 1
 
-    def _attempt(self, flow: Flow[T], readonly: bool) -> T:
+    def _attempt(self, flow: Flow[T], readonly: bool, cuts: list[_CutSession]) -> T:
+        """Run ``flow`` in one transaction. A link that the reply deadline cuts meanwhile is noted in ``cuts``
+        (and ``_cut``)."""
         try:
             first = next(flow)
         except StopIteration as stop:  # pragma: no cover - every flow sends at least one statement
@@ -952,10 +967,10 @@ class SQLStore:
             return self._direct.run(flow, first, readonly, self.after_statement)
         alone = first.alone and (self._dialect.free_autocommit or self._dialect.self_committing)
         if alone and not IS_ASYNC:
-            return self._drive_alone_pooled(flow, first)
+            return self._drive_alone_pooled(flow, first, cuts)
         with self._engine.connect() as conn:
             if alone:
-                return self._drive_alone(conn, sync_driver_connection(conn), flow, first)
+                return self._drive_alone(conn, sync_driver_connection(conn), flow, first, cuts)
             if readonly:
                 conn.execution_options(**{READONLY: True})
             # Up to the COMMIT's reply. A socket shut down by the deadline fails the statement waiting on it
@@ -967,36 +982,54 @@ class SQLStore:
                     return self._drive(conn, flow, first)
             finally:
                 if sync_unwatch_reply(watch):
-                    self._note_cut(driver)
+                    self._note_cut(driver, cuts)
                     # The answer may have come all the same, just as the deadline went off: the socket is
                     # shut down either way, and the connection must not go back to the pool.
                     conn.invalidate()
 
-    def _note_cut(self, driver: Any) -> None:
+    def _note_cut(self, driver: Any, cuts: list[_CutSession]) -> None:
         """The reply deadline cut the link under ``driver`` with a request in flight. The link may still hold
         that request and deliver it once it recovers, and the server session would then run it, after the
-        caller had been answered from a retry: a grant nobody knows of, say, held until its TTL runs out."""
+        caller had been answered from a retry: a grant nobody knows of, say, held until its TTL runs out. So
+        the session is listed for ending, and in ``cuts``, the operation's own list, for its retry to wait
+        on."""
         if self.on_reply_cut is not None:
             self.on_reply_cut("cut")
-        session = self._sessions.get(driver)
-        if session is not None and self._dialect.has("SESSION_END") and session not in self._cut:
-            self._cut.append(session)
+        where = self._sessions.get(driver)
+        if where is None or not self._dialect.has("SESSION_END"):
+            return
+        cut = next((listed for listed in self._cut if listed.where == where), None)
+        if cut is None:
+            cut = _CutSession(where)
+            self._cut.append(cut)
+        cuts.append(cut)
 
-    def _end_cut_sessions(self) -> None:
-        """End the server sessions whose links the reply deadline cut (``_note_cut``) before this store's
-        next operation, so that a retry is answered from a state the cut request can no longer change: what
-        its link held then reaches a closed connection. One caller ends them while the others wait on the
-        lock (each end takes a few round trips; a session that takes long to go, up to a lock wait). A lost
-        connection leaves the session listed and goes to the caller's retry loop; a session that this
-        connection's server does not have, or that the server will not end, is given up with a warning (a
-        load balancer may send each connection to another node)."""
-        with self._ending:
-            while self._cut:
-                self._end_session(self._cut[0])
-                self._cut.pop(0)
+    def _end_cut_sessions(self, own: list[_CutSession]) -> None:
+        """End the server sessions whose links the reply deadline cut (``_note_cut``), so that a retry is
+        answered from a state the cut request can no longer change: what its link held then reaches a closed
+        connection. An operation's retry waits for its own cut sessions (``own``), even while another caller
+        ends them: each end takes a few round trips, and a session that is slow to go up to a lock wait. Any
+        other listed session, one whose operation has given up say, it ends only if nobody is ending it
+        already, and it never waits on another caller's ending. A lost connection leaves the session listed
+        and goes to the caller's retry loop; a session that this connection's server does not have, or that
+        the server will not end, is given up with a warning (a load balancer may send each connection to
+        another node)."""
+        for cut in list(self._cut):
+            if cut in own:
+                with cut.ending:
+                    if not cut.settled:
+                        self._end_session(cut)
+            elif sync_try_lock(cut.ending):
+                try:
+                    if not cut.settled:
+                        self._end_session(cut)
+                finally:
+                    cut.ending.release()
 
-    def _end_session(self, session: dict[str, Any]) -> None:
+    def _end_session(self, cut: _CutSession) -> None:
+        """End ``cut``'s session, or give it up; the caller holds ``cut.ending``."""
         find, end = self._dialect.clause("SESSION_FIND"), self._dialect.clause("SESSION_END")
+        session = cut.where
         refused: DBAPIError | None = None
         ended = False
         try:
@@ -1031,6 +1064,9 @@ class SQLStore:
             if ended
             else "gone"
         )
+        cut.settled = True
+        if cut in self._cut:
+            self._cut.remove(cut)
         if self.on_reply_cut is not None:
             self.on_reply_cut(outcome)
         if outcome == "other_server":
@@ -1048,7 +1084,7 @@ class SQLStore:
         else:
             logger.info("ended a server session at %s whose link the reply deadline cut", self.url)
 
-    def _drive_alone_pooled(self, flow: Flow[T], first: Stmt) -> T:
+    def _drive_alone_pooled(self, flow: Flow[T], first: Stmt, cuts: list[_CutSession]) -> T:
         """The sync store sends a statement that runs alone on a connection checked out of the pool with no
         SQLAlchemy Connection around it: setting one up and closing it cost about a fifth of a PostgreSQL
         client's CPU per grant (docs/benchmarks.md). Sync only: the asyncio store keeps the Connection,
@@ -1062,15 +1098,15 @@ class SQLStore:
                 raise
             raise error from exc
         try:
-            return self._drive_alone(pooled, pooled.driver_connection, flow, first)
+            return self._drive_alone(pooled, pooled.driver_connection, flow, first, cuts)
         finally:
             pooled.close()
 
-    def _drive_alone(self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt) -> T:
+    def _drive_alone(self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt, cuts: list[_CutSession]) -> T:
         """``conn``: a checked-out Connection, or in the sync store a pooled connection; ``driver``: the
         driver's connection under it."""
         try:
-            result = self._send_alone(conn, driver, stmt)
+            result = self._send_alone(conn, driver, stmt, cuts)
         except DBAPIError as exc:
             if self._dialect.classify(exc) is not Fault.DUPLICATE:
                 raise
@@ -1083,7 +1119,7 @@ class SQLStore:
             return value
         raise RuntimeError("a flow went on after a statement that runs alone")
 
-    def _send_alone(self, conn: Any, driver: Any, stmt: Stmt) -> Result:
+    def _send_alone(self, conn: Any, driver: Any, stmt: Stmt, cuts: list[_CutSession]) -> Result:
         """Send a statement that is a whole transaction by itself (a grant, a release) as one request, on
         the driver's own connection. SQLAlchemy never opens a transaction on ``conn``, so it adds no COMMIT
         of its own (PyMySQL sends one even when there is nothing to commit) and none of its per-statement
@@ -1105,7 +1141,7 @@ class SQLStore:
             finally:  # before the handling below, which may close the connection and free its socket's number
                 if sync_unwatch_reply(watch):
                     cut = True
-                    self._note_cut(driver)
+                    self._note_cut(driver, cuts)
         except BaseException as exc:
             error = driver_error(self._engine, exc)
             if error is None or self._dialect.classify(error) is Fault.UNAVAILABLE:
