@@ -253,7 +253,34 @@ def run_take_turns(processes: int, args: dict[str, Any]) -> list[dict[str, int]]
                 child.kill()
 
 
+# ---------------------------------------------------------------------------------------------- impatient
+
+
+def impatient(args: dict[str, Any]) -> None:
+    """Until ``args["stop"]`` exists: acquire with a short ``timeout`` under a new key each time, give up
+    on a timeout, release at once when granted. Says ``ready`` once connected; at the end prints a JSON
+    line with the ``time.monotonic()`` of each grant and the number of timeouts."""
+    grants: list[float] = []
+    timeouts = 0
+    with permits.connect(args["url"], owner=args["owner"]) as client:
+        client.get_semaphore(args["name"])
+        _say("ready")
+        stop = Path(args["stop"])
+        i = 0
+        while not stop.exists():
+            i += 1
+            try:
+                lease = client.acquire(args["name"], key=f"{args['owner']}-{i}", ttl=30, timeout=args["timeout"])
+            except permits.AcquireTimeout:
+                timeouts += 1
+                continue
+            grants.append(time.monotonic())
+            client.release(lease)
+    _say(json.dumps({"grants": grants, "timeouts": timeouts}))
+
+
 COMMANDS = {
+    "impatient": impatient,
     "cycles": cycles,
     "hold": hold,
     "operate": operate,

@@ -75,6 +75,8 @@ class AsyncHTTPStore:
         self._opened = False
         self._closed = False
         self._max_wait = 0.0
+        #: whether the service keeps a timed-out request's place in a fair queue when asked (``keep_place``)
+        self._keeps_places = False
 
     @property
     def url(self) -> str:
@@ -88,6 +90,7 @@ class AsyncHTTPStore:
             about = await self._call("GET", "/v1/whoami")
             # A wait is a long poll on the service, which bounds it: ask for no more than it allows.
             self._max_wait = float(about.get("limits", {}).get("max_wait", self._max_wait))
+            self._keeps_places = "keep_place" in about.get("features", ())
             self._opened = True
 
     async def close(self) -> None:
@@ -116,6 +119,10 @@ class AsyncHTTPStore:
             "ttl": ttl_ms / 1000,
             "wait": wait,
         }
+        if wait > 0 and self._keeps_places:
+            # The client asks again with this key until its own timeout, and then gives its places up
+            # (``dequeue``): a wait longer than the service's max_wait keeps its place in a fair queue.
+            body["keep_place"] = True
         try:
             data = await self._call("POST", "/v1/leases", json=body, waits=wait)
         except AcquireTimeout:
@@ -155,8 +162,10 @@ class AsyncHTTPStore:
         return _wire.lease_in(data)
 
     async def dequeue(self, owner: str, key: str) -> None:
-        """Nothing to do: the service keeps a waiting request's place only while the request asks, and
-        the place expires by itself within seconds once it stops."""
+        """Give up the places that the service kept for this request (``keep_place``). A service without
+        that feature gave them up when each wait ended."""
+        if self._keeps_places:
+            await self._call("POST", "/v1/leases/give-up", json={"key": key, "owner": owner})
 
     async def waiters(self, name: str) -> list[Waiter]:
         data = await self._call("GET", f"/v1/waiters/{path_part(name)}")

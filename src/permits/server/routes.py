@@ -7,6 +7,7 @@ mistaken for a route. That segment is read whole, line breaks included (``{name:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import Iterator
@@ -18,10 +19,12 @@ from starlette.convertors import PathConvertor, register_url_convertor
 
 import permits
 from permits import _validate, _wire
+from permits._core import flows
 from permits._exceptions import (
     AcquireTimeout,
     IdempotencyConflict,
     InvalidArgument,
+    PermitsError,
 )
 from permits._io import monotonic
 from permits._models import Lease
@@ -41,6 +44,9 @@ class _TextConvertor(PathConvertor):
 register_url_convertor("text", _TextConvertor())
 
 router = APIRouter(prefix="/v1")
+#: What this service supports beyond the first API (``GET /v1/whoami``), for clients of another version:
+#: ``keep_place`` (an acquire's field, and ``POST /v1/leases/give-up``).
+FEATURES = ("keep_place",)
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorOut} for status in (401, 403, 404, 409, 410, 413, 422, 429, 503)
 }
@@ -145,6 +151,7 @@ async def whoami(identity: Caller, state: State) -> dict[str, Any]:
         "admin": identity.admin,
         "version": permits.__version__,
         "limits": {"max_wait": limits.max_wait, "max_ttl": limits.max_ttl, "max_wants": limits.max_wants},
+        "features": list(FEATURES),
     }
 
 
@@ -195,6 +202,12 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
         outcome = "granted"
     except AcquireTimeout:
         outcome = "refused" if wait == 0 else "timeout"
+        if wait > 0 and not body.keep_place:
+            # The request is over: its place in a fair queue goes now, not when it expires (PLACE_MS). A
+            # stream of requests that time out would otherwise keep a dead place at the head of the queue,
+            # and every live waiter behind it would time out in turn (tests/service/test_fair_places.py).
+            with contextlib.suppress(PermitsError):
+                await state.sql_store.dequeue(owner, key)
         raise
     except IdempotencyConflict:
         outcome = "conflict"
@@ -231,6 +244,16 @@ async def extend(body: schemas.ExtendIn, identity: Caller, state: State) -> dict
     _check_ttl(body.ttl, state.config.limits.max_ttl)
     lease = await state.client.extend(body.key, body.ttl, owner=identity.db_owner(body.owner))
     return _lease_json(lease, identity, body.owner)
+
+
+@router.post("/leases/give-up", response_model=schemas.GiveUpOut, responses=_ERRORS, tags=["leases"])
+async def give_up(body: schemas.LeaseRefIn, identity: Caller, state: State) -> dict[str, Any]:
+    """Give up the places in fair queues that a request kept (``keep_place``) when it stopped waiting:
+    the places behind them move up now, not when they expire. Idempotent; ``places`` is 0 when there
+    were none."""
+    owner, key = _validate.owner(identity.db_owner(body.owner)), _validate.key(body.key)
+    places = await state.sql_store.run_flow(lambda: flows.dequeue(owner, key))
+    return {"places": places}
 
 
 @router.post("/leases/revoke", response_model=schemas.LeaseOut, responses=_ERRORS, tags=["admin"])

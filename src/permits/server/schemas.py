@@ -89,6 +89,14 @@ class AcquireIn(_Strict):
     owner: Owner | None = Field(default=None, description="scopes keys within your identity (default: the identity)")
     ttl: Ttl | None = Field(default=None, description="lease TTL in seconds (default: the service's)")
     wait: Seconds = Field(default=0, description="how long to wait for room before answering 409 acquire_timeout")
+    keep_place: StrictBool = Field(
+        default=False,
+        description=(
+            "on a fair semaphore, keep this request's place in the queue after a 409, for a retry with the same"
+            " key within 5 s (then give it up with POST /v1/leases/give-up); by default a request that times"
+            " out gives its place up"
+        ),
+    )
 
     def want_pairs(self) -> list[tuple[str, int]]:
         if isinstance(self.wants, dict):
@@ -209,6 +217,10 @@ class CapacityHistoryOut(BaseModel):
     changes: list[CapacityChangeOut]
 
 
+class GiveUpOut(BaseModel):
+    places: int = Field(description="how many places in fair queues the request held, now given up")
+
+
 class ReleaseOut(BaseModel):
     outcome: str = Field(description="released, already_released, lost or not_found")
 
@@ -247,6 +259,7 @@ class WhoAmIOut(BaseModel):
     admin: bool
     version: str
     limits: LimitsOut
+    features: list[str] = Field(description="what this service supports beyond the first API: keep_place")
 
 
 class ErrorDetail(BaseModel):
