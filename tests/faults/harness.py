@@ -58,6 +58,7 @@ class FaultRun:
         hold: float = 0.05,
         acquire_timeout: float = 1.0,
         slack: float = Final.slack,
+        fair: bool = False,
     ) -> None:
         self.db_url = db_url
         self.ns = ns
@@ -76,17 +77,24 @@ class FaultRun:
         self.instances: list[Service] = []
         self._n = 0
         with permits.connect(db_url, owner=f"{ns}harness", auto_upgrade=True) as client:
-            client.create_semaphore(self.sem, capacity)
+            client.create_semaphore(self.sem, capacity, fair=fair)
         engine = create_engine(sync_url(db_url))
         install_register(engine, self.resource)
         engine.dispose()
 
     # ---- processes
 
-    def service(self, db_url: str | None = None, *, port: int | None = None, skew: str | None = None) -> Service:
+    def service(
+        self,
+        db_url: str | None = None,
+        *,
+        port: int | None = None,
+        skew: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Service:
         """A ``permits serve`` instance, sweeping every second; ``skew`` runs it under libfaketime
-        (``FAKETIME``, e.g. ``+1h``: its wall clock is that far off)."""
-        env = {"PERMITS_MAINTENANCE__SWEEP_INTERVAL": str(SWEEP_INTERVAL)}
+        (``FAKETIME``, e.g. ``+1h``: its wall clock is that far off); ``env`` adds settings."""
+        env = {"PERMITS_MAINTENANCE__SWEEP_INTERVAL": str(SWEEP_INTERVAL), **(env or {})}
         if skew is not None:
             env.update({"LD_PRELOAD": LIBFAKETIME, "FAKETIME": skew, "FAKETIME_DONT_FAKE_MONOTONIC": "1"})
         for attempt in range(3):

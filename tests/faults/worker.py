@@ -78,7 +78,9 @@ class Worker:
         self.sem = args["sem"]
         self.resource = args["resource"]
         self.stop_file = Path(args["stop_file"])
-        self.client = permits.connect(args["url"], owner=self.owner, retries=3, lock_wait_timeout=2)
+        self.client = permits.connect(
+            args["url"], owner=self.owner, retries=3, lock_wait_timeout=2, reply_timeout=args.get("reply_timeout")
+        )
         self.engine = create_engine(sync_url(args["register_url"]), pool_pre_ping=True)
         self.guard = FencingGuard()
         self.writes = 0
