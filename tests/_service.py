@@ -92,6 +92,13 @@ class Service:
         return self.process.returncode
 
 
+def module_db_url(backend: str, servers: Any, tmp_path_factory: Any, label: str) -> str:
+    """The database a module's service runs on: a SQLite file of its own, or the shared server."""
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path_factory.mktemp(label) / 'permits.db'}"
+    return str(servers.url_for(backend).render_as_string(hide_password=False))
+
+
 @contextmanager
 def running(db_url: str, **options: Any) -> Iterator[Service]:
     service = Service.started(db_url, **options)

@@ -13,7 +13,7 @@ import pytest
 
 import permits
 from tests._proxy import CuttingProxy
-from tests._service import Service, running
+from tests._service import Service, module_db_url, running
 from tests.conftest import sqlalchemy_url
 
 ADMIN, ALICE, BOB = "admin-token-0123456789", "alice-token-0123456789", "bob-token-012345678901"
@@ -35,11 +35,7 @@ TOKENS = [
 def service(
     request: pytest.FixtureRequest, servers: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
-    backend = str(request.param)
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path_factory.mktemp('auth') / 'permits.db'}"
-    else:
-        url = servers.url_for(backend).render_as_string(hide_password=False)
+    url = module_db_url(str(request.param), servers, tmp_path_factory, "auth")
     limits = {
         "PERMITS_LIMITS__MAX_WAIT": "5",
         "PERMITS_LIMITS__MAX_WANTS": "3",

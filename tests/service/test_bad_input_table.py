@@ -19,7 +19,7 @@ import pytest
 
 import permits
 from permits import PermitsError, error_class
-from tests._service import Service, running
+from tests._service import Service, module_db_url, running
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad-input.md"
 ADMIN, CLIENT = "bad-input-admin-0123456789", "bad-input-client-0123456789"
@@ -292,11 +292,7 @@ CASES: dict[str, Case] = {
 def deployment(
     request: pytest.FixtureRequest, servers: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Service]]:
-    backend = str(request.param)
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path_factory.mktemp('bad-input') / 'permits.db'}"
-    else:
-        url = servers.url_for(backend).render_as_string(hide_password=False)
+    url = module_db_url(str(request.param), servers, tmp_path_factory, "bad-input")
     with running(url, tokens=TOKENS, env={"PERMITS_MAINTENANCE__ENABLED": "false"}) as service:
         yield url, service
 

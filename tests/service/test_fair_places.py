@@ -17,7 +17,7 @@ import pytest
 
 import permits
 from tests._children import spawn
-from tests._service import Service, running
+from tests._service import Service, module_db_url, running
 
 pytestmark = pytest.mark.usefixtures("servers")
 
@@ -28,11 +28,7 @@ MAX_WAIT = 1.0
 def service(
     request: pytest.FixtureRequest, servers: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
-    backend = str(request.param)
-    if backend == "sqlite":
-        url = f"sqlite:///{tmp_path_factory.mktemp('places') / 'permits.db'}"
-    else:
-        url = servers.url_for(backend).render_as_string(hide_password=False)
+    url = module_db_url(str(request.param), servers, tmp_path_factory, "places")
     env = {"PERMITS_LIMITS__MAX_WAIT": str(MAX_WAIT), "PERMITS_MAINTENANCE__ENABLED": "false"}
     with running(url, env=env) as svc:
         yield svc
