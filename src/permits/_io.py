@@ -121,7 +121,9 @@ def sync_lock() -> threading.Lock:
 
 async def async_try_lock(lock: asyncio.Lock) -> bool:
     """Take ``lock`` if nobody holds it; never wait for it."""
-    if lock.locked():
+    # Just released, a lock is not ``locked()`` while the waiter it woke is still queued, and ``acquire``
+    # would queue behind that waiter: so free means neither held nor waited for.
+    if lock.locked() or getattr(lock, "_waiters", None):
         return False
     # Free, so taken at once: an asyncio lock that nobody holds or waits for does not yield to the loop.
     return await lock.acquire()

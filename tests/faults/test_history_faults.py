@@ -282,7 +282,8 @@ def test_partial_stall_of_one_instance_and_two_clients(tmp_path: Path, db_url: s
                 whole = {run.sem: run.capacity}
                 held = blocker.acquire(whole, key=f"{ns}blocker-{round_}", ttl=30, timeout=run.ttl + 10)
                 run.rec.event("capacity_held")
-                run.sleep(stalled + WORKER_REPLY_TIMEOUT + 2 - time.monotonic())  # every held try is retried
+                # Every held try is retried, and at least a second after the capacity was the harness's.
+                run.sleep(max(stalled + WORKER_REPLY_TIMEOUT + 2 - time.monotonic(), 1.0))
                 blocker.release(held)
                 proxy.resume()
                 run.rec.event("partial_stall_end")

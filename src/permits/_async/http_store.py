@@ -24,6 +24,7 @@ from permits._backoff import RETRY_BACKOFF
 from permits._config import Settings
 from permits._exceptions import (
     AcquireTimeout,
+    InvalidArgument,
     PermitsError,
     ServiceError,
     StorageUnavailable,
@@ -127,6 +128,17 @@ class AsyncHTTPStore:
             data = await self._call("POST", "/v1/leases", json=body, waits=wait)
         except AcquireTimeout:
             return None
+        except InvalidArgument as exc:
+            if "keep_place" not in body or exc.details.get("field") != "keep_place":
+                raise
+            # An instance of an older version, behind the same address as a newer one (a rolling
+            # upgrade): it knows no keep_place. Ask without it from now on, as of a service without it.
+            self._keeps_places = False
+            del body["keep_place"]
+            try:
+                data = await self._call("POST", "/v1/leases", json=body, waits=wait)
+            except AcquireTimeout:
+                return None
         return _wire.lease_in(data)
 
     def wake_calls(self, names: Sequence[str]) -> int | None:

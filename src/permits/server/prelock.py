@@ -255,8 +255,8 @@ class InstanceStore:
         return await self.waker.wait(names, seconds)
 
     async def dequeue(self, owner: str, key: str) -> None:
-        """Kept, on purpose: the service's wait ended, not the client's. A remote client asks again at
-        once and keeps its place; one that stopped asking loses it when the place expires."""
+        """Nothing here: the service's wait ended, not necessarily the client's. The route gives the place
+        up unless the request asked to keep it for a retry (``keep_place``, routes.acquire_lease)."""
 
     async def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
         # A remote client releases by key; a lease granted here is known to be over one semaphore or not.
