@@ -124,22 +124,19 @@ class AsyncHTTPStore:
             # The client asks again with this key until its own timeout, and then gives its places up
             # (``dequeue``): a wait longer than the service's max_wait keeps its place in a fair queue.
             body["keep_place"] = True
-        try:
-            data = await self._call("POST", "/v1/leases", json=body, waits=wait)
-        except AcquireTimeout:
-            return None
-        except InvalidArgument as exc:
-            if "keep_place" not in body or exc.details.get("field") != "keep_place":
-                raise
-            # An instance of an older version, behind the same address as a newer one (a rolling
-            # upgrade): it knows no keep_place. Ask without it from now on, as of a service without it.
-            self._keeps_places = False
-            del body["keep_place"]
+        while True:
             try:
                 data = await self._call("POST", "/v1/leases", json=body, waits=wait)
             except AcquireTimeout:
                 return None
-        return _wire.lease_in(data)
+            except InvalidArgument as exc:
+                if not (body.pop("keep_place", False) and exc.details.get("field") == "keep_place"):
+                    raise
+                # An instance of an older version, behind the same address as a newer one (a rolling
+                # upgrade): it knows no keep_place. Ask again without it, and from now on.
+                self._keeps_places = False
+                continue
+            return _wire.lease_in(data)
 
     def wake_calls(self, names: Sequence[str]) -> int | None:
         return None  # the service hears of releases, not this client
