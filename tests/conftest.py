@@ -249,6 +249,27 @@ def ns() -> str:
     return f"t{uuid.uuid4().hex[:10]}-"
 
 
+@pytest.fixture
+def slow_polling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiters that poll only every 10-20 s (a fair queue's: every 20 s), once refused. A test that a
+    waiter hears of room (a release, a call when its turn comes) can then bound how soon it is granted
+    loosely, a second or more, and still tell hearing from polling: with the default one-second cap a
+    tight bound would race the scheduler, and lose now and then under CI's parallel tests."""
+    from permits import _pacing
+    from permits._async import client as async_client
+    from permits._async import store as async_store
+    from permits._backoff import Backoff
+    from permits._sync import client as sync_client
+    from permits._sync import store as sync_store
+
+    monkeypatch.setattr(_pacing, "WAIT_BACKOFF", Backoff(base=20.0, cap=20.0))
+    monkeypatch.setattr(_pacing, "QUEUE_MAX_SLEEP", 20.0)
+    for client_module, store_module in ((sync_client, sync_store), (async_client, async_store)):
+        monkeypatch.setattr(client_module, "CALLED_MAX_SLEEP", 20.0)
+        # A place in a fair queue lapses unless an attempt renews it: it must outlive the slower polls.
+        monkeypatch.setattr(store_module, "PLACE_MS", 60_000)
+
+
 class AsyncFacade:
     """Drives an AsyncClient from synchronous test code, so one test body checks both clients.
 
