@@ -9,7 +9,7 @@ import contextlib
 import datetime
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -155,17 +155,15 @@ def test_other_operations_do_not_wait_while_a_cut_session_is_being_ended(store: 
         victim.invalidate()
 
 
-def test_the_operation_whose_attempt_was_cut_waits_for_its_own_session(store: Any) -> None:
-    """The cut attempt's retry must not be answered while its request may still run: it waits for the
-    caller ending its session, and once that caller lets go without having settled it, ends it itself."""
-    victim = _checked_out(store)
-    cut = _list_cut(store, store._sessions[victim.driver_connection])
+def _waits_for_the_ending(store: Any, cut: Any, victim: Any, operation: Callable[[], Any]) -> None:
+    """Another caller holds ``cut``'s ending: ``operation`` must not go on while the cut request may still
+    run, and once that caller lets go without having settled the session, it ends the session itself."""
     cut.ending.acquire()
     done = threading.Event()
-    retry = threading.Thread(target=lambda: (store._end_cut_sessions([cut]), done.set()), daemon=True)
+    waiting = threading.Thread(target=lambda: (operation(), done.set()), daemon=True)
     try:
-        retry.start()
-        assert not done.wait(1), "the retry went on while its own session could still run the cut request"
+        waiting.start()
+        assert not done.wait(1), "went on while the session could still run the cut request"
         assert _answers(victim)
     finally:
         cut.ending.release()
@@ -173,6 +171,14 @@ def test_the_operation_whose_attempt_was_cut_waits_for_its_own_session(store: An
     assert cut.settled and store._cut == []
     assert not _answers(victim), "the session is still there"
     victim.invalidate()
+
+
+def test_the_operation_whose_attempt_was_cut_waits_for_its_own_session(store: Any) -> None:
+    """The cut attempt's retry must not be answered while its request may still run: it waits for the
+    caller ending its session, and once that caller lets go without having settled it, ends it itself."""
+    victim = _checked_out(store)
+    cut = _list_cut(store, store._sessions[victim.driver_connection])
+    _waits_for_the_ending(store, cut, victim, lambda: store._end_cut_sessions([cut]))
 
 
 def test_a_session_ended_by_another_caller_is_not_ended_again(store: Any) -> None:
@@ -184,3 +190,38 @@ def test_a_session_ended_by_another_caller_is_not_ended_again(store: Any) -> Non
     store._end_cut_sessions([cut])  # the retry of the cut one
     assert heard == ["ended"]
     victim.invalidate()
+
+
+def test_an_operation_over_leaves_its_cut_session_abandoned(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operation whose attempt was cut and which then gave up (here the database is unreachable, as far
+    as it knows) no longer waits for its session's ending: it marks the session abandoned, for whatever
+    operation comes next, which may be the same call made again."""
+    victim = _checked_out(store)
+
+    def cut_then_unreachable(flow: Any, readonly: bool, cuts: list[Any]) -> Any:
+        store._note_cut(victim.driver_connection, cuts)
+        raise permits.StorageUnavailable("the link stalled and no new one answers", url=store.url)
+
+    monkeypatch.setattr(store, "_attempt", cut_then_unreachable)
+    with pytest.raises(permits.StorageUnavailable):
+        store.list_semaphores("")
+    monkeypatch.undo()
+    try:
+        [cut] = store._cut
+        assert cut.abandoned and not cut.settled
+        store.list_semaphores("")  # the next operation ends it
+        assert cut.settled and store._cut == []
+        assert not _answers(victim), "the session is still there"
+    finally:
+        victim.invalidate()
+
+
+def test_every_operation_waits_for_an_abandoned_session(store: Any) -> None:
+    """Another caller is ending a session whose operation gave up. The next operation may be that call
+    made again with the same key, and it must not be answered while the cut request may still run: it
+    waits for that caller, whatever it is, and ends the session itself if that caller lets go without
+    having settled it."""
+    victim = _checked_out(store)
+    cut = _list_cut(store, store._sessions[victim.driver_connection])
+    cut.abandoned = True
+    _waits_for_the_ending(store, cut, victim, lambda: store.list_semaphores(""))

@@ -143,6 +143,9 @@ class _CutSession:
     ending: Any = dataclasses.field(default_factory=async_lock)
     #: ended, found gone, or given up: nothing more to do
     settled: bool = False
+    #: the operation whose attempt was cut is over (it gave up, or its answer came after all) and no longer
+    #: waits for the ending itself: a call again with its key, or any other, must (``_end_cut_sessions``)
+    abandoned: bool = False
 
 
 class AsyncSQLStore:
@@ -883,11 +886,26 @@ class AsyncSQLStore:
         concurrent write to its row is a serialization failure).
         """
         await self.open()
-        restarts = failures = 0
         if persist and deadline is None:
             deadline = monotonic() + PERSIST_SECONDS
-        first_flow, first_readonly = make_flow, readonly
         own_cuts: list[_CutSession] = []  # this operation's attempts that the reply deadline cut
+        try:
+            return await self._retrying(make_flow, readonly, deadline, persist, own_cuts)
+        finally:
+            for cut in own_cuts:
+                cut.abandoned = True
+
+    async def _retrying(
+        self,
+        make_flow: Callable[[], Flow[T]],
+        readonly: bool,
+        deadline: float | None,
+        persist: bool,
+        own_cuts: list[_CutSession],
+    ) -> T:
+        """``_run``'s loop; the attempts the reply deadline cuts are noted in ``own_cuts``."""
+        restarts = failures = 0
+        first_flow, first_readonly = make_flow, readonly
         while True:
             try:
                 if self._cut:
@@ -1007,14 +1025,15 @@ class AsyncSQLStore:
         """End the server sessions whose links the reply deadline cut (``_note_cut``), so that a retry is
         answered from a state the cut request can no longer change: what its link held then reaches a closed
         connection. An operation's retry waits for its own cut sessions (``own``), even while another caller
-        ends them: each end takes a few round trips, and a session that is slow to go up to a lock wait. Any
-        other listed session, one whose operation has given up say, it ends only if nobody is ending it
-        already, and it never waits on another caller's ending. A lost connection leaves the session listed
-        and goes to the caller's retry loop; a session that this connection's server does not have, or that
-        the server will not end, is given up with a warning (a load balancer may send each connection to
-        another node)."""
+        ends them: each end takes a few round trips, and a session that is slow to go up to a lock wait. So
+        does every operation for a session ``abandoned`` by its own, which may be the same call made again
+        (the store cannot tell: an idempotency key is inside the flow). A session whose operation is still
+        retrying is that operation's to wait for: another ends it only if nobody is ending it already, and
+        never waits on another caller's ending. A lost connection leaves the session listed and goes to the
+        caller's retry loop; a session that this connection's server does not have, or that the server will
+        not end, is given up with a warning (a load balancer may send each connection to another node)."""
         for cut in list(self._cut):
-            if cut in own:
+            if cut in own or cut.abandoned:
                 async with cut.ending:
                     if not cut.settled:
                         await self._end_session(cut)
