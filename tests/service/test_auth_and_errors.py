@@ -67,6 +67,7 @@ def _error(response: httpx.Response) -> tuple[int, str]:
         ("GET", "/v1/semaphores"),
         ("POST", "/v1/leases"),
         ("POST", "/v1/leases/release"),
+        ("POST", "/v1/leases/give-up"),
         ("GET", "/v1/leases/some-key"),
         ("GET", "/v1/holders/x"),
         ("DELETE", "/v1/semaphores/x"),
@@ -144,6 +145,25 @@ def test_a_client_reaches_only_its_own_leases(service: Service, ns: str) -> None
             alice.extend(lease, 30)
         assert lost.value.reason == "revoked"
         assert bob.release(his) == permits.ReleaseOutcome.RELEASED
+
+
+def test_a_client_gives_up_only_its_own_places(service: Service, ns: str) -> None:
+    """A place in a fair queue kept for a retry (``keep_place``) is under the identity's owner like a
+    lease: another token naming the same owner and key gives up nothing, and the place keeps its turn."""
+    name = f"{ns}fair"
+    with permits.connect(service.url, token=ADMIN) as admin, _http(service, ALICE) as alice, _http(service, BOB) as bob:
+        admin.create_semaphore(name, 1, fair=True)
+        held = admin.acquire(name, ttl=60)
+        asked = {"wants": {name: 1}, "key": f"{ns}k", "owner": "worker-1", "wait": 0.2, "keep_place": True}
+        assert _error(alice.post("/v1/leases", json=asked)) == (409, "acquire_timeout")
+        assert [w.owner for w in admin.waiters(name)] == [f"{ALICE_ID}/worker-1"]
+        ref = {"key": f"{ns}k", "owner": "worker-1"}
+        gave_up = bob.post("/v1/leases/give-up", json=ref)
+        assert gave_up.status_code == 200 and gave_up.json() == {"places": 0}, gave_up.text
+        assert [w.owner for w in admin.waiters(name)] == [f"{ALICE_ID}/worker-1"]
+        assert alice.post("/v1/leases/give-up", json=ref).json() == {"places": 1}
+        assert admin.waiters(name) == []
+        admin.release(held)
 
 
 def test_a_token_taken_out_of_the_config_is_refused_after_a_restart(servers: Any, ns: str) -> None:
