@@ -6,15 +6,17 @@ the embedded library to the service. Errors come back as ``{"error": {"code", "m
 and are raised as the class registered for ``code``: ``except permits.LeaseLost`` works the same either
 way.
 
-Retries: a dropped connection, a 503 and a conflict the service could not absorb are retried with backoff
-and jitter (honouring Retry-After), each time with the same request, so an acquire keeps its key and
-never grants twice.
+Retries: a dropped connection, a proxy's 502, 503 or 504, the service's 503 and a conflict it could not
+absorb are retried with backoff and jitter (honouring Retry-After), each time with the same request, so
+an acquire keeps its key and never grants twice. An acquire's resend asks only for what is left of its
+wait, and while it has wait left it keeps trying a service it cannot connect to (an instance restarting).
+A request that is not idempotent is sent again only after an answer that says it was not carried out.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -26,13 +28,16 @@ from permits._config import Settings
 from permits._exceptions import (
     AcquireTimeout,
     InvalidArgument,
+    LimitExceeded,
     PermitsError,
     ServiceError,
+    ServiceUnavailable,
+    StorageConflict,
     StorageUnavailable,
     UsageError,
     error_class,
 )
-from permits._io import sync_sleep
+from permits._io import sync_sleep, monotonic
 from permits._models import (
     CapacityChange,
     Drift,
@@ -52,6 +57,14 @@ RESPONSE_MARGIN = 30.0
 MAX_RETRY_AFTER = 5.0
 #: Transport failures that come before a request is sent: no connection was made, or none was free.
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+#: The service's refusals that say the request was not carried out: sent again even if not idempotent. (A
+#: conflict is one the service rolled back; ``storage_unavailable`` may come after a commit.)
+NOT_CARRIED_OUT = (ServiceUnavailable, LimitExceeded, StorageConflict)
+#: What a proxy in front of the service answers when it could not reach an instance, or got no answer from
+#: one in time: like a dropped connection, the request may or may not have reached the service.
+PROXY_FAILURES = frozenset({502, 503, 504})
+#: The longest pause between connection attempts of an acquire that still has wait left.
+MAX_RECONNECT_PAUSE = 1.0
 
 
 def path_part(value: str) -> str:
@@ -79,6 +92,8 @@ class HTTPStore:
         self._max_wait = 0.0
         #: whether the service keeps a timed-out request's place in a fair queue when asked (``keep_place``)
         self._keeps_places = False
+        #: whether this client ever asked to keep places: those may outlive an older instance's refusal
+        self._kept_places = False
 
     @property
     def url(self) -> str:
@@ -124,10 +139,16 @@ class HTTPStore:
         if wait > 0 and self._keeps_places:
             # The client asks again with this key until its own timeout, and then gives its places up
             # (``dequeue``): a wait longer than the service's max_wait keeps its place in a fair queue.
-            body["keep_place"] = True
+            body["keep_place"] = self._kept_places = True
+        deadline = monotonic() + wait
+
+        def asked_now() -> dict[str, Any]:
+            # A resend (after a dropped connection, a 503) waits only for what is left of the wait.
+            return {**body, "wait": round(max(0.0, deadline - monotonic()), 3) if wait > 0 else 0.0}
+
         while True:
             try:
-                data = self._call("POST", "/v1/leases", json=body, waits=wait)
+                data = self._call("POST", "/v1/leases", body=asked_now, deadline=deadline)
             except AcquireTimeout:
                 return None
             except InvalidArgument as exc:
@@ -143,7 +164,11 @@ class HTTPStore:
         return None  # the service hears of releases, not this client
 
     def wait_for_room(self, names: Sequence[str], seconds: float, since: int | None = None) -> bool:
-        """Nothing to wait for here: the service waited for room itself (a long poll) before it answered."""
+        """Nothing to wait for here: the service waited for room itself (a long poll) before it answered.
+        Unless it allows no wait (``max_wait`` 0): then the client sleeps here, or it would ask again at once
+        and for ever."""
+        if self._max_wait <= 0:
+            sync_sleep(seconds)
         return False
 
     def queues_in_line(self, wants: Sequence[Want]) -> bool:
@@ -173,8 +198,9 @@ class HTTPStore:
 
     def dequeue(self, owner: str, key: str) -> None:
         """Give up the places that the service kept for this request (``keep_place``). A service without
-        that feature gave them up when each wait ended."""
-        if self._keeps_places:
+        that feature gave them up when each wait ended; but one that has it may have kept some before an
+        older instance refused the field (a rolling upgrade), so the client gives up once it ever asked."""
+        if self._kept_places:
             self._call("POST", "/v1/leases/give-up", json={"key": key, "owner": owner})
 
     def waiters(self, name: str) -> list[Waiter]:
@@ -237,48 +263,97 @@ class HTTPStore:
 
     # --------------------------------------------------------------------------------------------- driver
 
-    def _call(self, method: str, path: str, *, waits: float = 0.0, idempotent: bool = True, **kwargs: Any) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Callable[[], dict[str, Any]] | None = None,
+        deadline: float | None = None,
+        idempotent: bool = True,
+        **kwargs: Any,
+    ) -> Any:
         """One request, retried on a dropped connection or a retryable refusal; returns the JSON body.
-        ``idempotent=False``: after a failure that may have come once the request was sent (the reply lost),
-        it is not sent again, and the caller learns that its outcome is unknown."""
+
+        ``body`` makes the JSON body anew for each send, and its ``wait`` (a long poll) extends the reply's
+        timeout. Until ``deadline`` (``monotonic()`` time; an acquire's end of wait) a service that cannot be
+        connected to is tried again past ``retries``, and pauses end there. ``idempotent=False``: after a
+        failure that may have come once the request was sent (the reply lost), it is not sent again, and
+        the caller learns that its outcome is unknown."""
         if self._closed:
             raise UsageError("this client is closed")
-        timeout = httpx.Timeout(RESPONSE_MARGIN + waits, connect=5.0)
         failures = 0
         while True:
+            sent = body() if body is not None else None
+            waits = float(sent.get("wait") or 0.0) if sent is not None else 0.0
+            timeout = httpx.Timeout(RESPONSE_MARGIN + waits, connect=5.0)
+            if sent is not None:
+                kwargs["json"] = sent
             try:
                 response = self._http.request(method, path, timeout=timeout, **kwargs)
             except httpx.TransportError as exc:
-                if not idempotent and not isinstance(exc, NOT_SENT):
+                not_sent = isinstance(exc, NOT_SENT)
+                if not idempotent and not not_sent:
                     raise StorageUnavailable(
                         f"permits service at {self.url} did not answer ({type(exc).__name__}: {exc}); the request"
                         " may have been carried out",
                         url=self.url,
                     ) from exc
-                if failures >= self._settings.retries:
+                waiting = not_sent and deadline is not None and monotonic() < deadline
+                if failures >= self._settings.retries and not waiting:
                     raise StorageUnavailable(
                         f"permits service unavailable at {self.url}: {type(exc).__name__}: {exc}", url=self.url
                     ) from exc
-                sync_sleep(RETRY_BACKOFF.delay(failures))
+                pause = RETRY_BACKOFF.delay(failures) if not waiting else min(MAX_RECONNECT_PAUSE, 0.05 * 2**failures)
+                sync_sleep(_within(pause, deadline))
                 failures += 1
                 continue
             if response.is_success:
                 return response.json()
             error = _error_from(response)
-            if not error.retryable or failures >= self._settings.retries or isinstance(error, AcquireTimeout):
+            if error is None:  # a proxy's failure page: the request may or may not have reached the service
+                if not idempotent:
+                    raise StorageUnavailable(
+                        f"a proxy in front of the permits service at {self.url} answered {response.status_code};"
+                        " the request may have been carried out",
+                        url=self.url,
+                    )
+                if failures >= self._settings.retries:
+                    raise StorageUnavailable(
+                        f"permits service unavailable at {self.url}: a proxy in front of it answered"
+                        f" {response.status_code}",
+                        url=self.url,
+                    )
+            elif (
+                not error.retryable
+                or failures >= self._settings.retries
+                or isinstance(error, AcquireTimeout)
+                or not (idempotent or isinstance(error, NOT_CARRIED_OUT))
+            ):
                 raise error
-            logger.debug("retrying after %s from the service", error.code)
-            sync_sleep(_retry_after(response) or RETRY_BACKOFF.delay(failures))
+            logger.debug("retrying after %s from the service", response.status_code if error is None else error.code)
+            sync_sleep(_within(_retry_after(response) or RETRY_BACKOFF.delay(failures), deadline))
             failures += 1
 
 
-def _error_from(response: httpx.Response) -> PermitsError:
-    """The exception the embedded library would have raised, from the service's error body."""
+def _within(pause: float, deadline: float | None) -> float:
+    """A pause before sending again, cut short at ``deadline`` (not below a short backoff, so that a
+    request past its deadline is still sent again once, and answered)."""
+    if deadline is None:
+        return pause
+    return min(pause, max(RETRY_BACKOFF.delay(0), deadline - monotonic()))
+
+
+def _error_from(response: httpx.Response) -> PermitsError | None:
+    """The exception the embedded library would have raised, from the service's error body; ``None`` for a
+    proxy's 502, 503 or 504 (no permits error body)."""
     try:
         error = response.json()["error"]
         code, message = str(error["code"]), str(error["message"])
         details = dict(error.get("details") or {})
     except (ValueError, KeyError, TypeError):
+        if response.status_code in PROXY_FAILURES:
+            return None
         return ServiceError(
             f"the service answered {response.status_code} without a permits error body",
             status=response.status_code,
