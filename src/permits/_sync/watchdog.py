@@ -6,8 +6,9 @@ It extends the lease about every ttl/3, on the database's clock. When an extend 
 ``on_lost`` is called with the reason, and in asyncio code the guarded task (the one that started the
 watchdog) is cancelled. A failed extend that is not a verdict (the database is unreachable) is retried
 until the lease's own expiry, as last measured by the database, has passed; then the lease is lost as
-``expired``. With ``max_hold``, extends stop making the lease outlive that many seconds from the start;
-it then runs out, and is reported lost with reason ``max_hold``.
+``expired``, at that moment, even while an extend still waits for its answer (a database that hangs holds
+the extend, not the verdict). With ``max_hold``, extends stop making the lease outlive that many seconds
+from the start; it then runs out, and is reported lost with reason ``max_hold``.
 
 The sync twin (generated) runs the same loop on a daemon thread; threads cannot be cancelled, so the sync
 holder learns of a loss through ``lost`` and ``on_lost``.
@@ -25,6 +26,7 @@ from permits._io import (
     sync_event,
     sync_interrupt,
     sync_join,
+    sync_mutex,
     sync_spawn,
     sync_wait,
     monotonic,
@@ -77,8 +79,10 @@ class Watchdog:
         self.lost = sync_event()
         self.reason: str | None = None
         self._stop = sync_event()
+        self._losing = sync_mutex()
         self._guarded: Any = None
         self._runner: Any = None
+        self._expiry: Any = None
         self._started = 0.0
         #: the last extend was cut short to end the lease at max_hold
         self._held_to_the_end = False
@@ -87,13 +91,15 @@ class Watchdog:
         self._started = monotonic()
         self._guarded = sync_current() if self._cancel else None
         self._runner = sync_spawn(self._run, "permits-watchdog")
+        self._expiry = sync_spawn(self._guard_expiry, "permits-watchdog-expiry")
         return self
 
     def stop(self) -> None:
         """Stop extending (the lease stays as it is; release it separately)."""
         self._stop.set()
-        if self._runner is not None:
-            sync_join(self._runner)
+        for runner in (self._runner, self._expiry):
+            if runner is not None:
+                sync_join(runner)
 
     def __enter__(self) -> Watchdog:
         return self.start()
@@ -119,7 +125,10 @@ class Watchdog:
                     return
             asked = monotonic()
             try:
-                self.lease = self._client.extend(self.lease, ttl)
+                extended = self._client.extend(self.lease, ttl)
+                if self.lost.is_set():
+                    return  # its answer came too late: the lease was given up for lost at its deadline
+                self.lease = extended
             except (LeaseLost, LeaseNotFound) as exc:
                 self._lose(str(exc.details.get("reason") or "not_found"), str(exc))
                 return
@@ -133,9 +142,27 @@ class Watchdog:
             self.deadline = asked + self.lease.expires_in
             self._held_to_the_end = ttl < self.ttl
 
+    def _guard_expiry(self) -> None:
+        """Lose the lease the moment its deadline passes without an extend, whatever the extending loop is
+        doing: an extend that waits for a hung database must not let the holder work on past the expiry
+        (say, a command that `permits run` protects, which gets its signal at the deadline). An extend that
+        succeeds moves the deadline on first."""
+        while not sync_wait(self._stop, self.deadline - monotonic()):
+            if self.lost.is_set():
+                return
+            if monotonic() >= self.deadline:
+                if self._held_to_the_end or (self.max_hold is not None and monotonic() >= self._started + self.max_hold):
+                    self._lose(MAX_HOLD, f"max_hold of {self.max_hold:g} s reached")
+                else:
+                    self._lose("expired", "not extended before it expired: the extend had no answer in time")
+                return
+
     def _lose(self, reason: str, message: str) -> None:
-        self.reason = reason
-        self.lost.set()
+        with self._losing:  # the extending loop and the expiry guard may both find it lost: say it once
+            if self.lost.is_set():
+                return
+            self.reason = reason
+            self.lost.set()
         logger.warning("lease %r lost: %s", self.lease.key, message)
         if self._on_lost is not None:
             try:
