@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ from permits._exceptions import (
     PermitsError,
     UsageError,
 )
+from permits._io import monotonic
 from permits._models import Want
 from permits._sync.client import Client
 
@@ -37,6 +39,9 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NOT_ACQUIRED = 75  # EX_TEMPFAIL: try again later
 EXIT_LEASE_LOST = 76
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+#: The signals ``permits run`` passes on to COMMAND, so a supervisor can stop it cleanly.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _db_option(fn: F) -> F:
@@ -328,6 +333,13 @@ def reconcile(repair: bool, db: str | None) -> None:
     show_default=True,
     help="Signal COMMAND gets when the lease is lost (NONE: let it finish; permits still exits 76).",
 )
+@click.option(
+    "--kill-after",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="SIGKILL COMMAND if it still runs this many seconds after its --on-lost-signal (-1: never).",
+)
 @_owner_option
 @_db_option
 def run(
@@ -338,6 +350,7 @@ def run(
     conflict_exit_code: int,
     max_hold: float | None,
     on_lost_signal: str,
+    kill_after: float,
     owner: str | None,
     db: str | None,
 ) -> None:
@@ -346,7 +359,9 @@ def run(
     Waits for the permits, runs COMMAND, keeps the lease alive with a watchdog (an extend every ttl/3),
     releases it when COMMAND ends and exits with COMMAND's status. If the lease is lost (revoked, released
     by maintenance, expired while the database was unreachable, or past --max-hold), COMMAND gets
-    --on-lost-signal at once and permits exits 76 when it ends.
+    --on-lost-signal at once, SIGKILL --kill-after seconds later if it still runs, and permits exits 76
+    when it ends. COMMAND finds its lease's key in $PERMITS_LEASE_KEY and its fencing token in
+    $PERMITS_FENCING_TOKEN (one semaphore) and $PERMITS_FENCING_TOKENS (JSON, by semaphore).
     """
     args = list(wants)
     if "--" in sys.argv:
@@ -357,47 +372,125 @@ def run(
         raise click.UsageError("put -- between the semaphores and the command: permits run NAME -- CMD")
     if not specs or not command:
         raise click.UsageError("permits run needs NAME[:COUNT]... -- COMMAND")
+    if unknown := [spec for spec in specs if spec.startswith("--")]:
+        # ignore_unknown_options lets a mistyped option through as a semaphore's name
+        raise click.UsageError(f"no such option: {unknown[0]}")
+    options = _RunOptions(
+        ttl=ttl,
+        timeout=timeout,
+        key=key,
+        conflict_exit_code=conflict_exit_code,
+        max_hold=max_hold,
+        on_lost_signal=on_lost_signal,
+        kill_after=None if kill_after < 0 else kill_after,
+    )
     with _client(db, owner) as client:
+        status, lost = _run_holding(client, parse_wants(tuple(specs)), command, options)
+    if lost:
+        sys.exit(EXIT_LEASE_LOST)
+    sys.exit(status if status >= 0 else 128 - status)
+
+
+@dataclass(frozen=True)
+class _RunOptions:
+    ttl: float
+    timeout: float | None
+    key: str | None
+    conflict_exit_code: int
+    max_hold: float | None
+    on_lost_signal: str
+    #: seconds from the loss signal to SIGKILL; None: never
+    kill_after: float | None
+
+
+def _run_holding(client: Client, wants: list[Want], command: list[str], options: _RunOptions) -> tuple[int, bool]:
+    """``permits run`` once its arguments are read: COMMAND's status, and whether the lease was lost."""
+    child: subprocess.Popen[bytes] | None = None
+    stopping: list[float] = []  # when COMMAND was sent its signal for a lost lease
+
+    def on_lost(why: str) -> None:
+        if options.on_lost_signal == "NONE":
+            click.echo(f"permits: lease lost while the command ran ({why})", err=True)
+            return
+        click.echo(f"permits: lease lost while the command ran ({why}); sending SIG{options.on_lost_signal}", err=True)
+        stopping.append(monotonic())
+        if child is not None and child.poll() is None:
+            child.send_signal(getattr(signal, f"SIG{options.on_lost_signal}"))
+
+    # The lease's own context manager: its watchdog counts the lease's deadline from the request that got
+    # it, and a Ctrl-C while waiting releases by key whatever the grant became.
+    held = client.lease(
+        wants, key=options.key, ttl=options.ttl, timeout=options.timeout, max_hold=options.max_hold, on_lost=on_lost
+    )
+    try:
+        lease = held.__enter__()
+    except AcquireTimeout as exc:
+        click.echo(f"permits: {exc}", err=True)
+        sys.exit(options.conflict_exit_code)
+    except KeyboardInterrupt:
+        click.echo("permits: interrupted while waiting for permits", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    try:
         try:
-            lease = client.acquire(parse_wants(tuple(specs)), key=key, ttl=ttl, timeout=timeout)
-        except AcquireTimeout as exc:
-            click.echo(f"permits: {exc}", err=True)
-            sys.exit(conflict_exit_code)
-        child: subprocess.Popen[bytes] | None = None
-        try:
-            child = subprocess.Popen(command)
+            child = subprocess.Popen(command, env={**os.environ, **_lease_environment(lease)})
         except OSError as exc:
-            client.release(lease)
             click.echo(f"permits: cannot run {command[0]!r}: {exc}", err=True)
-            sys.exit(127)
-
-        def on_lost(why: str) -> None:
-            if on_lost_signal == "NONE":
-                click.echo(f"permits: lease lost while the command ran ({why})", err=True)
-                return
-            click.echo(f"permits: lease lost while the command ran ({why}); sending SIG{on_lost_signal}", err=True)
-            if child is not None and child.poll() is None:
-                child.send_signal(getattr(signal, f"SIG{on_lost_signal}"))
-
-        # Pass on the signals a supervisor sends, so the command can stop cleanly; we release after it.
-        forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+            sys.exit(126 if isinstance(exc, PermissionError) else 127)
+        if held.lost and options.on_lost_signal != "NONE":  # lost before COMMAND started
+            child.send_signal(getattr(signal, f"SIG{options.on_lost_signal}"))
 
         def forward(signum: int, _frame: object) -> None:
-            if child is not None:
+            # A terminal's Ctrl-C (SIGINT) or hang-up (SIGHUP) reaches its whole foreground process group,
+            # COMMAND included: sent again, many commands would take it for a second Ctrl-C and skip their
+            # clean shutdown. Anything else (a supervisor's SIGTERM to this process) is passed on.
+            if child is not None and not (signum != signal.SIGTERM and _in_the_terminals_foreground()):
                 child.send_signal(signum)
 
-        previous = {s: signal.signal(s, forward) for s in forwarded}
-        watchdog = client.keepalive(lease, ttl=ttl, max_hold=max_hold, on_lost=on_lost)
+        previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
         try:
-            with watchdog:
-                status = child.wait()
+            status = _wait_for(child, stopping, options.kill_after)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            client.release(lease)
-    if watchdog.lost.is_set():
-        sys.exit(EXIT_LEASE_LOST)
-    sys.exit(status if status >= 0 else 128 - status)
+    finally:
+        try:
+            held.__exit__(None, None, None)
+        except PermitsError as exc:
+            # COMMAND has run: its status is the outcome. The lease runs out at its TTL instead.
+            click.echo(f"permits: could not release the lease (it expires at its TTL): {exc.code}: {exc}", err=True)
+    return status, held.lost
+
+
+def _wait_for(child: subprocess.Popen[bytes], stopping: list[float], kill_after: float | None) -> int:
+    """COMMAND's status. Once it was sent its signal for a lost lease, it has ``kill_after`` seconds to
+    end before SIGKILL: it must not work on unprotected."""
+    killed = False
+    while True:
+        try:
+            return child.wait(timeout=0.2)  # the watchdog's thread may send the signal at any time
+        except subprocess.TimeoutExpired:
+            if stopping and not killed and kill_after is not None and monotonic() - stopping[0] >= kill_after:
+                click.echo(f"permits: the command still ran {kill_after:g} s after its signal: SIGKILL", err=True)
+                child.kill()
+                killed = True
+
+
+def _lease_environment(lease: permits.Lease) -> dict[str, str]:
+    """What COMMAND learns of its lease: the key, and the fencing tokens to hand the resources it writes."""
+    tokens = {name: str(token) for name, token in lease.tokens.items()}
+    environment = {"PERMITS_LEASE_KEY": lease.key, "PERMITS_FENCING_TOKENS": json.dumps(tokens, ensure_ascii=False)}
+    if len(tokens) == 1:
+        environment["PERMITS_FENCING_TOKEN"] = next(iter(tokens.values()))
+    return environment
+
+
+def _in_the_terminals_foreground() -> bool:
+    """Whether this process is in the foreground process group of its controlling terminal."""
+    try:
+        with open("/dev/tty", "rb", buffering=0) as tty:
+            return os.tcgetpgrp(tty.fileno()) == os.getpgrp()
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------------------------------------- service

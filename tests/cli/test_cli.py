@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import signal
 import subprocess
 import sys
 import time
@@ -184,3 +186,138 @@ def test_run_max_hold_signals_the_command_and_exits_76(db_url: str, ns: str) -> 
     assert time.monotonic() - started < 15
     with permits.connect(db_url) as client:
         assert client.get_semaphore(name).used == 0
+
+
+def _wait_until_held(db_url: str, name: str, used: int = 1) -> None:
+    with permits.connect(db_url) as client:
+        deadline = time.monotonic() + 20
+        while client.get_semaphore(name).used < used:
+            assert time.monotonic() < deadline, "permits run never acquired"
+            time.sleep(0.05)
+
+
+def test_run_tells_the_command_its_lease_key_and_fencing_token(db_url: str, ns: str, tmp_path: Path) -> None:
+    name, seen = f"{ns}cron", tmp_path / "env.json"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    code = (
+        "import json, os; names = ('PERMITS_LEASE_KEY', 'PERMITS_FENCING_TOKEN', 'PERMITS_FENCING_TOKENS');"
+        f" open({str(seen)!r}, 'w').write(json.dumps({{n: os.environ.get(n) for n in names}}))"
+    )
+    _permits(db_url, "run", name, "--key", f"{ns}job", "--", sys.executable, "-c", code)
+    env = json.loads(seen.read_text())
+    with permits.connect(db_url, owner="cli-tests") as client:
+        token = client.get_lease(f"{ns}job").tokens[name]
+    assert env["PERMITS_LEASE_KEY"] == f"{ns}job"
+    assert env["PERMITS_FENCING_TOKEN"] == str(token)
+    assert json.loads(env["PERMITS_FENCING_TOKENS"]) == {name: str(token)}
+
+
+def test_run_kills_a_command_that_ignores_its_signal_for_a_lost_lease(db_url: str, ns: str) -> None:
+    """The command must not work on unprotected: one that ignores SIGTERM is killed --kill-after later."""
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    run = ["run", name, "--ttl", "3", "--kill-after", "1", "--", sys.executable, "-c", stubborn]
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "permits", *run],
+        env={**os.environ, "PERMITS_DATABASE_URL": db_url},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_until_held(db_url, name)
+    with permits.connect(db_url) as client:
+        assert client.delete_semaphore(name, force=True) == 1  # an administrator revokes it
+    revoked = time.monotonic()
+    assert holder.wait(timeout=30) == 76
+    assert time.monotonic() - revoked < 15
+    assert holder.stderr is not None and "SIGKILL" in holder.stderr.read()
+
+
+def test_run_keeps_the_commands_status_when_the_release_fails(db_url: str, backend: str, ns: str) -> None:
+    """The command ran and exited 3; then the database could not be reached to release. Its status is
+    still the outcome (a retrying scheduler must not run a finished job again), with a warning; the lease
+    runs out at its TTL."""
+    if backend == "sqlite":
+        pytest.skip("the database is cut through a TCP proxy")
+    from tests._proxy import CuttingProxy
+
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    with CuttingProxy.before(db_url) as proxy:
+        holder = subprocess.Popen(
+            [sys.executable, "-m", "permits", "run", name, "--ttl", "30", "--", "sh", "-c", "sleep 2; exit 3"],
+            env={**os.environ, "PERMITS_DATABASE_URL": proxy.url_for(db_url)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        _wait_until_held(db_url, name)
+        proxy.close()  # refuses new connections and cuts the open ones
+        assert holder.wait(timeout=60) == 3
+    assert holder.stderr is not None and "could not release the lease" in holder.stderr.read()
+    with permits.connect(db_url) as client:
+        assert client.get_semaphore(name).used == 1  # held until its TTL
+
+
+def test_run_interrupted_while_waiting_exits_130_and_holds_nothing(db_url: str, ns: str) -> None:
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    with permits.connect(db_url, owner="other") as client:
+        held = client.acquire(name, ttl=60)
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "permits", "run", name, "--key", f"{ns}job", "--", "true"],
+            env={**os.environ, "PERMITS_DATABASE_URL": db_url, "PERMITS_OWNER": "cli-tests"},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(2)  # waiting for room by now
+        waiting.send_signal(signal.SIGINT)
+        assert waiting.wait(timeout=30) == 130
+        assert waiting.stderr is not None and "interrupted" in waiting.stderr.read()
+        client.release(held)
+        with pytest.raises(permits.LeaseNotFound):
+            client.get_lease(f"{ns}job", owner="cli-tests")
+        assert client.get_semaphore(name).used == 0
+
+
+def test_run_a_mistyped_option_is_a_usage_error_not_a_semaphore(db_url: str) -> None:
+    done = _permits(db_url, "run", "x", "--tll", "5", "--", "true", check=False)
+    assert done.returncode == 2 and "no such option: --tll" in done.stderr
+
+
+def test_a_ctrl_c_at_the_terminal_reaches_the_command_once(db_url: str, ns: str) -> None:
+    """The terminal sends Ctrl-C's SIGINT to its whole foreground process group, the command included:
+    `permits run` must not send it again, or the command takes it for a second Ctrl-C (terraform, docker
+    compose and many services then skip their clean shutdown)."""
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    counter = (
+        "import signal, sys, time\n"
+        "heard = []\n"
+        "signal.signal(signal.SIGINT, lambda *a: heard.append(1))\n"
+        "print('ready', flush=True)\n"
+        "while not heard: time.sleep(0.01)\n"
+        "time.sleep(1.0)\n"
+        "print('heard', len(heard), flush=True)\n"
+    )
+    env = {**os.environ, "PERMITS_DATABASE_URL": db_url}
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: a session of its own, with the pty as its controlling terminal
+        command = [sys.executable, "-m", "permits", "run", name, "--", sys.executable, "-c", counter]
+        os.execve(sys.executable, command, env)
+    output = b""
+    deadline = time.monotonic() + 30
+    while b"ready" not in output:
+        assert time.monotonic() < deadline, output
+        output += os.read(terminal, 1024)
+    os.write(terminal, b"\x03")  # Ctrl-C
+    while True:
+        try:
+            chunk = os.read(terminal, 1024)
+        except OSError:  # EIO: the session has ended
+            break
+        if not chunk:
+            break
+        output += chunk
+    _, status = os.waitpid(pid, 0)
+    assert b"heard 1" in output, output
+    assert os.waitstatus_to_exitcode(status) == 0, output
