@@ -47,6 +47,7 @@ from permits._exceptions import ServiceUnavailable
 from permits._io import monotonic
 from permits._models import Lease, ReleaseOutcome, Want
 from permits._pacing import RECHECK_SECONDS
+from permits.server.gone import first_of, has_gone, raise_if_gone
 from permits.server.prelock import PreLock, Waker
 from permits.stores.base import AsyncStore
 
@@ -212,22 +213,27 @@ class HandOff:
             )
             if twin is not None:
                 twin.deadline = max(twin.deadline, monotonic() + seconds)
-                done, _ = await asyncio.wait({twin.future}, timeout=seconds)
-                if not done and (twin.attempting or twin.alone):
+                await first_of({twin.future}, seconds)
+                if not twin.future.done() and (twin.attempting or (twin.alone and not has_gone())):
                     # As its own waiter would (below): the attempt under way decides. Shielded: the future is
                     # the request's own, and this retry's cancellation must not end it.
                     await asyncio.wait({asyncio.shield(twin.future)})
                 lease = twin.future.result() if twin.future.done() and not twin.future.cancelled() else None
-                return lease if lease is not None or twin.rechecked_at is not None else await self._ask_last(twin)
+                if lease is None and twin.rechecked_at is None:
+                    raise_if_gone()
+                    lease = await self._ask_last(twin)
+                return lease
             ticket = _Ticket(owner, key, want, ttl_ms, monotonic() + seconds, rechecked_at)
             if first:
                 line.room.set()  # nobody waits for room: there may be some
             line.tickets.append(ticket)
             self._start(want.name, line)
             try:
-                done, _ = await asyncio.wait({ticket.future}, timeout=seconds)
-                if not done and (ticket.attempting or ticket.alone):
-                    # Granted or not, the attempt in flight, or the one a turn left it to make, is its answer.
+                # Until the answer, the time is up, or the client goes away (gone.py).
+                await first_of({ticket.future}, seconds)
+                if not ticket.future.done() and (ticket.attempting or (ticket.alone and not has_gone())):
+                    # Granted or not, the attempt in flight, or the one a turn left it to make, is its answer;
+                    # for a client that has gone, only one in flight: nobody needs the other's answer.
                     await ticket.future
                 lease = ticket.future.result() if ticket.future.done() else None
                 if lease is not None or ticket.rechecked_at is not None:
@@ -241,6 +247,7 @@ class HandOff:
                             line.tickets.remove(ticket)
                 elif not ticket.future.cancelled():
                     ticket.future.exception()  # an answer that came as this waiter left: mark it seen
+        raise_if_gone()
         return await self._ask_last(ticket)
 
     async def _ask_last(self, ticket: _Ticket) -> Lease | None:

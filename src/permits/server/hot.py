@@ -35,7 +35,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from permits._exceptions import PermitsError
-from permits.server import errors, routes, schemas
+from permits.server import errors, gone, routes, schemas
 from permits.server.auth import Identity
 from permits.server.state import ServiceState
 
@@ -49,6 +49,8 @@ class _HotRoute:
     status: int
     #: the framework's route for the same path: the access log and the metrics name the request by it
     path: str
+    #: a request that waits for room stops when its client goes away (gone.py)
+    watches: bool = False
 
 
 class HotRoutes:
@@ -62,10 +64,10 @@ class HotRoutes:
         posts = errors.leaf_routes(fastapi_app.router.routes)
         found = {r.path for r in posts if isinstance(r, APIRoute) and r.methods == {"POST"}}
         self._routes: dict[str, _HotRoute] = {
-            path: _HotRoute(model, handler, status, path)
-            for path, model, handler, status in (
-                ("/v1/leases", schemas.AcquireIn, routes.acquire_lease, 201),
-                ("/v1/leases/release", schemas.LeaseRefIn, routes.release_lease, 200),
+            path: _HotRoute(model, handler, status, path, watches)
+            for path, model, handler, status, watches in (
+                ("/v1/leases", schemas.AcquireIn, routes.acquire_lease, 201, True),
+                ("/v1/leases/release", schemas.LeaseRefIn, routes.release_lease, 200, False),
             )
         }
         assert set(self._routes) <= found, "the hot routes must be the framework's routes too"
@@ -93,7 +95,8 @@ class HotRoutes:
             return
         response: JSONResponse
         try:
-            response = JSONResponse(await hot.handler(given, identity, self.state), status_code=hot.status)
+            async with gone.watching_if(hot.watches and bool(getattr(given, "wait", None)), receive):
+                response = JSONResponse(await hot.handler(given, identity, self.state), status_code=hot.status)
         except PermitsError as exc:
             response = errors.permits_error_response(self.state.metrics, exc)
         except Exception as exc:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from permits._exceptions import LimitExceeded, ServiceUnavailable
 from permits._io import monotonic
 from permits._models import CapacityChange, Lease, ReleaseOutcome, Want
+from permits.server.gone import first_of, raise_if_gone
 from permits.stores.base import AsyncStore
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ class Waker:
             draining = asyncio.ensure_future(self.draining.wait())
             woken = asyncio.ensure_future(event.wait())
             try:
-                await asyncio.wait({draining, woken}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+                await first_of({draining, woken}, seconds)
             finally:
                 draining.cancel()
                 woken.cancel()
@@ -148,6 +149,7 @@ class Waker:
                     self.unwatch(name, event)
         if self.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
+        raise_if_gone()
         return event.is_set()
 
     def notify_all(self) -> None:
@@ -206,6 +208,7 @@ class InstanceStore:
     ) -> Lease | None:
         if self.waker.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
+        raise_if_gone()  # a new attempt for a client that has gone could only grant a lease nobody gets
         names = [w.name for w in wants]
         started = monotonic()
         # A request for one permit of one semaphore that is not fair waits in this instance's line. A fair

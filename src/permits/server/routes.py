@@ -28,7 +28,7 @@ from permits._exceptions import (
 )
 from permits._io import monotonic
 from permits._models import Lease
-from permits.server import admin, schemas
+from permits.server import admin, gone, schemas
 from permits.server.auth import Identity
 from permits.server.state import ServiceState
 
@@ -159,13 +159,15 @@ async def whoami(identity: Caller, state: State) -> dict[str, Any]:
 
 
 @router.post("/leases", status_code=201, response_model=schemas.LeaseOut, responses=_ERRORS, tags=["leases"])
-async def acquire(body: schemas.AcquireIn, identity: Caller, state: State) -> JSONResponse:
+async def acquire(body: schemas.AcquireIn, identity: Caller, state: State, request: Request) -> JSONResponse:
     """Take every wanted permit or none, waiting up to ``wait`` seconds for room.
 
     201 with the lease; 409 ``acquire_timeout`` when there was no room within the wait. A retry with the
-    same ``key`` returns the same lease and never grants twice.
+    same ``key`` returns the same lease and never grants twice. A request whose client closes the connection
+    stops waiting (and is not granted afterwards).
     """
-    return JSONResponse(await acquire_lease(body, identity, state), status_code=201)
+    async with gone.watching_if(bool(body.wait), request.receive):
+        return JSONResponse(await acquire_lease(body, identity, state), status_code=201)
 
 
 async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: ServiceState) -> dict[str, Any]:
@@ -200,8 +202,8 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
                 raise AcquireTimeout(f"no room for {described}", key=key, timeout=0.0)
             lease = found
         outcome = "granted"
-    except AcquireTimeout:
-        outcome = "refused" if wait == 0 else "timeout"
+    except AcquireTimeout as exc:
+        outcome = "refused" if wait == 0 else "gone" if isinstance(exc, gone.ClientGone) else "timeout"
         if wait > 0 and not body.keep_place:
             # The request is over: its place in a fair queue goes now, not when it expires (PLACE_MS). A
             # stream of requests that time out would otherwise keep a dead place at the head of the queue,
