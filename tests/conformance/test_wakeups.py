@@ -277,7 +277,12 @@ def test_a_mark_that_finds_the_row_locked_is_tried_again(pg_url: str, ns: str, s
                 break
             time.sleep(0.05)
         assert until > now
-        time.sleep(1.5)  # the waiters' backoff is at its cap by now
+        # Both waiters listen for their semaphore's release by now: the one held up by the locked row made
+        # its attempt once the row was let go, and a loaded machine may take a while over it.
+        deadline = time.monotonic() + 10
+        while {locked, free} - set(listener._waiting) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert {locked, free} <= set(listener._waiting)
         for lease, (thread, granted) in zip(held, waits, strict=True):
             released = time.monotonic()
             holder.release(lease)

@@ -40,7 +40,6 @@ from permits._io import (
     async_event,
     async_join,
     async_mutex,
-    async_sleep,
     async_spawn,
     async_wait,
     monotonic,
@@ -144,10 +143,12 @@ class AsyncRoomListener:
             if since is not None and sum(self._called.get(name, 0) for name in names) > since:
                 waiter.event.set()  # called while the waiter was still asking
         try:
-            if await self._listening():
-                return bool(await async_wait(waiter.event, seconds))
-            await async_sleep(seconds)
-            return False
+            # On the event even when not listening yet: another waiter may be connecting the listener just
+            # now (``_listening`` says no meanwhile), and once it runs it wakes this waiter too. A plain
+            # sleep here left a waiter deaf for its whole delay (tests/conformance/test_wakeups.py, under
+            # load). Where no listener comes up, nothing sets the event, and this is the sleep.
+            await self._listening()
+            return bool(await async_wait(waiter.event, seconds))
         finally:
             with self._mutex:
                 for name in names:

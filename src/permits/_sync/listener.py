@@ -41,7 +41,6 @@ from permits._io import (
     sync_event,
     sync_join,
     sync_mutex,
-    sync_sleep,
     sync_spawn,
     sync_wait,
     monotonic,
@@ -145,10 +144,12 @@ class RoomListener:
             if since is not None and sum(self._called.get(name, 0) for name in names) > since:
                 waiter.event.set()  # called while the waiter was still asking
         try:
-            if self._listening():
-                return bool(sync_wait(waiter.event, seconds))
-            sync_sleep(seconds)
-            return False
+            # On the event even when not listening yet: another waiter may be connecting the listener just
+            # now (``_listening`` says no meanwhile), and once it runs it wakes this waiter too. A plain
+            # sleep here left a waiter deaf for its whole delay (tests/conformance/test_wakeups.py, under
+            # load). Where no listener comes up, nothing sets the event, and this is the sleep.
+            self._listening()
+            return bool(sync_wait(waiter.event, seconds))
         finally:
             with self._mutex:
                 for name in names:

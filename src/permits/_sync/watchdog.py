@@ -151,7 +151,9 @@ class Watchdog:
             if self.lost.is_set():
                 return
             if monotonic() >= self.deadline:
-                if self._held_to_the_end or (self.max_hold is not None and monotonic() >= self._started + self.max_hold):
+                if self._held_to_the_end or (
+                    self.max_hold is not None and monotonic() >= self._started + self.max_hold
+                ):
                     self._lose(MAX_HOLD, f"max_hold of {self.max_hold:g} s reached")
                 else:
                     self._lose("expired", "not extended before it expired: the extend had no answer in time")

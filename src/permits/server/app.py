@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import permits
-from permits._exceptions import PermitsError, RequestTooLarge
+from permits._exceptions import PermitsError, RequestTooLarge, ServiceUnavailable
 from permits.server import auth, dashboard, errors, routes, schemas, stats
 from permits.server.config import ServerConfig
 from permits.server.hot import HotRoutes, replaying
@@ -93,7 +93,9 @@ def create_app(
     async def readyz() -> JSONResponse:
         """The database answers and the instance is not shutting down (readiness)."""
         if state.waker.draining.is_set():
-            return JSONResponse({"status": "shutting_down"}, status_code=503, headers={"Retry-After": "1"})
+            # An error body like every other refusal: a client's ping() raises ServiceUnavailable, not a
+            # generic error (nor takes the 503 for a proxy's).
+            return errors.error_response(ServiceUnavailable("this instance is shutting down", limit="shutdown"))
         try:
             await state.client.ping()
         except PermitsError as exc:
