@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -30,24 +30,34 @@ def service(
         yield svc
 
 
-def _ask_and_leave(service: Service, body: dict[str, Any], after: float) -> None:
-    """Send an acquire, then close the connection ``after`` seconds later without reading the answer."""
+def _ask_and_leave(service: Service, body: dict[str, Any], waiting: Callable[[], bool] | None = None) -> None:
+    """Send an acquire, and close the connection without reading the answer once the service has the
+    request waiting (on a loaded machine it may take a while to read it): once ``waiting()``, by default
+    once this instance counts one more request waiting for room (a fair queue's waiters on PostgreSQL wait
+    for the database's call instead, and are not counted there)."""
     host, port = service.url.removeprefix("http://").split(":")
     payload = json.dumps(body).encode()
+    before = _metric(service, "permits_waiters") or 0.0
+    waiting = waiting or (lambda: (_metric(service, "permits_waiters") or 0.0) > before)
     with socket.create_connection((host, int(port))) as conn:
         conn.sendall(
             b"POST /v1/leases HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(payload)}\r\n\r\n".encode()
             + payload
         )
-        time.sleep(after)
+        assert wait_until(waiting, timeout=20)
+        time.sleep(0.3)
+
+
+def _metric(service: Service, line_start: str) -> float | None:
+    for line in httpx.get(f"{service.url}/metrics").text.splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.split()[1])
+    return None
 
 
 def _gone_count(service: Service) -> float:
-    for line in httpx.get(f"{service.url}/metrics").text.splitlines():
-        if line.startswith('permits_acquire_total{outcome="gone"}'):
-            return float(line.split()[1])
-    return 0.0
+    return _metric(service, 'permits_acquire_total{outcome="gone"}') or 0.0
 
 
 @pytest.mark.parametrize("shape", ["one", "two", "fair"])
@@ -64,7 +74,8 @@ def test_a_request_whose_client_left_is_not_granted_afterwards(service: Service,
         held = holder.acquire(dict.fromkeys(names, 1), ttl=60)
         before = _gone_count(service)
         body = {"wants": dict.fromkeys(names, 1), "key": key, "owner": "w", "ttl": 60, "wait": 20}
-        _ask_and_leave(service, body, after=1.0)
+        in_queue = (lambda: holder.waiters(names[0]) != []) if shape == "fair" else None
+        _ask_and_leave(service, body, in_queue)
         assert wait_until(lambda: _gone_count(service) > before, timeout=10), "the request did not stop waiting"
         assert holder.waiters(names[0]) == []  # a fair queue's place went with it
         holder.release(held)
@@ -84,7 +95,7 @@ def test_a_client_that_asks_again_keeps_what_its_retry_was_given(service: Servic
         holder.create_semaphore(name, 1)
         held = holder.acquire(name, ttl=60)
         body = {"wants": {name: 1}, "key": key, "owner": "w", "ttl": 60, "wait": 20}
-        _ask_and_leave(service, body, after=0.5)
+        _ask_and_leave(service, body)
         with httpx.Client(base_url=service.url, timeout=30) as http:
             holder.release(held)
             again = http.post("/v1/leases", json=body)

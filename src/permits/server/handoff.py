@@ -119,6 +119,14 @@ class _Line:
     room_left: int | None = None
 
 
+async def _attempt_decides_if_gone(ticket: _Ticket) -> None:
+    """For a request whose client has gone (gone.py): let the line's attempt in flight for it end, whose
+    grant is then its answer, and no more. Not its future, which a refusal leaves pending: the ticket stays
+    at the head until its deadline."""
+    while has_gone() and ticket.attempting and not ticket.future.done():
+        await asyncio.sleep(0.005)
+
+
 class HandOff:
     """Lines of waiting single-semaphore acquires, one per semaphore, each served by one task."""
 
@@ -214,6 +222,7 @@ class HandOff:
             if twin is not None:
                 twin.deadline = max(twin.deadline, monotonic() + seconds)
                 await first_of({twin.future}, seconds)
+                await _attempt_decides_if_gone(twin)
                 if not twin.future.done() and (twin.attempting or (twin.alone and not has_gone())):
                     # As its own waiter would (below): the attempt under way decides. Shielded: the future is
                     # the request's own, and this retry's cancellation must not end it.
@@ -231,6 +240,7 @@ class HandOff:
             try:
                 # Until the answer, the time is up, or the client goes away (gone.py).
                 await first_of({ticket.future}, seconds)
+                await _attempt_decides_if_gone(ticket)
                 if not ticket.future.done() and (ticket.attempting or (ticket.alone and not has_gone())):
                     # Granted or not, the attempt in flight, or the one a turn left it to make, is its answer;
                     # for a client that has gone, only one in flight: nobody needs the other's answer.
