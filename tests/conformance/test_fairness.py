@@ -7,6 +7,10 @@ loses its place within PLACE_MS.
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -143,6 +147,58 @@ def test_a_waiter_that_stops_asking_loses_its_place(client_url: str, ns: str, vi
             wait_until(lambda: holder.waiters(name) == [], timeout=PLACE_MS / 1000 + 3)
         holder.release(held)
         assert holder.try_acquire(name) is not None
+
+
+def test_a_cancelled_waiter_gives_its_place_up_at_once(client_url: str, ns: str) -> None:
+    """An asyncio waiter cancelled while it waits (its caller's own timeout, a shutdown) gives its place in
+    the fair queue up as a timeout does, not when the place lapses (PLACE_MS) with every waiter behind it
+    held up meanwhile. Through the service, the request's connection closes and the client gives the place
+    up (``/v1/leases/give-up``)."""
+    name = f"{ns}fair"
+
+    async def scenario() -> float:
+        async with (
+            permits.connect_async(client_url, owner=f"{ns}holder") as holder,
+            permits.connect_async(client_url, owner=f"{ns}w") as waiter,
+        ):
+            await holder.create_semaphore(name, 1, fair=True)
+            held = await holder.acquire(name, ttl=60)
+            task = asyncio.create_task(waiter.acquire(name, ttl=30, timeout=20))
+            while not await holder.waiters(name):
+                await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            cancelled = time.monotonic()
+            while await holder.waiters(name) and time.monotonic() - cancelled < PLACE_MS / 1000 + 3:
+                await asyncio.sleep(0.02)
+            gone_after = time.monotonic() - cancelled
+            await holder.release(held)
+            return gone_after
+
+    assert asyncio.run(scenario()) < 1.5
+
+
+def test_a_waiter_interrupted_by_ctrl_c_gives_its_place_up_at_once(client_url: str, ns: str) -> None:
+    """The sync client's twin of the test above: a process whose waiting acquire gets SIGINT."""
+    name = f"{ns}fair"
+    code = (
+        "import sys, permits\n"
+        "with permits.connect(sys.argv[1], owner=sys.argv[3]) as client:\n"
+        "    client.acquire(sys.argv[2], ttl=30, timeout=20)\n"
+    )
+    with permits.connect(client_url, owner=f"{ns}holder") as holder:
+        holder.create_semaphore(name, 1, fair=True)
+        held = holder.acquire(name, ttl=60)
+        waiting = subprocess.Popen(
+            [sys.executable, "-c", code, client_url, name, f"{ns}w"], stderr=subprocess.PIPE, text=True
+        )
+        assert wait_until(lambda: holder.waiters(name) != [], timeout=20)
+        waiting.send_signal(signal.SIGINT)
+        assert waiting.wait(timeout=20) != 0
+        assert waiting.stderr is not None and "KeyboardInterrupt" in waiting.stderr.read()
+        assert holder.waiters(name) == []  # at once, not PLACE_MS later
+        holder.release(held)
 
 
 def test_waiters_of_an_unknown_semaphore(client_url: str, ns: str) -> None:

@@ -166,54 +166,62 @@ class AsyncClient:
         pacer = WaitPacer(lost_races=lost_races, quiet_until=quiet_until)
         # Whether the next attempt waits for its turn in the server's lock queue (see _pacing).
         in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
-        while True:
-            wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
-            conflict: StorageConflict | None = None
-            # Read before the attempt: a call that arrives while the attempt runs then still counts.
-            calls = self._store.wake_calls(names)
-            asked = monotonic()
-            try:
-                lease = await self._store.try_acquire(
-                    owner_, key_, wants_, ttl_ms, wait, recheck=pacer.recheck_due(monotonic()), in_line=in_line
-                )
-            except StorageConflict as exc:
-                # Lock contention that outlasted the store's retries (a holder frozen inside its
-                # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
-                lease, conflict = None, exc
-                pacer.force_recheck()
-            if lease is not None:
-                pacer.granted()
+        try:
+            while True:
+                wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
+                conflict: StorageConflict | None = None
+                # Read before the attempt: a call that arrives while the attempt runs then still counts.
+                calls = self._store.wake_calls(names)
+                asked = monotonic()
+                try:
+                    lease = await self._store.try_acquire(
+                        owner_, key_, wants_, ttl_ms, wait, recheck=pacer.recheck_due(monotonic()), in_line=in_line
+                    )
+                except StorageConflict as exc:
+                    # Lock contention that outlasted the store's retries (a holder frozen inside its
+                    # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
+                    lease, conflict = None, exc
+                    pacer.force_recheck()
+                if lease is not None:
+                    pacer.granted()
+                    self._remember_contention(contended, pacer)
+                    return lease, asked
+                pacer.refused(monotonic(), self._store.queue_short(owner_, key_))
                 self._remember_contention(contended, pacer)
-                return lease, asked
-            pacer.refused(monotonic(), self._store.queue_short(owner_, key_))
-            self._remember_contention(contended, pacer)
-            # A request whose place in a fair queue will be called when its turn comes sleeps until then.
-            called = calls is not None and pacer.waits_turn() and self._store.place_called(owner_, key_)
-            delay, listen = (CALLED_MAX_SLEEP, True) if called else pacer.next_sleep(monotonic())
-            remaining = None if deadline is None else deadline - monotonic()
-            if remaining is not None:
-                if remaining <= 0:
-                    # Stop waiting for good: give up the places in fair queues now rather than at expiry.
-                    with contextlib.suppress(PermitsError):
-                        await self._store.dequeue(owner_, key_)
-                    described = ", ".join(f"{w.name}:{w.count}" for w in wants_)
-                    raise AcquireTimeout(
-                        f"no room for {described} within {limit} s", key=key_, owner=owner_, timeout=limit
-                    ) from conflict
-                delay = min(delay, remaining)
-            # Where the server has a lock queue for it, ask again at once, in that queue (see _pacing).
-            in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
-            if in_line:
-                continue
-            if not listen:
-                await async_sleep(delay)
-            elif await self._store.wait_for_room(names, delay, calls if called else None):
-                spread = pacer.woken(called=called)
-                if deadline is not None:
-                    spread = min(spread, max(0.0, deadline - monotonic()))
-                if spread > 0:
-                    await async_sleep(spread)
-            in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
+                # A request whose place in a fair queue will be called when its turn comes sleeps until then.
+                called = calls is not None and pacer.waits_turn() and self._store.place_called(owner_, key_)
+                delay, listen = (CALLED_MAX_SLEEP, True) if called else pacer.next_sleep(monotonic())
+                remaining = None if deadline is None else deadline - monotonic()
+                if remaining is not None:
+                    if remaining <= 0:
+                        # Stop waiting for good: give up the places in fair queues now rather than at expiry.
+                        with contextlib.suppress(PermitsError):
+                            await self._store.dequeue(owner_, key_)
+                        described = ", ".join(f"{w.name}:{w.count}" for w in wants_)
+                        raise AcquireTimeout(
+                            f"no room for {described} within {limit} s", key=key_, owner=owner_, timeout=limit
+                        ) from conflict
+                    delay = min(delay, remaining)
+                # Where the server has a lock queue for it, ask again at once, in that queue (see _pacing).
+                in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
+                if in_line:
+                    continue
+                if not listen:
+                    await async_sleep(delay)
+                elif await self._store.wait_for_room(names, delay, calls if called else None):
+                    spread = pacer.woken(called=called)
+                    if deadline is not None:
+                        spread = min(spread, max(0.0, deadline - monotonic()))
+                    if spread > 0:
+                        await async_sleep(spread)
+                in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                # Cancelled, or Ctrl-C, while waiting: give up the places in fair queues now, as a timeout
+                # does, not when they lapse (5 s, holding up every waiter behind them meanwhile).
+                with contextlib.suppress(Exception):
+                    await self._store.dequeue(owner_, key_)
+            raise
 
     def _remember_contention(self, contended: tuple[str, ...], pacer: WaitPacer) -> None:
         """Keep how contended a set of semaphores is across acquires, so each new waiter does not learn it

@@ -253,8 +253,15 @@ class InstanceStore:
         return self._inner.place_called(owner, key)
 
     async def wait_for_room(self, names: Sequence[str], seconds: float, since: int | None = None) -> bool:
-        if since is not None:
-            return await self._inner.wait_for_room(names, seconds, since)
+        if since is not None:  # the database calls this request when its turn comes: wait for that call
+            heard = asyncio.ensure_future(self._inner.wait_for_room(names, seconds, since))
+            try:
+                await first_of({heard}, seconds)  # or the client going away (gone.py)
+            finally:
+                if not heard.done():
+                    heard.cancel()
+            raise_if_gone()
+            return heard.done() and not heard.cancelled() and bool(heard.result())
         return await self.waker.wait(names, seconds)
 
     async def dequeue(self, owner: str, key: str) -> None:

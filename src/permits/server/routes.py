@@ -204,10 +204,12 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
         outcome = "granted"
     except AcquireTimeout as exc:
         outcome = "refused" if wait == 0 else "gone" if isinstance(exc, gone.ClientGone) else "timeout"
-        if wait > 0 and not body.keep_place:
+        if wait > 0 and (not body.keep_place or outcome == "gone"):
             # The request is over: its place in a fair queue goes now, not when it expires (PLACE_MS). A
             # stream of requests that time out would otherwise keep a dead place at the head of the queue,
             # and every live waiter behind it would time out in turn (tests/service/test_fair_places.py).
+            # A client that went away gets no 409 to ask again after, so it keeps no place either: its
+            # give-up may have come before this request's last attempt renewed the place.
             with contextlib.suppress(PermitsError):
                 await state.sql_store.dequeue(owner, key)
         raise
