@@ -108,6 +108,16 @@ def running(db_url: str, **options: Any) -> Iterator[Service]:
         service.stop()
 
 
+def metric(service: Service, name: str) -> float | None:
+    """The value of one sample on the service's ``/metrics``, by its name and labels as written there."""
+    import httpx
+
+    for line in httpx.get(f"{service.url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
 def wait_until(check: Any, timeout: float = 20.0, interval: float = 0.05) -> Any:
     deadline = time.monotonic() + timeout
     while True:

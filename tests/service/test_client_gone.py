@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 import permits
-from tests._service import Service, module_db_url, running, wait_until
+from tests._service import Service, metric, module_db_url, running, wait_until
 
 pytestmark = pytest.mark.usefixtures("servers")
 
@@ -37,8 +37,8 @@ def _ask_and_leave(service: Service, body: dict[str, Any], waiting: Callable[[],
     for the database's call instead, and are not counted there)."""
     host, port = service.url.removeprefix("http://").split(":")
     payload = json.dumps(body).encode()
-    before = _metric(service, "permits_waiters") or 0.0
-    waiting = waiting or (lambda: (_metric(service, "permits_waiters") or 0.0) > before)
+    before = metric(service, "permits_waiters") or 0.0
+    waiting = waiting or (lambda: (metric(service, "permits_waiters") or 0.0) > before)
     with socket.create_connection((host, int(port))) as conn:
         conn.sendall(
             b"POST /v1/leases HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -49,15 +49,8 @@ def _ask_and_leave(service: Service, body: dict[str, Any], waiting: Callable[[],
         time.sleep(0.3)
 
 
-def _metric(service: Service, line_start: str) -> float | None:
-    for line in httpx.get(f"{service.url}/metrics").text.splitlines():
-        if line.startswith(line_start + " "):
-            return float(line.split()[1])
-    return None
-
-
 def _gone_count(service: Service) -> float:
-    return _metric(service, 'permits_acquire_total{outcome="gone"}') or 0.0
+    return metric(service, 'permits_acquire_total{outcome="gone"}') or 0.0
 
 
 @pytest.mark.parametrize("shape", ["one", "two", "fair"])

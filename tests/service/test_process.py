@@ -19,7 +19,7 @@ import pytest
 import permits
 from tests._children import run_take_turns
 from tests._proxy import CuttingProxy
-from tests._service import Service, running, wait_until
+from tests._service import Service, metric, running, wait_until
 
 
 def test_shutdown_answers_waiters_and_lets_requests_finish(sqlite_url: str, ns: str) -> None:
@@ -36,7 +36,7 @@ def test_shutdown_answers_waiters_and_lets_requests_finish(sqlite_url: str, ns: 
 
             waiter = threading.Thread(target=wait_for_room)
             waiter.start()
-            wait_until(lambda: _metric(service, "permits_waiters") == 1)
+            wait_until(lambda: metric(service, "permits_waiters") == 1)
             asked_at = time.monotonic()
             service.process.terminate()
             waiter.join(20)
@@ -186,13 +186,6 @@ def test_waiters_on_a_mutex_take_turns_through_the_service(db_url: str, ns: str)
     assert jain >= 0.9, (jain, results)
 
 
-def _metric(service: Service, name: str) -> float | None:
-    for line in httpx.get(f"{service.url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
-
-
 def test_serve_without_a_database_says_so_and_exits(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "permits", "serve", "--db", "mysql://root@127.0.0.1:1/nothing", "--port", "0"],
@@ -216,15 +209,15 @@ def test_metrics_count_what_happened(sqlite_url: str, ns: str) -> None:
             with pytest.raises(permits.AcquireTimeout):
                 client.acquire(f"{ns}m", timeout=0.3)
             client.release(held)
-        wait_until(lambda: _metric(service, f'permits_semaphore_leases{{semaphore="{ns}m"}}') == 1.0, timeout=15)
-        assert _metric(service, 'permits_acquire_total{outcome="granted"}') == 2
-        assert _metric(service, 'permits_acquire_total{outcome="refused"}') == 1
-        assert (_metric(service, 'permits_acquire_total{outcome="timeout"}') or 0) >= 1
-        assert _metric(service, 'permits_release_total{outcome="released"}') == 1
-        assert _metric(service, "permits_hold_seconds_count") == 1
-        assert _metric(service, f'permits_semaphore_capacity{{semaphore="{ns}m"}}') == 2
-        assert _metric(service, f'permits_semaphore_used{{semaphore="{ns}m"}}') == 1
-        assert _metric(service, 'permits_http_requests_total{route="/v1/leases",status="201"}') == 2
+        wait_until(lambda: metric(service, f'permits_semaphore_leases{{semaphore="{ns}m"}}') == 1.0, timeout=15)
+        assert metric(service, 'permits_acquire_total{outcome="granted"}') == 2
+        assert metric(service, 'permits_acquire_total{outcome="refused"}') == 1
+        assert (metric(service, 'permits_acquire_total{outcome="timeout"}') or 0) >= 1
+        assert metric(service, 'permits_release_total{outcome="released"}') == 1
+        assert metric(service, "permits_hold_seconds_count") == 1
+        assert metric(service, f'permits_semaphore_capacity{{semaphore="{ns}m"}}') == 2
+        assert metric(service, f'permits_semaphore_used{{semaphore="{ns}m"}}') == 1
+        assert metric(service, 'permits_http_requests_total{route="/v1/leases",status="201"}') == 2
 
 
 def test_the_printed_url_answers_with_the_dashboard(sqlite_url: str, ns: str) -> None:
