@@ -8,7 +8,9 @@ lease was lost while the command ran.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
 import os
 import signal
 import subprocess
@@ -42,6 +44,7 @@ EXIT_LEASE_LOST = 76
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 #: The signals ``permits run`` passes on to COMMAND, so a supervisor can stop it cleanly.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
 
 def _db_option(fn: F) -> F:
@@ -311,8 +314,36 @@ def reconcile(repair: bool, db: str | None) -> None:
 # ---------------------------------------------------------------------------------------------- run
 
 
-@main.command(context_settings={"ignore_unknown_options": True})
-@click.argument("wants", nargs=-1, required=True, metavar="NAME[:COUNT]... -- COMMAND [ARGS]...")
+class _RunCommand(click.Command):
+    """``permits run``'s parser: everything after the first ``--`` is COMMAND, kept whole.
+
+    click would read COMMAND's own options (``sh -c``, ``rsync --delete``) as ours, and it drops the
+    ``--`` itself, so the split is made here, on the arguments this command was given, before click
+    parses the rest: the same whether they came from the shell or from ``main([...])`` in Python.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            at = args.index("--")
+            ctx.meta["permits.run.command"] = args[at + 1 :]
+            args = args[:at]
+        return super().parse_args(ctx, args)
+
+
+def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> float | None:
+    """--kill-after in seconds, None for never (-1). Anything else that is not a finite, non-negative
+    number of seconds is a usage error: a NaN would never compare as due, and the command would keep
+    running on a lost lease."""
+    if value == -1:
+        return None
+    if not math.isfinite(value) or value < 0:
+        raise click.BadParameter(f"{value:g} is not a number of seconds >= 0, or -1 for never")
+    return value
+
+
+@main.command(cls=_RunCommand)
+@click.argument("wants", nargs=-1, metavar="NAME[:COUNT]... -- COMMAND [ARGS]...")
+@click.pass_context
 @click.option("--ttl", type=float, default=60.0, show_default=True, help="Lease TTL; renewed every ttl/3.")
 @click.option("--timeout", type=float, default=None, help="Seconds to wait for room (default: for ever).")
 @click.option("--key", default=None, help="Idempotency key (default: a new one).")
@@ -339,10 +370,12 @@ def reconcile(repair: bool, db: str | None) -> None:
     default=10.0,
     show_default=True,
     help="SIGKILL COMMAND if it still runs this many seconds after its --on-lost-signal (-1: never).",
+    callback=_kill_after,
 )
 @_owner_option
 @_db_option
 def run(
+    ctx: click.Context,
     wants: tuple[str, ...],
     ttl: float,
     timeout: float | None,
@@ -350,7 +383,7 @@ def run(
     conflict_exit_code: int,
     max_hold: float | None,
     on_lost_signal: str,
-    kill_after: float,
+    kill_after: float | None,
     owner: str | None,
     db: str | None,
 ) -> None:
@@ -363,18 +396,12 @@ def run(
     when it ends. COMMAND finds its lease's key in $PERMITS_LEASE_KEY and its fencing token in
     $PERMITS_FENCING_TOKEN (one semaphore) and $PERMITS_FENCING_TOKENS (JSON, by semaphore).
     """
-    args = list(wants)
-    if "--" in sys.argv:
-        # click drops the "--": everything after the last want is the command. Find where it was.
-        after = sys.argv[sys.argv.index("--") + 1 :]
-        specs, command = args[: len(args) - len(after)], after
-    else:
+    command: list[str] | None = ctx.meta.get("permits.run.command")
+    if command is None:
         raise click.UsageError("put -- between the semaphores and the command: permits run NAME -- CMD")
+    specs = list(wants)
     if not specs or not command:
         raise click.UsageError("permits run needs NAME[:COUNT]... -- COMMAND")
-    if unknown := [spec for spec in specs if spec.startswith("--")]:
-        # ignore_unknown_options lets a mistyped option through as a semaphore's name
-        raise click.UsageError(f"no such option: {unknown[0]}")
     options = _RunOptions(
         ttl=ttl,
         timeout=timeout,
@@ -382,7 +409,7 @@ def run(
         conflict_exit_code=conflict_exit_code,
         max_hold=max_hold,
         on_lost_signal=on_lost_signal,
-        kill_after=None if kill_after < 0 else kill_after,
+        kill_after=kill_after,
     )
     with _client(db, owner) as client:
         status, lost = _run_holding(client, parse_wants(tuple(specs)), command, options)
@@ -432,7 +459,9 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
         sys.exit(EXIT_INTERRUPTED)
     try:
         try:
-            child = subprocess.Popen(command, env={**os.environ, **_lease_environment(lease)})
+            child = subprocess.Popen(
+                command, env={**os.environ, **_lease_environment(lease)}, preexec_fn=_die_with_this_process()
+            )
         except OSError as exc:
             click.echo(f"permits: cannot run {command[0]!r}: {exc}", err=True)
             sys.exit(126 if isinstance(exc, PermissionError) else 127)
@@ -482,6 +511,27 @@ def _lease_environment(lease: permits.Lease) -> dict[str, str]:
     if len(tokens) == 1:
         environment["PERMITS_FENCING_TOKEN"] = next(iter(tokens.values()))
     return environment
+
+
+def _die_with_this_process() -> Callable[[], None] | None:
+    """What COMMAND's process runs before exec, on Linux: a SIGKILL for it the moment this process dies.
+
+    Killed outright (SIGKILL, the OOM killer), ``permits run`` can neither keep the lease alive nor
+    stop COMMAND, which would go on working unprotected once the lease expired. The kernel's
+    parent-death signal ends it instead. It is tied to the thread that started COMMAND, the main thread,
+    which lives as long as the process does. Elsewhere, COMMAND outlives a killed ``permits run``.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: after fork, only the call is made
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # this process died between the fork and the prctl
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return arm
 
 
 def _in_the_terminals_foreground() -> bool:

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 import permits
+import permits.cli
 
 
 def _permits(db_url: str, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -281,7 +283,65 @@ def test_run_interrupted_while_waiting_exits_130_and_holds_nothing(db_url: str, 
 
 def test_run_a_mistyped_option_is_a_usage_error_not_a_semaphore(db_url: str) -> None:
     done = _permits(db_url, "run", "x", "--tll", "5", "--", "true", check=False)
-    assert done.returncode == 2 and "no such option: --tll" in done.stderr
+    assert done.returncode == 2 and "no such option" in done.stderr.lower() and "--tll" in done.stderr
+
+
+@pytest.mark.parametrize("value", ["nan", "-2", "inf", "soon"])
+def test_run_kill_after_must_be_seconds_or_minus_one(db_url: str, ns: str, value: str) -> None:
+    """A NaN never compares as due: the command would keep running on a lost lease."""
+    done = _permits(db_url, "run", f"{ns}x", "--kill-after", value, "--", "true", check=False)
+    assert done.returncode == 2 and "--kill-after" in done.stderr and "Traceback" not in done.stderr
+    with permits.connect(db_url) as client:
+        assert client.list_semaphores(prefix=ns) == []  # nothing was created or held
+
+
+def test_run_from_python_splits_at_its_own_arguments(db_url: str, ns: str, tmp_path: Path) -> None:
+    """``main([...])`` from a Python program: the ``--`` is looked for in the arguments given, not in
+    the Python program's own command line."""
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    marker = tmp_path / "ran"
+    code = f"import sys; open({str(marker)!r}, 'w').write(sys.argv[1]); sys.exit(4)"
+    done = CliRunner().invoke(
+        permits.cli.main, ["run", name, "--db", db_url, "--", sys.executable, "-c", code, "--verbose"]
+    )
+    assert done.exit_code == 4, done.output
+    assert marker.read_text() == "--verbose"  # COMMAND's own options stay COMMAND's
+    with permits.connect(db_url) as client:
+        assert client.get_semaphore(name).used == 0
+
+
+def test_a_killed_permits_run_takes_its_command_with_it(db_url: str, ns: str, tmp_path: Path) -> None:
+    """SIGKILL (or the OOM killer) leaves no one to keep the lease alive or stop the command: the kernel's
+    parent-death signal ends the command, so it cannot go on working once the lease expires."""
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "permits", "run", name, "--ttl", "30", "--", sys.executable, "-c", code],
+        env={**os.environ, "PERMITS_DATABASE_URL": db_url},
+    )
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+    command = int(pid_file.read_text())
+    holder.kill()
+    holder.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _is_running(command):
+        assert time.monotonic() < deadline, "the command outlived a killed permits run"
+        time.sleep(0.05)
+
+
+def _is_running(pid: int) -> bool:
+    """Whether ``pid`` still runs: gone, or a zombie waiting for whoever adopted it to reap it, is not."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_ctrl_c_at_the_terminal_reaches_the_command_once(db_url: str, ns: str) -> None:
