@@ -120,13 +120,15 @@ def ttl_ms(value: object) -> int:
     return math.ceil(round(seconds * 1000, 6))
 
 
-def timeout(value: object) -> float | None:
-    """``None`` waits for ever; otherwise a number of seconds >= 0."""
+def timeout(value: object, field: str = "timeout") -> float | None:
+    """``None`` waits for ever; otherwise a number of seconds >= 0. ``field`` names the argument in the
+    error (``max_hold`` is a span of seconds too)."""
     if value is None:
         return None
-    seconds = _seconds(value, "timeout", "a timeout")
+    what = "a timeout" if field == "timeout" else field
+    seconds = _seconds(value, field, what)
     if seconds < 0:
-        raise InvalidArgument(f"a timeout must not be negative, got {seconds}", field="timeout")
+        raise InvalidArgument(f"{what} must not be negative, got {seconds}", field=field)
     return seconds
 
 

@@ -165,3 +165,13 @@ def test_a_lease_is_lost_at_its_deadline_while_an_extend_waits_for_an_answer(
             assert when - got <= ttl + 0.3, when - got
         holder.dispose()
         assert len(lost) == 1
+
+
+@pytest.mark.parametrize("max_hold", [-1, float("nan"), "10"])
+def test_a_bad_max_hold_is_named_and_nothing_is_held(client_url: str, ns: str, max_hold: Any) -> None:
+    with permits.connect(client_url, owner=f"{ns}w") as client:
+        client.create_semaphore(f"{ns}s", 1)
+        with pytest.raises(permits.InvalidArgument) as raised:
+            client.lease(f"{ns}s", ttl=5, max_hold=max_hold)
+        assert raised.value.details["field"] == "max_hold" and "max_hold" in str(raised.value)
+        assert client.get_semaphore(f"{ns}s").used == 0

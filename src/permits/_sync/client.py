@@ -251,7 +251,7 @@ class Client:
         while the block runs (see ``keepalive()``; ``max_hold`` and ``on_lost`` go to it), and the block's
         task is cancelled if the lease is lost; ``held.lost`` tells a sync holder."""
         owner_, key_, wants_, ttl_ = self._request(wants, key, owner, ttl)
-        hold = None if max_hold is None else _validate.timeout(max_hold)
+        hold = None if max_hold is None else _validate.timeout(max_hold, "max_hold")
         watch = _Watch(keepalive or hold is not None or on_lost is not None, hold, on_lost)
         return Held(self, wants_, key_, owner_, ttl_ / 1000, _validate.timeout(timeout), watch)
 
@@ -295,7 +295,7 @@ class Client:
         if not isinstance(lease, Lease):
             raise _validate.InvalidArgument("keepalive takes the Lease that acquire returned", field="lease")
         ttl_ = None if ttl is None else _validate.ttl_ms(ttl) / 1000
-        hold = None if max_hold is None else _validate.timeout(max_hold)
+        hold = None if max_hold is None else _validate.timeout(max_hold, "max_hold")
         return Watchdog(self, lease, ttl=ttl_, max_hold=hold, on_lost=on_lost)
 
     def release(self, lease: Lease | str, *, owner: str | None = None) -> ReleaseOutcome:
