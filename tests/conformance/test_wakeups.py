@@ -288,3 +288,27 @@ def test_a_mark_that_finds_the_row_locked_is_tried_again(pg_url: str, ns: str, s
             holder.release(lease)
             thread.join(30)
             assert granted and granted[0] - released < HEARD_WITHIN, granted[0] - released
+
+
+def test_a_listener_that_breaks_wakes_its_waiters(pg_url: str, ns: str) -> None:
+    """What a broken LISTEN connection would have heard is lost: its waiters must ask again now, not sleep
+    out a delay chosen on the promise of a notification."""
+    import psycopg
+
+    with permits.connect(pg_url, owner=f"{ns}w") as client:
+        listener = client._store._listener  # type: ignore[attr-defined]
+        assert listener.start()
+        woken: list[tuple[bool, float]] = []
+        thread = threading.Thread(target=lambda: woken.append((listener.wait([f"{ns}s"], 20), time.monotonic())))
+        thread.start()
+        deadline = time.monotonic() + 5
+        while f"{ns}s" not in listener._subscribed:  # the waiter is in, and its channel LISTENed
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        backend = listener._connection.info.backend_pid
+        with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql"), autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (backend,))
+        broken = time.monotonic()
+        thread.join(30)
+    assert woken and woken[0][0] is True
+    assert woken[0][1] - broken < HEARD_WITHIN, woken[0][1] - broken

@@ -131,7 +131,9 @@ class AsyncRoomListener:
 
     async def wait(self, names: Sequence[str], seconds: float, since: int | None = None) -> bool:
         """Return when one of ``names`` got permits back (True), or after ``seconds`` (False). With
-        ``since`` (from ``called``), wait for a call on the wake channel instead, counting from ``since``."""
+        ``since`` (from ``called``), wait for a call on the wake channel instead, counting from ``since``.
+        Also True when the listener stops (its connection broke, or it was closed): what it would have
+        heard meanwhile is lost, so the waiter should ask again."""
         waiter = _Waiter(async_event(), names, since)
         with self._mutex:
             for name in names:
@@ -268,5 +270,11 @@ class AsyncRoomListener:
             with self._mutex:
                 self._runner = None
                 self._wake_subscribed = False
+                # Whatever was released or called while the connection was going is unheard: every waiter
+                # asks again now, and from then on polls (or waits for the listener that reconnects),
+                # rather than sleep out a delay chosen on the promise of a notification.
+                deaf = {waiter for waiters in self._waiting.values() for waiter in waiters}
+            for waiter in deaf:
+                waiter.event.set()
             with contextlib.suppress(psycopg.Error):
                 await self._connection.close()
