@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,3 +122,30 @@ def test_a_schema_newer_than_this_code_is_refused_by_name_and_left_alone(fresh_u
     with engine.connect() as conn:
         assert conn.execute(text("SELECT version_num FROM permits_alembic_version")).scalar_one() == "0999"
     engine.dispose()
+
+
+def test_an_upgrade_behind_a_long_transaction_gives_up_in_bounded_time(fresh_url: str, backend: str) -> None:
+    """An ALTER TABLE waits for every transaction that has read the table, and while it waits, the
+    server queues every new statement on that table behind it: one forgotten open transaction (an
+    operator's console) and an upgrade would stall every permits client. Its lock wait is bounded like a
+    row lock's (``lock_wait_timeout``): the upgrade gives up with a retryable error, changes nothing, and
+    succeeds once the table is free. (MariaDB's own bound on metadata locks is a year by default.)"""
+    if backend == "sqlite":
+        pytest.skip("SQLite's write lock is bounded by its busy timeout, tested with the store")
+    _migrate(fresh_url, "0005")  # 0006 adds a column to permits_semaphore
+    blocker_engine = create_engine(make_url(fresh_url))
+    try:
+        with blocker_engine.connect() as blocker:
+            blocker.execute(text("SELECT COUNT(*) FROM permits_semaphore")).scalar_one()  # and stays open
+            client = permits.connect(fresh_url, lock_wait_timeout=1, retries=1)
+            started = time.monotonic()
+            with pytest.raises(permits.StorageConflict):
+                client.upgrade_schema()
+            assert time.monotonic() - started < 20
+            with blocker_engine.connect() as reader:  # nothing changed
+                assert reader.execute(text("SELECT version_num FROM permits_alembic_version")).scalar_one() == "0005"
+            blocker.rollback()
+        assert client.upgrade_schema() == _schema.head()
+        client.close()
+    finally:
+        blocker_engine.dispose()

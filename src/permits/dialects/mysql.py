@@ -306,7 +306,10 @@ class MariaDB(Dialect):
         return None  # SEM_TAKE answers with the token alone (there is no UPDATE ... RETURNING)
 
     def engine_options(self, lock_wait_timeout: float, pooler: str | None = None) -> dict[str, Any]:
-        # Waiting long on a row lock only holds a connection: fail fast and let the retry loop back off.
+        # Waiting long on a row lock only holds a connection: fail fast and let the retry loop back off. The
+        # same for a table's metadata lock (lock_wait_timeout, a year by default): an upgrade's ALTER TABLE
+        # that waits for it behind an open transaction queues every later statement on the table behind
+        # itself, and would stall every client until that transaction ended.
         seconds = max(1, round(lock_wait_timeout))
         # A client frozen or cut off inside a transaction would keep its row locks until wait_timeout (8
         # hours by default): MariaDB ends such a transaction after IDLE_IN_TRANSACTION_SECONDS instead. The
@@ -315,7 +318,8 @@ class MariaDB(Dialect):
         return {
             "connect_args": {
                 "client_flag": _FOUND_ROWS | _MULTI_STATEMENTS,
-                "init_command": f"SET SESSION innodb_lock_wait_timeout = {seconds}, time_zone = '+00:00'"
+                "init_command": f"SET SESSION innodb_lock_wait_timeout = {seconds}, lock_wait_timeout = {seconds},"
+                " time_zone = '+00:00'"
                 f" /*M!100300 , idle_transaction_timeout = {idle} */",
                 "connect_timeout": 5,
             },
