@@ -17,7 +17,7 @@ import pytest
 
 import permits
 from tests._children import spawn
-from tests._service import Service, module_db_url, running
+from tests._service import Service, metric, module_db_url, running
 
 pytestmark = pytest.mark.usefixtures("servers")
 
@@ -83,6 +83,38 @@ def test_the_python_client_keeps_its_place_past_max_wait_and_gives_it_up_at_its_
             client.acquire(full, key=f"{ns}k", ttl=30, timeout=2.5)
         assert time.monotonic() - began >= 2.4
         assert _waiting(http, full) == []
+
+
+def test_a_409_says_whether_the_service_kept_a_place(service: Service, full: str, ns: str) -> None:
+    with permits.connect(service.url, owner=f"{ns}h") as holder, httpx.Client(base_url=service.url) as http:
+        holder.create_semaphore(f"{ns}plain", 1)
+        lease = holder.acquire(f"{ns}plain", ttl=60)
+        for name, kept in ((full, True), (f"{ns}plain", False)):
+            asked = {"wants": {name: 1}, "key": f"{ns}k-{kept}", "wait": 0.3, "keep_place": True}
+            response = http.post("/v1/leases", json=asked)
+            assert response.status_code == 409, response.text
+            assert response.json()["error"]["details"]["kept_place"] is kept
+        holder.release(lease)
+
+
+def test_the_python_client_gives_up_only_a_place_that_was_kept(service: Service, full: str, ns: str) -> None:
+    """A give-up is a request and a write on the database: after a timeout on a plain semaphore, which
+    keeps no places, the client does not send one."""
+
+    def give_ups() -> float:
+        return metric(service, 'permits_http_requests_total{route="/v1/leases/give-up",status="200"}') or 0.0
+
+    with permits.connect(service.url, owner=f"{ns}w") as client:
+        client.create_semaphore(f"{ns}plain", 1)
+        lease = client.acquire(f"{ns}plain", ttl=60)
+        before = give_ups()
+        with pytest.raises(permits.AcquireTimeout):
+            client.acquire(f"{ns}plain", ttl=30, timeout=0.3)
+        assert give_ups() == before
+        with pytest.raises(permits.AcquireTimeout):
+            client.acquire(full, ttl=30, timeout=0.3)
+        assert give_ups() == before + 1
+        client.release(lease)
 
 
 def test_a_stream_of_impatient_clients_does_not_stall_the_queue(service: Service, ns: str, tmp_path: Path) -> None:

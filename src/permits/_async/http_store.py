@@ -64,6 +64,8 @@ NOT_CARRIED_OUT = (ServiceUnavailable, LimitExceeded, StorageConflict)
 PROXY_FAILURES = frozenset({502, 503, 504})
 #: The longest pause between connection attempts of an acquire that still has wait left.
 MAX_RECONNECT_PAUSE = 1.0
+#: At most this many requests known to hold no place are remembered (a grant or a give-up forgets one).
+MAX_PLACELESS = 10_000
 
 
 def path_part(value: str) -> str:
@@ -93,6 +95,9 @@ class AsyncHTTPStore:
         self._keeps_places = False
         #: whether this client ever asked to keep places: those may outlive an older instance's refusal
         self._kept_places = False
+        #: (owner, key) of requests whose last 409 said that the service kept no place for them (a plain
+        #: semaphore's, say): their give-up would find nothing, so it is not sent
+        self._placeless: set[tuple[str, str]] = set()
 
     @property
     def url(self) -> str:
@@ -148,7 +153,15 @@ class AsyncHTTPStore:
         while True:
             try:
                 data = await self._call("POST", "/v1/leases", body=asked_now, deadline=deadline)
-            except AcquireTimeout:
+            except AcquireTimeout as exc:
+                if body.get("keep_place"):
+                    # A service that does not say (an older version) may have kept one: give it up.
+                    if exc.details.get("kept_place") is False:
+                        if len(self._placeless) >= MAX_PLACELESS:
+                            self._placeless.clear()  # at worst, a give-up that finds nothing
+                        self._placeless.add((owner, key))
+                    else:
+                        self._placeless.discard((owner, key))
                 return None
             except InvalidArgument as exc:
                 if not (body.pop("keep_place", False) and exc.details.get("field") == "keep_place"):
@@ -157,6 +170,7 @@ class AsyncHTTPStore:
                 # upgrade): it knows no keep_place. Ask again without it, and from now on.
                 self._keeps_places = False
                 continue
+            self._placeless.discard((owner, key))
             return _wire.lease_in(data)
 
     def wake_calls(self, names: Sequence[str]) -> int | None:
@@ -199,7 +213,9 @@ class AsyncHTTPStore:
         """Give up the places that the service kept for this request (``keep_place``). A service without
         that feature gave them up when each wait ended; but one that has it may have kept some before an
         older instance refused the field (a rolling upgrade), so the client gives up once it ever asked."""
-        if self._kept_places:
+        if (owner, key) in self._placeless:
+            self._placeless.discard((owner, key))
+        elif self._kept_places:
             await self._call("POST", "/v1/leases/give-up", json={"key": key, "owner": owner})
 
     async def waiters(self, name: str) -> list[Waiter]:

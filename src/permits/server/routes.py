@@ -212,6 +212,10 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
             # give-up may have come before this request's last attempt renewed the place.
             with contextlib.suppress(PermitsError):
                 await state.sql_store.dequeue(owner, key)
+        elif wait > 0 and outcome == "timeout":
+            # Kept: say whether there is a place at all (a plain semaphore has none), so that a client that
+            # stops waiting sends its give-up, a request and a write, only when there is one to give up.
+            exc.details["kept_place"] = state.sql_store.queue_short(owner, key) is not None
         raise
     except IdempotencyConflict:
         outcome = "conflict"
