@@ -28,6 +28,7 @@ from permits._exceptions import (
     AcquireTimeout,
     ConfigurationError,
     InvalidArgument,
+    LeaseNotFound,
     PermitsError,
     UsageError,
 )
@@ -91,7 +92,7 @@ def parse_wants(specs: tuple[str, ...]) -> list[Want]:
     wants = []
     for spec in specs:
         name, sep, count = spec.rpartition(":")
-        if sep and count.isdigit() and name:
+        if sep and count.isascii() and count.isdigit() and name:  # not "²" or "٣", which int() reads oddly
             wants.append(Want(name, int(count)))
         else:
             wants.append(Want(spec, 1))
@@ -330,6 +331,13 @@ class _RunCommand(click.Command):
         return super().parse_args(ctx, args)
 
 
+def _seconds(value: float) -> float:
+    """A finite, non-negative number of seconds, or a usage error."""
+    if not math.isfinite(value) or value < 0:
+        raise click.BadParameter(f"{value:g} is not a number of seconds >= 0")
+    return value
+
+
 def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> float | None:
     """--kill-after in seconds, None for never (-1). Anything else that is not a finite, non-negative
     number of seconds is a usage error: a NaN would never compare as due, and the command would keep
@@ -349,7 +357,7 @@ def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> f
 @click.option("--key", default=None, help="Idempotency key (default: a new one).")
 @click.option(
     "--conflict-exit-code",
-    type=int,
+    type=click.IntRange(0, 255),
     default=EXIT_NOT_ACQUIRED,
     show_default=True,
     help="Exit status when no permit could be had within --timeout.",
@@ -444,24 +452,28 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
         if child is not None and child.poll() is None:
             child.send_signal(getattr(signal, f"SIG{options.on_lost_signal}"))
 
+    if options.key is not None:
+        _refuse_a_held_key(client, options.key, options.conflict_exit_code)
     # The lease's own context manager: its watchdog counts the lease's deadline from the request that got
     # it, and a Ctrl-C while waiting releases by key whatever the grant became.
     held = client.lease(
         wants, key=options.key, ttl=options.ttl, timeout=options.timeout, max_hold=options.max_hold, on_lost=on_lost
     )
     try:
-        lease = held.__enter__()
+        with _stopped_by(signal.SIGTERM, signal.SIGHUP):
+            lease = held.__enter__()
     except AcquireTimeout as exc:
         click.echo(f"permits: {exc}", err=True)
         sys.exit(options.conflict_exit_code)
     except KeyboardInterrupt:
         click.echo("permits: interrupted while waiting for permits", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    except _Stopped as stopped:
+        click.echo(f"permits: stopped by {signal.Signals(stopped.signum).name} while waiting for permits", err=True)
+        sys.exit(128 + stopped.signum)
     try:
         try:
-            child = subprocess.Popen(
-                command, env={**os.environ, **_lease_environment(lease)}, preexec_fn=_die_with_this_process()
-            )
+            child = subprocess.Popen(command, env=_command_environment(lease), preexec_fn=_die_with_this_process())
         except OSError as exc:
             click.echo(f"permits: cannot run {command[0]!r}: {exc}", err=True)
             sys.exit(126 if isinstance(exc, PermissionError) else 127)
@@ -490,6 +502,48 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
     return status, held.lost
 
 
+class _Stopped(BaseException):
+    """A signal to stop came while ``permits run`` waited for its permits. A BaseException, like the
+    KeyboardInterrupt of a Ctrl-C, so that the lease's context manager releases by key whatever the
+    grant became, before ``permits run`` exits."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _stopped_by(*signums: signal.Signals) -> Iterator[None]:
+    """Turn ``signums`` into ``_Stopped`` while the block runs (a supervisor's SIGTERM while waiting)."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise _Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _refuse_a_held_key(client: Client, key: str, exit_code: int) -> None:
+    """A key names one request: a second ``permits run --key K`` while a lease under K is held would get
+    that lease back, as a retry does, and run its command beside the first. Refused instead."""
+    try:
+        existing = client.get_lease(key)
+    except LeaseNotFound:
+        return
+    if existing.held:
+        click.echo(
+            f"permits: a lease under key {key!r} is held already, by another `permits run --key {key}` or one"
+            f" that ended without releasing it (it expires in {existing.expires_in:.0f} s); a second holder"
+            " under one key would share it",
+            err=True,
+        )
+        sys.exit(exit_code)
+
+
 def _wait_for(child: subprocess.Popen[bytes], stopping: list[float], kill_after: float | None) -> int:
     """COMMAND's status. Once it was sent its signal for a lost lease, it has ``kill_after`` seconds to
     end before SIGKILL: it must not work on unprotected."""
@@ -504,10 +558,14 @@ def _wait_for(child: subprocess.Popen[bytes], stopping: list[float], kill_after:
                 killed = True
 
 
-def _lease_environment(lease: permits.Lease) -> dict[str, str]:
-    """What COMMAND learns of its lease: the key, and the fencing tokens to hand the resources it writes."""
+def _command_environment(lease: permits.Lease) -> dict[str, str]:
+    """COMMAND's environment: this process's, and its lease: the key, and the fencing tokens to hand the
+    resources it writes. PERMITS_FENCING_TOKEN is there only for a lease of one semaphore; one inherited
+    (an outer ``permits run``'s) is removed, or it would pass for this lease's."""
     tokens = {name: str(token) for name, token in lease.tokens.items()}
-    environment = {"PERMITS_LEASE_KEY": lease.key, "PERMITS_FENCING_TOKENS": json.dumps(tokens, ensure_ascii=False)}
+    environment = {k: v for k, v in os.environ.items() if k != "PERMITS_FENCING_TOKEN"}
+    environment["PERMITS_LEASE_KEY"] = lease.key
+    environment["PERMITS_FENCING_TOKENS"] = json.dumps(tokens, ensure_ascii=False)
     if len(tokens) == 1:
         environment["PERMITS_FENCING_TOKEN"] = next(iter(tokens.values()))
     return environment
@@ -637,10 +695,19 @@ def maintain(db: str | None, config_file: Path | None, tasks: tuple[str, ...], l
 
 
 @main.command()
-@click.option("--workers", type=int, default=6, show_default=True, help="Processes competing for permits.")
-@click.option("--capacity", type=int, default=2, show_default=True)
-@click.option("--hold", type=float, default=0.6, show_default=True, help="Seconds each worker holds a permit.")
-@click.option("--rounds", type=int, default=2, show_default=True, help="Turns each worker takes.")
+@click.option(
+    "--workers", type=click.IntRange(1, 64), default=6, show_default=True, help="Processes competing for permits."
+)
+@click.option("--capacity", type=click.IntRange(1), default=2, show_default=True)
+@click.option(
+    "--hold",
+    type=float,
+    default=0.6,
+    show_default=True,
+    help="Seconds each worker holds a permit.",
+    callback=lambda _ctx, _param, value: _seconds(value),
+)
+@click.option("--rounds", type=click.IntRange(1), default=2, show_default=True, help="Turns each worker takes.")
 @_db_option
 def demo(workers: int, capacity: int, hold: float, rounds: int, db: str | None) -> None:
     """A live demo: several processes share one semaphore through `permits run`; capacity holds."""

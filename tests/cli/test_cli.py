@@ -260,7 +260,15 @@ def test_run_keeps_the_commands_status_when_the_release_fails(db_url: str, backe
         assert client.get_semaphore(name).used == 1  # held until its TTL
 
 
-def test_run_interrupted_while_waiting_exits_130_and_holds_nothing(db_url: str, ns: str) -> None:
+@pytest.mark.parametrize(
+    ("stop", "said"),
+    [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGHUP, "stopped by SIGHUP")],
+)
+def test_run_stopped_while_waiting_says_so_and_holds_nothing(
+    db_url: str, ns: str, stop: signal.Signals, said: str
+) -> None:
+    """Ctrl-C, or a supervisor's SIGTERM, while `permits run` waits: a message, 128 + the signal, nothing
+    held (a grant that came as it was stopped is released by key), not a silent death."""
     name = f"{ns}cron"
     _permits(db_url, "sem", "create", name, "--capacity", "1")
     with permits.connect(db_url, owner="other") as client:
@@ -272,13 +280,86 @@ def test_run_interrupted_while_waiting_exits_130_and_holds_nothing(db_url: str, 
             text=True,
         )
         time.sleep(2)  # waiting for room by now
-        waiting.send_signal(signal.SIGINT)
-        assert waiting.wait(timeout=30) == 130
-        assert waiting.stderr is not None and "interrupted" in waiting.stderr.read()
+        waiting.send_signal(stop)
+        assert waiting.wait(timeout=30) == 128 + stop
+        assert waiting.stderr is not None and said in waiting.stderr.read()
         client.release(held)
         with pytest.raises(permits.LeaseNotFound):
             client.get_lease(f"{ns}job", owner="cli-tests")
         assert client.get_semaphore(name).used == 0
+
+
+def test_a_second_run_under_a_held_key_is_refused(db_url: str, ns: str, tmp_path: Path) -> None:
+    """The same key is the same request: a second `permits run --key K` would get the first one's lease
+    back and run beside it. It is refused with the conflict status instead."""
+    name = f"{ns}job"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    stop = tmp_path / "stop"
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "permits",
+            "run",
+            name,
+            "--key",
+            "J",
+            "--",
+            "sh",
+            "-c",
+            f"until [ -e {stop} ]; do sleep 0.05; done",
+        ],
+        env={**os.environ, "PERMITS_DATABASE_URL": db_url, "PERMITS_OWNER": "cli-tests"},
+    )
+    try:
+        _wait_until_held(db_url, name)
+        second = _permits(db_url, "run", name, "--key", "J", "--timeout", "0", "--", "true", check=False)
+        assert second.returncode == 75 and "held already" in second.stderr, second.stderr
+    finally:
+        stop.touch()
+        assert first.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "x", "--conflict-exit-code", "300", "--", "true"],
+        ["run", "x", "--conflict-exit-code", "-1", "--", "true"],
+        ["demo", "--hold", "-1"],
+        ["demo", "--hold", "nan"],
+        ["demo", "--workers", "0"],
+    ],
+)
+def test_cli_numbers_out_of_range_are_usage_errors(db_url: str, args: list[str]) -> None:
+    done = _permits(db_url, *args, check=False)
+    assert done.returncode == 2 and "Invalid value" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_count_in_other_digits_is_not_read_as_a_count(db_url: str, ns: str) -> None:
+    """int() reads "٣" as 3 and fails on "²": only ASCII digits make a count; the rest is part of a name."""
+    _permits(db_url, "sem", "create", f"{ns}c", "--capacity", "5")
+    for spec in (f"{ns}c:²", f"{ns}c:٣"):
+        done = _permits(db_url, "acquire", spec, "--key", "k", check=False)
+        assert done.returncode == 1 and "semaphore_not_found" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_inner_run_over_several_semaphores_drops_the_outer_fencing_token(db_url: str, ns: str) -> None:
+    for name in ("outer", "d", "e"):
+        _permits(db_url, "sem", "create", f"{ns}{name}", "--capacity", "1")
+    inner = [
+        sys.executable,
+        "-m",
+        "permits",
+        "run",
+        f"{ns}d",
+        f"{ns}e",
+        "--",
+        "sh",
+        "-c",
+        "echo ${PERMITS_FENCING_TOKEN-none}",
+    ]
+    done = _permits(db_url, "run", f"{ns}outer", "--", *inner)
+    assert done.stdout.strip() == "none"
 
 
 def test_run_a_mistyped_option_is_a_usage_error_not_a_semaphore(db_url: str) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from permits import _validate
 from permits._sync.watchdog import Watchdog
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
 from permits._exceptions import AcquireTimeout, PermitsError, StorageConflict, UsageError
-from permits._io import sync_shield, sync_sleep, monotonic
+from permits._io import sync_lock, sync_shield, sync_sleep, sync_try_lock, monotonic
 from permits._models import (
     RWLOCK_READERS,
     CapacityChange,
@@ -222,6 +223,12 @@ class Client:
                 # does, not when they lapse (5 s, holding up every waiter behind them meanwhile).
                 with contextlib.suppress(Exception):
                     self._store.dequeue(owner_, key_)
+                if key is None:
+                    # The attempt under way may have been granted, under a key the caller never saw and so
+                    # could never release: release it now rather than leave it held until its TTL. (A key
+                    # the caller gave may name a lease it holds already: that one is its to release.)
+                    with contextlib.suppress(Exception):
+                        sync_shield(self._store.release(owner_, key_))
             raise
 
     def _remember_contention(self, contended: tuple[str, ...], pacer: WaitPacer) -> None:
@@ -252,8 +259,14 @@ class Client:
         task is cancelled if the lease is lost; ``held.lost`` tells a sync holder."""
         owner_, key_, wants_, ttl_ = self._request(wants, key, owner, ttl)
         hold = None if max_hold is None else _validate.timeout(max_hold, "max_hold")
+        if hold is not None:
+            # The lease must not outlive max_hold, and extends cannot shorten the grant's own TTL: so the
+            # grant asks for no more than max_hold (at least the shortest TTL there is).
+            ttl_ = min(ttl_, max(1, math.ceil(hold * 1000)))
         watch = _Watch(keepalive or hold is not None or on_lost is not None, hold, on_lost)
-        return Held(self, wants_, key_, owner_, ttl_ / 1000, _validate.timeout(timeout), watch)
+        return Held(
+            self, wants_, key_, owner_, ttl_ / 1000, _validate.timeout(timeout), watch, fresh_keys=key is None
+        )
 
     def mutex(
         self,
@@ -307,7 +320,8 @@ class Client:
         return self._store.release(owner_, key_, one_semaphore)
 
     def extend(self, lease: Lease | str, ttl: Seconds | None = None, *, owner: str | None = None) -> Lease:
-        """Set a held lease to expire ``ttl`` seconds from now, on the database's clock.
+        """Set a held lease to expire ``ttl`` seconds from now, on the database's clock (default: this
+        client's ttl, not the one the lease was acquired with, which may have been longer).
 
         Raises ``LeaseLost`` if it was released or has expired (its permits may be someone else's now),
         ``LeaseNotFound`` if it never existed.
@@ -470,10 +484,17 @@ class Held:
         ttl: float,
         timeout: float | None,
         watch: _Watch | None = None,
+        fresh_keys: bool = False,
     ) -> None:
         self._client = client
         self._wants = wants
         self._key = key
+        #: the key was made up, not given: each entry after the first makes a new one, since a key names one
+        #: request, and a second entry under the first one's key would get that (released) lease back
+        self._fresh_keys = fresh_keys
+        self._entries = 0
+        #: held from entry to exit: a lease() is one holder's at a time
+        self._in_use = sync_lock()
         self._owner = owner
         self._ttl = ttl
         self._timeout = timeout
@@ -488,11 +509,23 @@ class Held:
         return self.watchdog is not None and self.watchdog.lost.is_set()
 
     def __enter__(self) -> Lease:
+        if not sync_try_lock(self._in_use):
+            # Shared between threads or tasks, or entered again inside its own block, one object would hand
+            # every holder the same lease (the same key is the same request): all of them inside at once.
+            raise UsageError(
+                "this lease() or mutex() is held already: it is one holder's at a time; make one per"
+                " thread or task (and per nesting level) that holds it"
+            )
         try:
+            if self._entries and self._fresh_keys:
+                self._key = uuid.uuid4().hex
+            self._entries += 1
+            self.lease, self.watchdog = None, None
             self.lease, asked = self._client._acquire(
                 self._wants, self._key, self._owner, self._ttl, self._timeout
             )
         except BaseException as exc:
+            self._in_use.release()
             if not isinstance(exc, Exception):
                 # Interrupted (cancelled, Ctrl-C) while the grant may have committed: release by key so the
                 # permits do not wait for the TTL. Releasing a key that was never granted changes nothing.
@@ -511,8 +544,11 @@ class Held:
         return self.lease
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self.watchdog is not None:
-            self.watchdog.stop()
-        # The lease itself rather than its key: it says which semaphores it holds (see release).
-        held: Lease | str = self._key if self.lease is None else self.lease
-        sync_shield(self._client.release(held, owner=self._owner))
+        try:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            # The lease itself rather than its key: it says which semaphores it holds (see release).
+            held: Lease | str = self._key if self.lease is None else self.lease
+            sync_shield(self._client.release(held, owner=self._owner))
+        finally:
+            self._in_use.release()

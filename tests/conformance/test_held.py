@@ -1,0 +1,122 @@
+"""The object that ``lease()`` and ``mutex()`` return: one holder's at a time, reusable in turn, and
+``max_hold`` enforced from the grant on, on every backend, directly and through the service, sync and
+asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import permits
+from tests._service import wait_until
+
+
+@pytest.fixture(params=["sync", "async"])
+def flavour(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_one_mutex_object_shared_by_threads_lets_one_in_and_refuses_the_rest(
+    make_client: Callable[..., Any], ns: str
+) -> None:
+    """Shared like a threading.Lock, one object would hand every thread the same lease (one key is one
+    request): all of them inside at once. Only the first gets in; the others are told why."""
+    client = make_client(owner=f"{ns}o")
+    client.create_mutex(f"{ns}m")
+    lock = client.mutex(f"{ns}m", ttl=30, timeout=5)
+    inside: list[int] = []
+    most = [0]
+    refused: list[Exception] = []
+    entered = threading.Barrier(3)
+
+    def hold(i: int) -> None:
+        entered.wait()
+        try:
+            with lock:
+                inside.append(i)
+                most[0] = max(most[0], len(inside))
+                time.sleep(0.5)
+                inside.remove(i)
+        except permits.UsageError as exc:
+            refused.append(exc)
+
+    threads = [threading.Thread(target=hold, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert most[0] == 1
+    assert len(refused) == 2 and "one holder's at a time" in str(refused[0])
+    assert client.get_semaphore(f"{ns}m").used == 0
+
+
+def test_entering_a_held_mutex_again_inside_its_block_is_refused(make_client: Callable[..., Any], ns: str) -> None:
+    client = make_client(owner=f"{ns}o")
+    client.create_mutex(f"{ns}m")
+    lock = client.mutex(f"{ns}m", ttl=30)
+    with lock as lease:
+        with pytest.raises(permits.UsageError), lock:
+            pass
+        assert client.try_acquire(f"{ns}m") is None  # the outer block still holds it
+        assert client.get_lease(lease.key).held
+    assert client.get_semaphore(f"{ns}m").used == 0
+
+
+def test_a_mutex_object_is_taken_again_in_turn_under_a_new_key(make_client: Callable[..., Any], ns: str) -> None:
+    client = make_client(owner=f"{ns}o")
+    client.create_mutex(f"{ns}m")
+    lock = client.mutex(f"{ns}m", ttl=30)
+    with lock as first:
+        pass
+    with lock as second:
+        assert second.key != first.key and second.token > first.token
+    assert client.get_lease(second.key).end_reason == permits.EndReason.RELEASED
+
+
+def test_max_hold_shorter_than_the_ttl_ends_the_lease_at_max_hold(make_client: Callable[..., Any], ns: str) -> None:
+    """Extends cannot shorten a grant's TTL: the grant itself asks for no more than max_hold."""
+    client = make_client(owner=f"{ns}o")
+    client.create_mutex(f"{ns}m")
+    lost: list[str] = []
+    started = time.monotonic()
+    with client.mutex(f"{ns}m", ttl=30, max_hold=1, on_lost=lost.append) as lease:
+        assert lease.expires_in <= 1.0
+        wait_until(lambda: lost, timeout=10, interval=0.02)
+    assert lost == ["max_hold"] and time.monotonic() - started < 5
+    assert client.try_acquire(f"{ns}m") is not None  # its permit is free
+
+
+def test_a_cancelled_acquire_releases_what_its_last_attempt_was_granted(
+    client_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled after its grant committed and before it returned, an acquire under a key it made up
+    must not leave that grant held, under a key nobody knows, until its TTL."""
+
+    async def scenario() -> tuple[int, int]:
+        async with permits.connect_async(client_url, owner=f"{ns}o") as client:
+            await client.create_semaphore(f"{ns}s", 2)
+            store: Any = client._store  # type: ignore[attr-defined]
+            granted = asyncio.Event()
+            real = store.try_acquire
+
+            async def then_linger(*args: Any, **kwargs: Any) -> Any:
+                lease = await real(*args, **kwargs)
+                granted.set()
+                await asyncio.sleep(30)  # the window between the commit and the return, held open
+                return lease
+
+            monkeypatch.setattr(store, "try_acquire", then_linger)
+            task = asyncio.create_task(client.acquire(f"{ns}s", ttl=60, timeout=10))
+            await asyncio.wait_for(granted.wait(), 20)
+            used_when_granted = (await client.get_semaphore(f"{ns}s")).used
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return used_when_granted, (await client.get_semaphore(f"{ns}s")).used
+
+    assert asyncio.run(scenario()) == (1, 0)
