@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -292,6 +293,8 @@ def test_bounds_are_refused_with_a_clear_status(service: Service, ns: str) -> No
         response = http.post("/v1/leases", json={"wants": too_many})
         assert _error(response) == (422, "invalid_argument") and "at most 3" in response.json()["error"]["message"]
         assert _error(http.post("/v1/leases", json={"wants": {f"{ns}a": 1}, "wait": 6})) == (422, "invalid_argument")
+        endless = http.post("/v1/leases", content=f'{{"wants": {{"{ns}a": 1}}, "wait": 1e400}}')
+        assert _error(endless) == (422, "invalid_argument") and endless.json()["error"]["details"]["field"] == "wait"
         assert _error(http.post("/v1/leases", json={"wants": {f"{ns}a": 1}, "ttl": 3601})) == (422, "invalid_argument")
         big = http.post("/v1/leases", json={"wants": {f"{ns}a": 1}, "key": "x" * 5000})
         assert _error(big) == (413, "request_too_large")
@@ -312,6 +315,17 @@ def test_bounds_are_refused_with_a_clear_status(service: Service, ns: str) -> No
             429,
             "limit_exceeded",
         )
+        # At the bound, bad input is still bad input (422, field named), not a 429 to retry, nor a 500 from
+        # looking up a key the database cannot hold.
+        for body, field in (
+            ({"wants": {f"{ns}d": 1}, "key": "k\u0000"}, "key"),
+            ({"wants": {f"{ns}d": 1}, "owner": "o\u0000"}, "owner"),
+            ({"wants": {"d\u0000": 1}}, "name"),
+            ({"wants": [[f"{ns}d", 1], [f"{ns}d", 1]]}, "wants"),
+        ):
+            response = http.post("/v1/leases", json=body)
+            assert _error(response) == (422, "invalid_argument"), (body, response.text)
+            assert response.json()["error"]["details"]["field"] == field, response.text
 
 
 def test_fencing_tokens_round_trip_exactly_up_to_2_63_minus_1(service: Service, servers: Any, ns: str) -> None:
@@ -363,3 +377,21 @@ def _db_url_of(service: Service) -> str:
     args = service.process.args
     assert isinstance(args, list)
     return str(args[args.index("--db") + 1])
+
+
+def test_readyz_is_not_ready_on_a_database_whose_schema_went_away(tmp_path: Path) -> None:
+    """A database emptied or replaced under a running instance (restored from another backup, say) fails
+    every call with schema_mismatch: readiness must say so, or a load balancer keeps sending it traffic."""
+    from sqlalchemy import create_engine, text
+
+    url = f"sqlite:///{tmp_path / 'permits.db'}"
+    with running(url, env={"PERMITS_MAINTENANCE__ENABLED": "false"}) as svc, _http(svc, None) as http:
+        assert http.get("/readyz").json() == {"status": "ready"}
+        engine = create_engine(url)
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE permits_alembic_version SET version_num = '0006'"))
+        assert _error(http.get("/readyz")) == (503, "schema_mismatch")
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE permits_alembic_version"))
+        assert _error(http.get("/readyz")) == (503, "schema_mismatch")
+        engine.dispose()

@@ -196,6 +196,26 @@ def test_a_failed_admin_action_leaves_no_log_entry(service: Service, ns: str) ->
     with _http(service) as admin:
         assert admin.patch(f"/v1/semaphores/{name}", json={"capacity": 4, "reason": "typo"}).status_code == 404
         assert admin.get("/v1/admin-log", params={"name": name}).json()["entries"] == []
+        admin.post("/v1/semaphores", json={"name": name, "capacity": 1})
+        for blank in ("", " "):
+            refused = admin.patch(f"/v1/semaphores/{name}", json={"capacity": 4, "reason": blank})
+            assert refused.status_code == 422 and refused.json()["error"]["details"]["field"] == "reason"
+        assert [e["action"] for e in admin.get("/v1/admin-log", params={"name": name}).json()["entries"]] == ["create"]
+
+
+def test_revoking_a_lease_that_had_ended_is_not_recorded_as_a_revoke(service: Service, ns: str) -> None:
+    """It is answered with the lease unchanged: nothing was done, so the log says nothing was."""
+    name = f"{ns}ended"
+    with _http(service) as admin, _http(service, ALICE) as alice:
+        admin.post("/v1/semaphores", json={"name": name, "capacity": 1})
+        lease = alice.post("/v1/leases", json={"wants": {name: 1}, "ttl": 60}).json()
+        owner = alice.get(f"/v1/holders/{name}").json()["holders"][0]["owner"]
+        assert alice.post("/v1/leases/release", json={"key": lease["key"]}).status_code == 200
+        for _ in range(2):
+            answer = admin.post("/v1/leases/revoke", json={"key": lease["key"], "owner": owner, "reason": "runaway"})
+            assert answer.status_code == 200 and answer.json()["end_reason"] == "released"
+        entries = admin.get("/v1/admin-log", params={"name": name}).json()["entries"]
+        assert [e["action"] for e in entries] == ["create"]
 
 
 def test_the_event_feed_polls_and_streams_grants_endings_and_changes(service: Service, ns: str) -> None:

@@ -783,7 +783,19 @@ class AsyncSQLStore:
         return await self._run(lambda: flows.delete_semaphore(name, force))
 
     async def ping(self) -> None:
-        await self._run(flows.schema_probe, readonly=True)
+        revision = await self._run(flows.schema_probe, readonly=True)
+        if revision != _schema.head():
+            # Another revision than the one this client opened on: the database was replaced or emptied, or
+            # a newer permits upgraded it. Every operation would fail, or use statements of another schema.
+            if revision is not None and _schema.newer_than_this_code(revision):
+                raise _schema.newer_schema(self.url, revision)
+            raise SchemaMismatch(
+                f"the permits schema at {self.url} is at revision {revision}; this version needs"
+                f" {_schema.head()}. Run `permits db upgrade`",
+                url=self.url,
+                revision=revision,
+                head=_schema.head(),
+            )
 
     async def count_held_leases(self, identity: str) -> int:
         """Held leases whose owner is ``identity`` or starts with ``identity/`` (the service's quota)."""

@@ -931,7 +931,8 @@ def count_held(identity: str) -> Flow[int]:
     return int(found.rows[0][0])
 
 
-def schema_probe() -> Flow[int]:
-    """The database's clock, in milliseconds: a cheap round trip that also proves the tables exist."""
-    found = yield Stmt("NOW_MS")
-    return int(found.rows[0][0])
+def schema_probe() -> Flow[str | None]:
+    """The schema's revision (None: no row): one cheap round trip that fails with ``SchemaMismatch`` where
+    the tables are gone, so a ping reports a database that was emptied or replaced under a running client."""
+    found = yield Stmt("SCHEMA_REVISION")
+    return None if not found.rows else str(found.rows[0][0])

@@ -206,11 +206,11 @@ def log_admin(
     )
 
 
-def audited(action: Flow[Any], entry: Stmt | Callable[[Any], Stmt]) -> Flow[Any]:
-    """Run an admin action's flow, then write its log entry (or the entry made from the action's answer)
-    in the same transaction: the action and its record commit together or not at all. An action that goes
-    on in another transaction (``Restart``, ``Then``) takes its record along, to the transaction that
-    finishes it."""
+def audited(action: Flow[Any], entry: Stmt | Callable[[Any], Stmt | None]) -> Flow[Any]:
+    """Run an admin action's flow, then write its log entry (or the entry made from the action's answer;
+    none when that says nothing was done) in the same transaction: the action and its record commit
+    together or not at all. An action that goes on in another transaction (``Restart``, ``Then``) takes its
+    record along, to the transaction that finishes it."""
     try:
         done = yield from action
     except Restart as restart:
@@ -219,7 +219,9 @@ def audited(action: Flow[Any], entry: Stmt | Callable[[Any], Stmt]) -> Flow[Any]
     if isinstance(done, Then):
         then = done
         return Then(lambda: audited(then.flow(), entry))
-    yield entry if isinstance(entry, Stmt) else entry(done)
+    record = entry if isinstance(entry, Stmt) else entry(done)
+    if record is not None:
+        yield record
     return done
 
 

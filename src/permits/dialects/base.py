@@ -106,6 +106,8 @@ def _expands(template: str, param: str) -> bool:
 PORTABLE_SQL: dict[str, str] = {
     # -> now_ms
     "NOW_MS": "SELECT {now}",
+    # The schema's revision: a ping that reads a permits table, so it also finds tables gone or outdated.
+    "SCHEMA_REVISION": "SELECT version_num FROM permits_alembic_version",
     # Take room on one semaphore and bump its fencing token, only if the room is there (and, on a fair
     # semaphore, the request is at the head of the queue).
     # params: name, count, owner, key -> rowcount 1 and the new token, or rowcount 0

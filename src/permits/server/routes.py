@@ -179,12 +179,17 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
         raise InvalidArgument(
             f"a request may name at most {limits.max_wants} semaphores on this service", field="wants"
         )
-    wait = _validate.timeout(body.wait) or 0.0
+    wait = _validate.timeout(body.wait, "wait") or 0.0
     if wait > limits.max_wait:
         raise InvalidArgument(f"wait is at most {limits.max_wait:g} s on this service", field="wait")
     _check_ttl(body.ttl, limits.max_ttl)
     owner = identity.db_owner(body.owner)
     key = body.key if body.key is not None else uuid.uuid4().hex
+    # Bad input is a 422 whatever the quota, and the quota's lookup of a retry's key must not be sent a key
+    # the database cannot take (a NUL, on PostgreSQL): the request is checked first, as the client would.
+    _validate.wants(pairs)
+    _validate.key(key)
+    _validate.owner(owner)
     await state.check_lease_quota(identity, owner, body.key)
 
     started = monotonic()

@@ -110,7 +110,9 @@ class LeaseRefIn(_Strict):
 
 
 class ExtendIn(LeaseRefIn):
-    ttl: Ttl | None = Field(default=None, description="the new TTL from now, in seconds (default: the lease's own)")
+    ttl: Ttl | None = Field(
+        default=None, description="the new TTL from now, in seconds (default: the service's default ttl)"
+    )
 
 
 class RevokeIn(_Strict):
@@ -130,7 +132,7 @@ class CreateSemaphoreIn(_Strict):
 
 class SetCapacityIn(_Strict):
     capacity: Count
-    reason: Reason
+    reason: RequiredReason
     who: Owner | None = None
 
 
