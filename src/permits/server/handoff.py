@@ -89,6 +89,10 @@ class _Ticket:
     #: Its next attempt asks for it alone, with its full recheck: a turn could not say why it was not
     #: granted (``flows.HandedOver.ask_alone``).
     alone: bool = False
+    #: when it joined the line
+    joined: float = field(default_factory=monotonic)
+    #: whether its key was looked up while it waited behind the head (``HandOff._answer_retries``)
+    looked_up: bool = False
 
 
 @dataclass(eq=False)
@@ -312,6 +316,7 @@ class HandOff:
                     # No room: the head asks alone (which reclaims expired leases) when its recheck is due.
                     if batch and (not recheck or ticket.future.done()):
                         refusals += 1
+                        await self._answer_retries(line)
                         continue
                     if ticket.future.done():
                         continue
@@ -360,6 +365,7 @@ class HandOff:
                         ticket.future.set_result(None)
                     continue
                 refusals += 1
+                await self._answer_retries(line)
         finally:
             line.task = None
             if line.heard is not None:
@@ -379,6 +385,29 @@ class HandOff:
                 else:
                     del self._lines[name]
                     self._waker.unwatch(name, line.room)
+
+    async def _answer_retries(self, line: _Line) -> None:
+        """Answer the retries waiting behind a head that finds no room. A request whose reply was lost is
+        asked again, through another instance perhaps, where it joins the line as a new request: behind a
+        head that may be waiting for that very lease's permit, it would wait out its whole time (and the
+        head its own) before its turn found the lease. So a request that has waited ``RECHECK_SECONDS``
+        behind the head has its key looked up once, a read: a lease held under it for the same want is its
+        answer. Anything else (no lease, or one for other wants) waits for its turn as before."""
+        now = monotonic()
+        for ticket in list(line.tickets)[1:]:
+            if ticket.looked_up or ticket.future.done() or ticket.abandoned or ticket.attempting:
+                continue
+            if ticket.rechecked_at is not None or now - ticket.joined < RECHECK_SECONDS:
+                continue
+            ticket.looked_up = True
+            try:
+                lease = await self._inner.get_lease(ticket.owner, ticket.key)
+            except Exception:  # not found, or the database: its turn will tell
+                continue
+            if lease.held and lease.counts == {ticket.want.name: ticket.want.count} and not ticket.future.done():
+                ticket.future.set_result(lease)
+                with contextlib.suppress(ValueError):
+                    line.tickets.remove(ticket)
 
     def _batch(self, name: str, line: _Line) -> list[_Ticket]:
         """The requests at the head of the line that a turn asks for, up to the first that must ask alone;

@@ -1,0 +1,58 @@
+"""A retry whose reply was lost, sent to another instance (behind a load balancer), while that instance
+has requests waiting for the very permit the retry's lease holds. It joins that instance's line as a new
+request; it used to wait there until every request ahead of it gave up, and the requests ahead waited for
+a permit that only the retry's answer would let its client release: each retry cost its whole wait."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+import permits
+from tests._service import Service, module_db_url, running
+
+pytestmark = pytest.mark.usefixtures("servers")
+
+
+@pytest.fixture(scope="module", params=["sqlite", "mysql", "postgresql"])
+def instances(
+    request: pytest.FixtureRequest, servers: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Service, Service]]:
+    url = module_db_url(str(request.param), servers, tmp_path_factory, "retry")
+    env = {"PERMITS_MAINTENANCE__ENABLED": "false"}
+    with running(url, env=env) as a, running(url, env=env) as b:
+        yield a, b
+
+
+def test_a_retry_on_another_instance_gets_its_lease_back_without_waiting_out_the_line(
+    instances: tuple[Service, Service], ns: str
+) -> None:
+    a, b = instances
+    name = f"{ns}s"
+    with permits.connect(a.url) as admin:
+        admin.create_semaphore(name, 1)
+    asked = {"wants": {name: 1}, "key": f"{ns}x", "owner": "x", "ttl": 60}
+    with httpx.Client(base_url=a.url, timeout=30) as via_a, httpx.Client(base_url=b.url, timeout=30) as via_b:
+        granted = via_a.post("/v1/leases", json=asked)
+        assert granted.status_code == 201, granted.text
+        waiting: list[httpx.Response] = []
+        waiter = threading.Thread(
+            target=lambda: waiting.append(
+                httpx.post(f"{b.url}/v1/leases", json={"wants": {name: 1}, "key": f"{ns}y", "wait": 8}, timeout=30)
+            )
+        )
+        waiter.start()
+        time.sleep(0.5)  # y waits in b's line for the permit x holds
+        started = time.monotonic()
+        again = via_b.post("/v1/leases", json={**asked, "wait": 10})
+        took = time.monotonic() - started
+        assert again.status_code == 201 and again.json()["tokens"] == granted.json()["tokens"], again.text
+        assert took < 3.0, took
+        assert via_b.post("/v1/leases/release", json={"key": f"{ns}x", "owner": "x"}).json()["outcome"] == "released"
+        waiter.join(30)
+    assert waiting and waiting[0].status_code == 201, waiting  # and y got the permit x gave back
