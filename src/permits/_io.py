@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -134,6 +135,34 @@ def sync_try_lock(lock: threading.Lock) -> bool:
 
 
 # ---- a deadline on a database reply: a link or a server that hangs without failing
+
+
+# ---- fork(): a child must not use its parent's connections
+
+
+_FORK_AWARE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def renew_after_fork(owner: Any) -> None:
+    """Call ``owner.after_fork()`` in the child after every ``fork()``, for as long as ``owner`` lives.
+
+    A forked child shares its parent's sockets: a statement or request sent on one by both interleaves on
+    the wire, and each side reads the other's replies (MariaDB: "Packet sequence number wrong"; PostgreSQL:
+    a reply to another's statement). The child forgets its parent's connections instead, without closing
+    them (closing would end them for the parent too), and opens its own."""
+    _FORK_AWARE.add(owner)
+
+
+def _renew_in_child() -> None:
+    for owner in list(_FORK_AWARE):
+        try:
+            owner.after_fork()
+        except Exception:  # pragma: no cover - one owner's failure must not keep the others as they were
+            logger.exception("could not renew %r after fork()", owner)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only
+    os.register_at_fork(after_in_child=_renew_in_child)
 
 
 def _shut_down(fd: int) -> bool:

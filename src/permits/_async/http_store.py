@@ -36,7 +36,7 @@ from permits._exceptions import (
     UsageError,
     error_class,
 )
-from permits._io import async_sleep, monotonic
+from permits._io import async_sleep, monotonic, renew_after_fork
 from permits._models import (
     CapacityChange,
     Drift,
@@ -83,11 +83,9 @@ class AsyncHTTPStore:
         headers = {"User-Agent": "permits-python"}
         if settings.token is not None:
             headers["Authorization"] = f"Bearer {settings.token}"
-        self._http = httpx.AsyncClient(
-            base_url=base,
-            headers=headers,
-            timeout=httpx.Timeout(RESPONSE_MARGIN, connect=5.0),
-        )
+        self._http_args = (base, headers)
+        self._http = self._new_http(*self._http_args)
+        renew_after_fork(self)
         self._opened = False
         self._closed = False
         self._max_wait = 0.0
@@ -98,6 +96,15 @@ class AsyncHTTPStore:
         #: (owner, key) of requests whose last 409 said that the service kept no place for them (a plain
         #: semaphore's, say): their give-up would find nothing, so it is not sent
         self._placeless: set[tuple[str, str]] = set()
+
+    @staticmethod
+    def _new_http(base: str, headers: dict[str, str]) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=base, headers=headers, timeout=httpx.Timeout(RESPONSE_MARGIN, connect=5.0))
+
+    def after_fork(self) -> None:
+        """In a forked child: a connection pool of its own (see ``_io.renew_after_fork``). The parent's is
+        dropped unclosed: closing would end the parent's connections."""
+        self._http = self._new_http(*self._http_args)
 
     @property
     def url(self) -> str:

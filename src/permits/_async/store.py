@@ -39,6 +39,7 @@ from permits._io import (
     async_unwatch_reply,
     async_watch_reply,
     monotonic,
+    renew_after_fork,
 )
 from permits._models import (
     CapacityChange,
@@ -208,6 +209,19 @@ class AsyncSQLStore:
 
             conninfo = settings.url.set(drivername="postgresql").render_as_string(hide_password=False)
             self._listener = AsyncRoomListener(conninfo, mark_sql=self._driver_sql("LISTENED_MARK")[0])
+        renew_after_fork(self)
+
+    def after_fork(self) -> None:
+        """In a forked child: forget the parent's connections (see ``_io.renew_after_fork``) and the state
+        that went with them; the next operation opens connections of its own."""
+        sync_engine(self._engine).dispose(close=False)
+        self._cut = []
+        self._sessions.clear()  # the parent's sessions; the engine's hook notes the child's own in it
+        self._in_line_now = 0
+        self._seats_mutex = async_mutex()
+        if self._listener is not None:
+            listener = self._listener
+            self._listener = AsyncRoomListener(listener.conninfo, mark_sql=listener.mark_sql)
 
     @property
     def url(self) -> str:

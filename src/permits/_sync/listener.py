@@ -89,6 +89,8 @@ class RoomListener:
     def __init__(self, conninfo: str, mark_sql: str | None = None) -> None:
         self._conninfo = conninfo
         self._mark_sql = mark_sql
+        #: what it was made with (a forked child makes its own listener from them)
+        self.conninfo, self.mark_sql = conninfo, mark_sql
         #: when each subscribed semaphore was last marked as listened to
         self._marked_at: dict[str, float] = {}
         self._mark_failed_at = -MARK_RETRY_SECONDS

@@ -40,6 +40,7 @@ from permits._io import (
     sync_unwatch_reply,
     sync_watch_reply,
     monotonic,
+    renew_after_fork,
 )
 from permits._models import (
     CapacityChange,
@@ -209,6 +210,19 @@ class SQLStore:
 
             conninfo = settings.url.set(drivername="postgresql").render_as_string(hide_password=False)
             self._listener = RoomListener(conninfo, mark_sql=self._driver_sql("LISTENED_MARK")[0])
+        renew_after_fork(self)
+
+    def after_fork(self) -> None:
+        """In a forked child: forget the parent's connections (see ``_io.renew_after_fork``) and the state
+        that went with them; the next operation opens connections of its own."""
+        sync_engine(self._engine).dispose(close=False)
+        self._cut = []
+        self._sessions.clear()  # the parent's sessions; the engine's hook notes the child's own in it
+        self._in_line_now = 0
+        self._seats_mutex = sync_mutex()
+        if self._listener is not None:
+            listener = self._listener
+            self._listener = RoomListener(listener.conninfo, mark_sql=listener.mark_sql)
 
     @property
     def url(self) -> str:
