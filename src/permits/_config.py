@@ -127,7 +127,19 @@ class Settings:
         reply_timeout: float | None = None,
     ) -> Settings:
         parsed, pooler = _take_pooler(parse_url(url))
-        wait = _validate.timeout(lock_wait_timeout)
+        if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+            # Each connection of the pool would have a database of its own, and the client's threads (its
+            # listener, a watchdog, the caller's) would each see other permits, or no tables at all.
+            raise ConfigurationError(
+                "an in-memory SQLite database is private to one connection, and permits uses several: give a"
+                " file (sqlite:///permits.db; a temporary one for tests)",
+                field="url",
+            )
+        charset = parsed.query.get("charset")
+        if parsed.get_backend_name() == "mysql" and charset not in (None, "utf8mb4"):
+            # Names, keys, owners and reasons are Unicode: another character set cannot hold them all.
+            raise ConfigurationError(f"permits needs charset=utf8mb4 on MariaDB/MySQL, not {charset}", field="url")
+        wait = _validate.timeout(lock_wait_timeout, "lock_wait_timeout")
         if wait is None or wait <= 0:
             raise InvalidArgument("lock_wait_timeout must be a positive number of seconds", field="lock_wait_timeout")
         replies = _validate.reply_timeout(reply_timeout, wait)

@@ -95,8 +95,15 @@ def count(value: object) -> int:
     return _whole(value, "count", "a count", 1, MAX_CAPACITY)
 
 
-def batch_size(value: object) -> int:
-    return _whole(value, "batch_size", "a batch size", 1, 100_000)
+def batch_size(value: object, field: str = "batch_size") -> int:
+    return _whole(value, field, "a batch size" if field == "batch_size" else field, 1, 100_000)
+
+
+def flag(value: object, field: str) -> bool:
+    """True or False, nothing else: ``exist_ok="no"`` is truthy, and would do the opposite of what it says."""
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{field} must be True or False, not {type(value).__name__}", field=field)
+    return value
 
 
 def _seconds(value: object, field: str, what: str) -> float:

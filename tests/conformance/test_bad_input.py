@@ -105,6 +105,28 @@ def test_bad_reason_and_release_arguments(client: Any, ns: str) -> None:
     assert client.get_lease(lease.key).expires_in <= 60
 
 
+def test_flags_and_limits_are_checked_and_named(client: Any, ns: str) -> None:
+    """``exist_ok="no"`` is truthy: read as a flag it would do the opposite of what it says."""
+    client.create_semaphore(f"{ns}s", 2)
+    for call, field in (
+        (lambda: client.create_semaphore(f"{ns}s", 2, exist_ok="no"), "exist_ok"),
+        (lambda: client.create_semaphore(f"{ns}t", 2, fair=1), "fair"),
+        (lambda: client.delete_semaphore(f"{ns}s", force="yes"), "force"),
+        (lambda: client.reconcile(repair=1), "repair"),
+        (lambda: client.capacity_history(f"{ns}s", limit=0), "limit"),
+    ):
+        with pytest.raises(InvalidArgument) as refused:
+            call()
+        assert refused.value.details["field"] == field, refused.value
+    assert [s.name for s in client.list_semaphores(prefix=ns)] == [f"{ns}s"]
+
+
+def test_a_bad_lock_wait_timeout_is_named(tmp_path: Any) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        permits.connect(f"sqlite:///{tmp_path / 'p.db'}", lock_wait_timeout=math.nan)
+    assert refused.value.details["field"] == "lock_wait_timeout"
+
+
 def test_longest_valid_name_and_key(client: Any, ns: str) -> None:
     name = (ns + "é" * 255)[:255]
     client.create_semaphore(name, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import pickle
 import subprocess
@@ -120,3 +121,29 @@ asyncio.run(main())
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        pytest.param("sqlite://", id="sqlite-in-memory"),
+        pytest.param("sqlite:///:memory:", id="sqlite-memory-name"),
+        pytest.param("mysql://root@127.0.0.1:9/test?foo=bar", id="mysql-unknown-parameter"),
+        pytest.param("mysql+aiomysql://root@127.0.0.1:9/test?foo=bar", id="aiomysql-unknown-parameter"),
+        pytest.param("mysql://root@127.0.0.1:9/test?connect_timeout=abc", id="mysql-unreadable-value"),
+        pytest.param("mysql://root@127.0.0.1:9/test?charset=latin1", id="mysql-charset"),
+    ],
+)
+def test_a_database_url_that_cannot_work_is_a_configuration_error(url: str) -> None:
+    """Not a traceback from the driver, nor a client that half works (an in-memory SQLite database is one
+    connection's own; the pool has several)."""
+    with pytest.raises(permits.ConfigurationError) as refused, permits.connect(url) as client:
+        client.list_semaphores()
+    assert refused.value.details["field"] == "url"
+
+    async def in_asyncio() -> None:
+        async with permits.connect_async(url) as client:
+            await client.list_semaphores()
+
+    with pytest.raises(permits.ConfigurationError):
+        asyncio.run(in_asyncio())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -75,13 +76,13 @@ def test_the_asyncio_twin_cuts_an_overdue_read_and_spares_a_timely_one() -> None
 # ---- the deadline a client is given: reply_timeout
 
 
-def test_the_default_deadline_is_two_lock_waits_and_the_grace() -> None:
-    with permits.connect("sqlite://", lock_wait_timeout=2) as client:
+def test_the_default_deadline_is_two_lock_waits_and_the_grace(tmp_path: Path) -> None:
+    with permits.connect(f"sqlite:///{tmp_path / 'p.db'}", lock_wait_timeout=2) as client:
         assert client._settings.reply_timeout == 2 * 2 + _config.REPLY_GRACE_SECONDS
 
 
-def test_a_chosen_deadline_is_used() -> None:
-    with permits.connect("sqlite://", lock_wait_timeout=1, reply_timeout=2.5) as client:
+def test_a_chosen_deadline_is_used(tmp_path: Path) -> None:
+    with permits.connect(f"sqlite:///{tmp_path / 'p.db'}", lock_wait_timeout=1, reply_timeout=2.5) as client:
         assert client._settings.reply_timeout == 2.5
 
 
@@ -97,10 +98,10 @@ def test_a_chosen_deadline_is_used() -> None:
         pytest.param(True, id="bool"),
     ],
 )
-def test_a_deadline_that_cannot_work_is_refused(value: object) -> None:
+def test_a_deadline_that_cannot_work_is_refused(value: object, tmp_path: Path) -> None:
     for connect in (permits.connect, permits.connect_async):
         with pytest.raises(permits.InvalidArgument) as refused:
-            connect("sqlite://", lock_wait_timeout=5, reply_timeout=value)  # type: ignore[arg-type]
+            connect(f"sqlite:///{tmp_path / 'p.db'}", lock_wait_timeout=5, reply_timeout=value)  # type: ignore[arg-type]
         assert refused.value.details["field"] == "reply_timeout"
 
 

@@ -358,10 +358,12 @@ class AsyncClient:
         ``fair``: waiting acquires are granted in arrival order, a large request included; one that waits
         keeps its place only while it keeps asking (see docs/primitives.md)."""
         by = self.owner if who is None else _validate.who(who)
-        if not isinstance(fair, bool):
-            raise _validate.InvalidArgument("fair must be True or False", field="fair")
         return await self._store.create_semaphore(
-            _validate.name(name), _validate.capacity(capacity), by, bool(exist_ok), fair
+            _validate.name(name),
+            _validate.capacity(capacity),
+            by,
+            _validate.flag(exist_ok, "exist_ok"),
+            _validate.flag(fair, "fair"),
         )
 
     async def create_rwlock(self, name: str, *, exist_ok: bool = False) -> Semaphore:
@@ -399,14 +401,14 @@ class AsyncClient:
 
     async def capacity_history(self, name: str, *, limit: int = 100) -> list[CapacityChange]:
         """The capacity changes of ``name``, newest first (creation included)."""
-        return await self._store.capacity_history(_validate.name(name), _validate.batch_size(limit))
+        return await self._store.capacity_history(_validate.name(name), _validate.batch_size(limit, "limit"))
 
     async def delete_semaphore(self, name: str, *, force: bool = False) -> int:
         """Delete a semaphore. Refused with ``SemaphoreInUse`` while leases hold its permits, unless
         ``force``, which revokes those leases (whole leases: a lease is all or nothing). Returns the number
         of leases revoked. Its fencing tokens are kept: a semaphore created again under the same name
         carries on above them."""
-        return await self._store.delete_semaphore(_validate.name(name), bool(force))
+        return await self._store.delete_semaphore(_validate.name(name), _validate.flag(force, "force"))
 
     # --------------------------------------------------------------------------------------- maintenance
 
@@ -419,7 +421,7 @@ class AsyncClient:
     async def reconcile(self, *, repair: bool = False) -> list[Drift]:
         """Compare each semaphore's count of permits in use with its held permit rows, and report drift.
         With ``repair``, recount each drifted semaphore under its row lock and store the true count."""
-        return await self._store.reconcile(bool(repair))
+        return await self._store.reconcile(_validate.flag(repair, "repair"))
 
     async def ping(self) -> None:
         """One cheap round trip to the database (or the service); raises ``StorageUnavailable`` if it

@@ -21,6 +21,7 @@ from permits._config import Settings
 from permits._core import decide, flows
 from permits._core.flows import DuplicateKey, Flow, Restart, Result, Retry, Stmt, Then
 from permits._exceptions import (
+    ConfigurationError,
     IdempotencyConflict,
     LeaseLost,
     LeaseNotFound,
@@ -156,7 +157,12 @@ class AsyncSQLStore:
         self._settings = settings
         self._dialect = dialect_for_url(settings.url)
         url, options = engine_args(self._dialect, settings, asynchronous=IS_ASYNC)
-        self._engine = create_async_engine(url, **options)
+        try:
+            self._engine = create_async_engine(url, **options)
+        except (TypeError, ValueError) as exc:  # the dialect reads the URL's query here (connect_timeout=abc)
+            raise ConfigurationError(
+                f"the database driver refused a parameter of the URL ({settings.shown_url}): {exc}", field="url"
+            ) from None
         #: the server session behind each driver connection (see ``_end_cut_sessions``)
         self._sessions: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         install_events(sync_engine(self._engine), self._dialect, settings, self._sessions)

@@ -13,6 +13,7 @@ from sqlalchemy.exc import DBAPIError
 
 from permits._config import Settings
 from permits._exceptions import (
+    ConfigurationError,
     PermitsError,
     SchemaMismatch,
     StorageConflict,
@@ -38,8 +39,7 @@ def engine_args(dialect: Dialect, settings: Settings, asynchronous: bool) -> tup
     bounded = dialect.reply_timeout_args(settings.reply_timeout, asynchronous)
     if bounded:
         options["connect_args"] = {**options.get("connect_args", {}), **bounded}
-    in_memory = settings.url.get_backend_name() == "sqlite" and settings.url.database in (None, "", ":memory:")
-    if settings.pool_size is not None and not in_memory:  # an in-memory database has one connection per thread
+    if settings.pool_size is not None:
         options["pool_size"] = options["max_overflow"] = settings.pool_size
     return dialect.engine_url(settings.url, asynchronous), options
 
@@ -52,6 +52,17 @@ def install_events(
     say it: the store ends a session whose link its reply deadline cut (``_end_cut_sessions``). Not behind a
     transaction pooler, whose server connections change hands between transactions."""
     from permits.dialects.sqlite import SQLite
+
+    @event.listens_for(engine, "do_connect")
+    def _connect_or_refuse(engine_dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
+        # The URL's query goes to the driver as keyword arguments: one it does not know, or a value it
+        # cannot read, is a TypeError or a ValueError there, which would reach the caller as a traceback.
+        try:
+            return engine_dialect.connect(*cargs, **cparams)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"the database driver refused a parameter of the URL ({settings.shown_url}): {exc}", field="url"
+            ) from None
 
     @event.listens_for(engine, "connect")
     def _connected(dbapi_connection: Any, _record: Any) -> None:
