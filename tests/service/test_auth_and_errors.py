@@ -387,6 +387,8 @@ def test_readyz_is_not_ready_on_a_database_whose_schema_went_away(tmp_path: Path
     url = f"sqlite:///{tmp_path / 'permits.db'}"
     with running(url, env={"PERMITS_MAINTENANCE__ENABLED": "false"}) as svc, _http(svc, None) as http:
         assert http.get("/readyz").json() == {"status": "ready"}
+        # A load balancer's check may send HEAD.
+        assert http.head("/readyz").status_code == 200 and http.head("/healthz").status_code == 200
         engine = create_engine(url)
         with engine.begin() as conn:
             conn.execute(text("UPDATE permits_alembic_version SET version_num = '0006'"))
@@ -395,3 +397,13 @@ def test_readyz_is_not_ready_on_a_database_whose_schema_went_away(tmp_path: Path
             conn.execute(text("DROP TABLE permits_alembic_version"))
         assert _error(http.get("/readyz")) == (503, "schema_mismatch")
         engine.dispose()
+
+
+def test_a_path_that_is_not_utf8_is_bad_input(service: Service) -> None:
+    """Decoded with U+FFFD, "%ff" would name a semaphore "\ufffd", and a DELETE would act on that one."""
+    with _http(service, ADMIN) as http:
+        for method, path in (("GET", "/v1/holders/%ff"), ("DELETE", "/v1/semaphores/%ED%A0%80")):
+            response = http.request(method, path)
+            assert _error(response) == (422, "invalid_argument"), response.text
+            assert response.json()["error"]["details"]["field"] == "path"
+        assert http.get("/v1/semaphores/caf%C3%A9").status_code == 404  # UTF-8 text is a name

@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import permits
-from permits._exceptions import PermitsError, RequestTooLarge, ServiceUnavailable
+from permits._exceptions import InvalidArgument, PermitsError, RequestTooLarge, ServiceUnavailable
 from permits.server import auth, dashboard, errors, routes, schemas, stats
 from permits.server.config import ServerConfig
 from permits.server.hot import HotRoutes, replaying
@@ -84,12 +85,13 @@ def create_app(
 
     app.add_middleware(_AccessLog, metrics=state.metrics)
 
-    @app.get("/healthz", tags=["service"])
+    # HEAD as well as GET: a load balancer's health check may send either.
+    @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["service"])
     async def healthz() -> dict[str, str]:
         """The process is up (liveness)."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["service"])
+    @app.api_route("/readyz", methods=["GET", "HEAD"], tags=["service"])
     async def readyz() -> JSONResponse:
         """The database answers and the instance is not shutting down (readiness)."""
         if state.waker.draining.is_set():
@@ -126,10 +128,27 @@ class _Service(FastAPI):
     hot: HotRoutes | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not _path_is_text(scope):
+            # The framework decodes it with U+FFFD for what is not UTF-8: "%ff" would name the semaphore
+            # "\ufffd", and a DELETE act on it. A name that cannot be text is bad input, as in a body.
+            bad = InvalidArgument("the path is not percent-encoded UTF-8 text", field="path")
+            await errors.error_response(bad)(scope, receive, send)
+            return
         if self.hot is not None and scope["type"] == "http":
             await self.hot(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
+
+
+def _path_is_text(scope: Scope) -> bool:
+    raw = scope.get("raw_path")
+    if not raw or b"%" not in raw:
+        return True  # the server decoded plain bytes as ASCII or failed it already
+    try:
+        urllib.parse.unquote_to_bytes(raw.split(b"?", 1)[0]).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _document_limits(app: FastAPI, config: ServerConfig) -> None:

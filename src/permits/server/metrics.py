@@ -44,7 +44,8 @@ class Metrics:
         self.acquires = Counter(
             "permits_acquire_total",
             "Acquire requests by outcome: granted, refused (no room, no wait), timeout (no room within the wait),"
-            " conflict (idempotency conflict), error",
+            " gone (the client closed its connection while waiting), conflict (idempotency conflict), limited"
+            " (a bound of this service: max_waiters, max_leases_per_client), error",
             ["outcome"],
             registry=r,
         )

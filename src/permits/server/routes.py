@@ -24,6 +24,7 @@ from permits._exceptions import (
     AcquireTimeout,
     IdempotencyConflict,
     InvalidArgument,
+    LimitExceeded,
     PermitsError,
 )
 from permits._io import monotonic
@@ -190,7 +191,11 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
     _validate.wants(pairs)
     _validate.key(key)
     _validate.owner(owner)
-    await state.check_lease_quota(identity, owner, body.key)
+    try:
+        await state.check_lease_quota(identity, owner, body.key)
+    except LimitExceeded:
+        state.metrics.acquires.labels("limited").inc()
+        raise
 
     started = monotonic()
     outcome = "error"
@@ -224,6 +229,9 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
         raise
     except IdempotencyConflict:
         outcome = "conflict"
+        raise
+    except LimitExceeded:  # too many waiting on this instance (max_waiters)
+        outcome = "limited"
         raise
     finally:
         elapsed = monotonic() - started
