@@ -160,6 +160,10 @@ def wants(value: object) -> tuple[Want, ...]:
     items: list[Want] = []
     if isinstance(value, str | Want):
         raw: Iterable[object] = [value]
+    elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and not isinstance(value[1], str):
+        raw = [value]  # one (name, count) pair, as written in a list of them: ("backups", 2)
+    elif isinstance(value, bytes | bytearray):
+        raise InvalidArgument("a request names semaphores as text (str), not bytes", field="wants")
     elif isinstance(value, Mapping):
         raw = list(value.items())
     elif isinstance(value, Iterable):

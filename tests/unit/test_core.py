@@ -20,6 +20,11 @@ def test_wants_are_sorted_by_name_for_lock_order() -> None:
     assert _validate.wants({"b": 2, "a": 1}) == (Want("a", 1), Want("b", 2))
     assert _validate.wants("x") == (Want("x", 1),)
     assert _validate.wants(["b", ("a", 3)]) == (Want("a", 3), Want("b", 1))
+    # One pair on its own, as written in a list of them; two names are two names.
+    assert _validate.wants(("a", 3)) == (Want("a", 3),)
+    assert _validate.wants(("b", "a")) == (Want("a", 1), Want("b", 1))
+    with pytest.raises(InvalidArgument, match="not bytes"):
+        _validate.wants(b"a")
 
 
 def test_ttl_rounds_up_to_whole_milliseconds() -> None:
