@@ -136,7 +136,7 @@ class Settings:
                 field="url",
             )
         charset = parsed.query.get("charset")
-        if parsed.get_backend_name() == "mysql" and charset not in (None, "utf8mb4"):
+        if parsed.get_backend_name() in ("mysql", "mariadb") and charset not in (None, "utf8mb4"):
             # Names, keys, owners and reasons are Unicode: another character set cannot hold them all.
             raise ConfigurationError(f"permits needs charset=utf8mb4 on MariaDB/MySQL, not {charset}", field="url")
         wait = _validate.timeout(lock_wait_timeout, "lock_wait_timeout")

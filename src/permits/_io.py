@@ -11,7 +11,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -139,30 +138,38 @@ def sync_try_lock(lock: threading.Lock) -> bool:
 
 # ---- fork(): a child must not use its parent's connections
 
-
-_FORK_AWARE: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def renew_after_fork(owner: Any) -> None:
-    """Call ``owner.after_fork()`` in the child after every ``fork()``, for as long as ``owner`` lives.
-
-    A forked child shares its parent's sockets: a statement or request sent on one by both interleaves on
-    the wire, and each side reads the other's replies (MariaDB: "Packet sequence number wrong"; PostgreSQL:
-    a reply to another's statement). The child forgets its parent's connections instead, without closing
-    them (closing would end them for the parent too), and opens its own."""
-    _FORK_AWARE.add(owner)
+#: How many times this process's line of descent has forked: 0 in the process that imported permits.
+_forks = 0
+#: What a forked child dropped of its parent's: kept, never closed (see ``forks``).
+_inherited: list[Any] = []
 
 
-def _renew_in_child() -> None:
-    for owner in list(_FORK_AWARE):
-        try:
-            owner.after_fork()
-        except Exception:  # pragma: no cover - one owner's failure must not keep the others as they were
-            logger.exception("could not renew %r after fork()", owner)
+def forks() -> int:
+    """A number that changes in a forked child. A client that finds it changed since it opened its
+    connections uses them no more: they are its parent's, and a statement or request sent on one by both
+    interleaves on the wire, each side reading the other's replies (MariaDB: "Packet sequence number
+    wrong"; PostgreSQL: a reply to another's statement). It opens its own instead.
+
+    The hook that counts runs in every child, also in the one ``subprocess`` forks to exec a command with a
+    ``preexec_fn`` (``permits run``), while other threads may hold locks in this process: so it only counts,
+    and the client renews itself on its next operation."""
+    return _forks
+
+
+def keep_inherited(thing: Any) -> None:
+    """Keep what a child dropped of its parent's (a pool and its connections) from being collected: closing
+    them would end them for the parent too (a MariaDB connection's quit, a SQLite file's last connection
+    checkpointing the parent's WAL), and a child must not touch them."""
+    _inherited.append(thing)
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
 
 
 if hasattr(os, "register_at_fork"):  # POSIX only
-    os.register_at_fork(after_in_child=_renew_in_child)
+    os.register_at_fork(after_in_child=_count_fork)
 
 
 def _shut_down(fd: int) -> bool:

@@ -7,6 +7,7 @@ transaction with BEGIN IMMEDIATE), a transaction-scoped advisory lock on Postgre
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from alembic import command
@@ -31,13 +32,15 @@ def _config(connection: Connection | None = None) -> Config:
     return config
 
 
+@functools.cache
 def head() -> str:
-    """The revision this version of permits needs."""
+    """The revision this version of permits needs (read once: it parses the migrations' directory)."""
     revision = ScriptDirectory.from_config(_config()).get_current_head()
     assert revision is not None
     return revision
 
 
+@functools.cache
 def newer_than_this_code(revision: str | None) -> bool:
     """The database is at a revision this version of permits does not know: a newer permits upgraded it.
     Neither this version's statements nor its migrations can be used on it."""

@@ -66,13 +66,17 @@ def who(value: object) -> str:
     return _text(value, "who", MAX_OWNER_LENGTH, "who")
 
 
-def reason(value: object) -> str:
+def reason(value: object, required: bool = False) -> str:
+    """A reason for the record. ``required``: an action that must say why (a revoke, a capacity change)
+    gets no blank one."""
     if not isinstance(value, str):
         raise InvalidArgument(f"a reason must be a string, not {type(value).__name__}", field="reason")
     if len(value) > MAX_REASON_LENGTH:
         raise InvalidArgument(f"a reason is at most {MAX_REASON_LENGTH} characters", field="reason")
     if "\x00" in value:
         raise InvalidArgument("a reason must not contain a NUL character", field="reason")
+    if required and not value.strip():
+        raise InvalidArgument("this action needs a reason, not a blank one", field="reason")
     return value
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -442,6 +442,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
     """``permits run`` once its arguments are read: COMMAND's status, and whether the lease was lost."""
     child: subprocess.Popen[bytes] | None = None
     stopping: list[float] = []  # when COMMAND was sent its signal for a lost lease
+    stopped: list[int] = []  # the signal that stopped this run before COMMAND started
 
     def on_lost(why: str) -> None:
         if options.on_lost_signal == "NONE":
@@ -452,79 +453,77 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
         if child is not None and child.poll() is None:
             child.send_signal(getattr(signal, f"SIG{options.on_lost_signal}"))
 
-    if options.key is not None:
-        _refuse_a_held_key(client, options.key, options.conflict_exit_code)
-    # The lease's own context manager: its watchdog counts the lease's deadline from the request that got
-    # it, and a Ctrl-C while waiting releases by key whatever the grant became.
-    held = client.lease(
-        wants, key=options.key, ttl=options.ttl, timeout=options.timeout, max_hold=options.max_hold, on_lost=on_lost
-    )
-    try:
-        with _stopped_by(signal.SIGTERM, signal.SIGHUP):
-            lease = held.__enter__()
-    except AcquireTimeout as exc:
-        click.echo(f"permits: {exc}", err=True)
-        sys.exit(options.conflict_exit_code)
-    except KeyboardInterrupt:
-        click.echo("permits: interrupted while waiting for permits", err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    except _Stopped as stopped:
-        click.echo(f"permits: stopped by {signal.Signals(stopped.signum).name} while waiting for permits", err=True)
-        sys.exit(128 + stopped.signum)
-    try:
-        try:
-            child = subprocess.Popen(command, env=_command_environment(lease), preexec_fn=_die_with_this_process())
-        except OSError as exc:
-            click.echo(f"permits: cannot run {command[0]!r}: {exc}", err=True)
-            sys.exit(126 if isinstance(exc, PermissionError) else 127)
-        if held.lost and options.on_lost_signal != "NONE":  # lost before COMMAND started
-            child.send_signal(getattr(signal, f"SIG{options.on_lost_signal}"))
-
-        def forward(signum: int, _frame: object) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
+        # One handler from the first request to the end, so that no signal finds the default one (which
+        # would end this process with the lease held) between waiting and COMMAND's start.
+        if child is not None:
             # A terminal's Ctrl-C (SIGINT) or hang-up (SIGHUP) reaches its whole foreground process group,
             # COMMAND included: sent again, many commands would take it for a second Ctrl-C and skip their
             # clean shutdown. Anything else (a supervisor's SIGTERM to this process) is passed on.
-            if child is not None and not (signum != signal.SIGTERM and _in_the_terminals_foreground()):
+            if not (signum != signal.SIGTERM and _in_the_terminals_foreground()):
                 child.send_signal(signum)
+            return
+        if not stopped:  # the first stops the run; the rest must not cut short the release that follows
+            stopped.append(signum)
+            raise _Stopped(signum)
 
-        previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    previous = {s: signal.signal(s, on_signal) for s in FORWARDED_SIGNALS}
+    try:
+        if options.key is not None:
+            _refuse_a_held_key(client, options.key, options.conflict_exit_code)
+        # The lease's own context manager: its watchdog counts the lease's deadline from the request that
+        # got it, and a stop while waiting releases by key whatever the grant became.
+        held = client.lease(
+            wants, key=options.key, ttl=options.ttl, timeout=options.timeout, max_hold=options.max_hold, on_lost=on_lost
+        )
         try:
+            lease = held.__enter__()
+        except AcquireTimeout as exc:
+            click.echo(f"permits: {exc}", err=True)
+            sys.exit(options.conflict_exit_code)
+        except _Stopped as stop:
+            _exit_stopped(stop.signum)
+        try:
+            try:
+                child = subprocess.Popen(command, env=_command_environment(lease), preexec_fn=_die_with_this_process())
+            except OSError as exc:
+                click.echo(f"permits: cannot run {command[0]!r}: {exc}", err=True)
+                sys.exit(126 if isinstance(exc, PermissionError) else 127)
+            if held.lost and options.on_lost_signal != "NONE":  # lost before COMMAND started
+                child.send_signal(getattr(signal, f"SIG{options.on_lost_signal}"))
             status = _wait_for(child, stopping, options.kill_after)
+        except _Stopped as stop:  # granted, and stopped before COMMAND started: released below
+            _exit_stopped(stop.signum)
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+            try:
+                held.__exit__(None, None, None)
+            except PermitsError as exc:
+                # COMMAND has run: its status is the outcome. The lease runs out at its TTL instead.
+                click.echo(f"permits: could not release the lease (it expires at its TTL): {exc.code}: {exc}", err=True)
+    except _Stopped as stop:  # before the lease was asked for (the check of --key)
+        _exit_stopped(stop.signum)
     finally:
-        try:
-            held.__exit__(None, None, None)
-        except PermitsError as exc:
-            # COMMAND has run: its status is the outcome. The lease runs out at its TTL instead.
-            click.echo(f"permits: could not release the lease (it expires at its TTL): {exc.code}: {exc}", err=True)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return status, held.lost
 
 
 class _Stopped(BaseException):
-    """A signal to stop came while ``permits run`` waited for its permits. A BaseException, like the
-    KeyboardInterrupt of a Ctrl-C, so that the lease's context manager releases by key whatever the
-    grant became, before ``permits run`` exits."""
+    """A signal to stop (Ctrl-C, a supervisor's SIGTERM) came before COMMAND started. A BaseException,
+    like the KeyboardInterrupt it stands for, so that the lease's context manager releases by key whatever
+    the grant became, before ``permits run`` exits."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
 
 
-@contextmanager
-def _stopped_by(*signums: signal.Signals) -> Iterator[None]:
-    """Turn ``signums`` into ``_Stopped`` while the block runs (a supervisor's SIGTERM while waiting)."""
-
-    def stop(signum: int, _frame: object) -> None:
-        raise _Stopped(signum)
-
-    previous = {s: signal.signal(s, stop) for s in signums}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+def _exit_stopped(signum: int) -> NoReturn:
+    if signum == signal.SIGINT:
+        click.echo("permits: interrupted while waiting for permits", err=True)
+    else:
+        click.echo(f"permits: stopped by {signal.Signals(signum).name} while waiting for permits", err=True)
+    sys.exit(128 + signum)
 
 
 def _refuse_a_held_key(client: Client, key: str, exit_code: int) -> None:

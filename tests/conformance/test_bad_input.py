@@ -94,6 +94,11 @@ def test_bad_reason_and_release_arguments(client: Any, ns: str) -> None:
     client.create_semaphore(f"{ns}s", 2)
     with pytest.raises(InvalidArgument):
         client.set_capacity(f"{ns}s", 3, reason="r" * 1001)
+    for blank in ("", "  "):  # a capacity change and a revoke must say why, here as through the service
+        with pytest.raises(InvalidArgument):
+            client.set_capacity(f"{ns}s", 3, reason=blank)
+        with pytest.raises(InvalidArgument):
+            client.revoke("k", owner="o", reason=blank)
     with pytest.raises(InvalidArgument):
         client.release("")
     with pytest.raises(InvalidArgument):

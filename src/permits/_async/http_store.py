@@ -36,7 +36,7 @@ from permits._exceptions import (
     UsageError,
     error_class,
 )
-from permits._io import async_sleep, monotonic, renew_after_fork
+from permits._io import async_sleep, forks, keep_inherited, monotonic
 from permits._models import (
     CapacityChange,
     Drift,
@@ -85,7 +85,7 @@ class AsyncHTTPStore:
             headers["Authorization"] = f"Bearer {settings.token}"
         self._http_args = (base, headers)
         self._http = self._new_http(*self._http_args)
-        renew_after_fork(self)
+        self._forks = forks()
         self._opened = False
         self._closed = False
         self._max_wait = 0.0
@@ -101,10 +101,13 @@ class AsyncHTTPStore:
     def _new_http(base: str, headers: dict[str, str]) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=base, headers=headers, timeout=httpx.Timeout(RESPONSE_MARGIN, connect=5.0))
 
-    def after_fork(self) -> None:
-        """In a forked child: a connection pool of its own (see ``_io.renew_after_fork``). The parent's is
-        dropped unclosed: closing would end the parent's connections."""
-        self._http = self._new_http(*self._http_args)
+    def _renew_if_forked(self) -> None:
+        """In a forked child: a connection pool of its own (see ``_io.forks``). The parent's is kept
+        unclosed: closing would end the parent's connections."""
+        if self._forks != forks():
+            self._forks = forks()
+            keep_inherited(self._http)
+            self._http = self._new_http(*self._http_args)
 
     @property
     def url(self) -> str:
@@ -304,6 +307,7 @@ class AsyncHTTPStore:
         the caller learns that its outcome is unknown."""
         if self._closed:
             raise UsageError("this client is closed")
+        self._renew_if_forked()
         failures = 0
         while True:
             sent = body() if body is not None else None

@@ -39,8 +39,9 @@ from permits._io import (
     async_try_lock,
     async_unwatch_reply,
     async_watch_reply,
+    forks,
+    keep_inherited,
     monotonic,
-    renew_after_fork,
 )
 from permits._models import (
     CapacityChange,
@@ -215,19 +216,26 @@ class AsyncSQLStore:
 
             conninfo = settings.url.set(drivername="postgresql").render_as_string(hide_password=False)
             self._listener = AsyncRoomListener(conninfo, mark_sql=self._driver_sql("LISTENED_MARK")[0])
-        renew_after_fork(self)
+        #: ``forks()`` when this store's connections were made (see ``_renew_if_forked``)
+        self._forks = forks()
 
-    def after_fork(self) -> None:
-        """In a forked child: forget the parent's connections (see ``_io.renew_after_fork``) and the state
-        that went with them; the next operation opens connections of its own."""
-        sync_engine(self._engine).dispose(close=False)
+    def _renew_if_forked(self) -> None:
+        """In a forked child: forget the parent's connections and the state that went with them, kept
+        unclosed (``_io.forks``); this operation opens connections of its own."""
+        if self._forks == forks():
+            return
+        self._forks = forks()
+        engine = sync_engine(self._engine)
+        keep_inherited(engine.pool)
+        engine.dispose(close=False)
         self._cut = []
         self._sessions.clear()  # the parent's sessions; the engine's hook notes the child's own in it
         self._in_line_now = 0
         self._seats_mutex = async_mutex()
         if self._listener is not None:
             listener = self._listener
-            self._listener = AsyncRoomListener(listener.conninfo, mark_sql=listener.mark_sql)
+            keep_inherited(listener)
+            self._listener = type(listener)(listener.conninfo, mark_sql=listener.mark_sql)
 
     @property
     def url(self) -> str:
@@ -246,6 +254,7 @@ class AsyncSQLStore:
         """Check the schema (creating it where auto_upgrade is on). Called on first use."""
         if self._closed:
             raise UsageError("this client is closed")
+        self._renew_if_forked()
         if self._opened:
             return
         revision = await self._with_retries(self._schema_revision)
@@ -741,6 +750,11 @@ class AsyncSQLStore:
         place = self._queued.get((owner, key))
         return None if place is None else place[0]
 
+    def holds_place(self, owner: str, key: str) -> bool:
+        """Whether this store put the request in a fair queue, and it was not granted since (its shortfall may
+        be unknown: see ``queue_short``)."""
+        return (owner, key) in self._queued
+
     def place_called(self, owner: str, key: str) -> bool:
         """Whether the request's places in fair queues record this store's wake channel: then a release
         calls it when its turn comes (see ``listener.py``), and it need not poll."""
@@ -804,11 +818,11 @@ class AsyncSQLStore:
 
     async def ping(self) -> None:
         revision = await self._run(flows.schema_probe, readonly=True)
-        if revision != _schema.head():
-            # Another revision than the one this client opened on: the database was replaced or emptied, or
-            # a newer permits upgraded it. Every operation would fail, or use statements of another schema.
-            if revision is not None and _schema.newer_than_this_code(revision):
-                raise _schema.newer_schema(self.url, revision)
+        # A newer revision is a rolling upgrade under way: a running client keeps working on it
+        # (docs/deployment.md), so it is no reason to stop sending it traffic.
+        if revision != _schema.head() and (revision is None or not _schema.newer_than_this_code(revision)):
+            # The tables are gone, or older than this client needs: the database was emptied, or replaced
+            # by an older one. Every operation would fail.
             raise SchemaMismatch(
                 f"the permits schema at {self.url} is at revision {revision}; this version needs"
                 f" {_schema.head()}. Run `permits db upgrade`",

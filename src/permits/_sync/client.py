@@ -132,7 +132,14 @@ class Client:
         ``(name, count)`` pairs or ``Want``s. Retrying with the same ``key`` returns the same lease.
         """
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
-        return self._store.try_acquire(owner_, key_, wants_, ttl_ms)
+        try:
+            return self._store.try_acquire(owner_, key_, wants_, ttl_ms)
+        except BaseException as exc:
+            if key is None and not isinstance(exc, Exception):
+                # As acquire does: a grant under a key the caller never saw would be held until its TTL.
+                with contextlib.suppress(Exception):
+                    sync_shield(self._store.release(owner_, key_))
+            raise
 
     def acquire(
         self,
@@ -335,7 +342,7 @@ class Client:
         once. The holder finds out at its next extend (``LeaseLost`` with reason ``revoked``). Returns the
         lease as it is afterwards; one that had ended already is returned unchanged."""
         owner_, key_ = self._lease_ref(lease, owner)
-        return self._store.revoke(owner_, key_, _validate.reason(reason))
+        return self._store.revoke(owner_, key_, _validate.reason(reason, required=True))
 
     def get_lease(self, key: str, *, owner: str | None = None) -> Lease:
         """The lease under ``key``, held or ended. Raises ``LeaseNotFound``."""
@@ -397,7 +404,7 @@ class Client:
         nothing: no new grant until use drops below the new capacity."""
         by = self.owner if who is None else _validate.who(who)
         return self._store.set_capacity(
-            _validate.name(name), _validate.capacity(capacity), by, _validate.reason(reason)
+            _validate.name(name), _validate.capacity(capacity), by, _validate.reason(reason, required=True)
         )
 
     def capacity_history(self, name: str, *, limit: int = 100) -> list[CapacityChange]:
@@ -526,24 +533,32 @@ class Held:
             self.lease, asked = self._client._acquire(
                 self._wants, self._key, self._owner, self._ttl, self._timeout
             )
+            if self._watch.on:
+                self.watchdog = Watchdog(
+                    self._client,
+                    self.lease,
+                    max_hold=self._watch.max_hold,
+                    on_lost=self._watch.on_lost,
+                    counted_from=asked,
+                )
+                self.watchdog.start()
+            return self.lease
         except BaseException as exc:
-            self._in_use.release()
-            if not isinstance(exc, Exception):
-                # Interrupted (cancelled, Ctrl-C) while the grant may have committed: release by key so the
-                # permits do not wait for the TTL. Releasing a key that was never granted changes nothing.
-                with contextlib.suppress(Exception):
-                    sync_shield(self._client.release(self._key, owner=self._owner))
+            try:
+                if self.lease is not None:
+                    # Granted, but its watchdog could not start: the block does not run, so nothing holds it.
+                    with contextlib.suppress(Exception):
+                        sync_shield(self._client.release(self.lease, owner=self._owner))
+                elif not isinstance(exc, Exception):
+                    # Interrupted (cancelled, Ctrl-C) while the grant may have committed: release by key so
+                    # the permits do not wait for the TTL. Releasing a key never granted changes nothing.
+                    with contextlib.suppress(Exception):
+                        sync_shield(self._client.release(self._key, owner=self._owner))
+            finally:
+                # Only now: entered meanwhile under a key of the caller's, another holder would get this
+                # attempt's lease back, and then lose it to the release above.
+                self._in_use.release()
             raise
-        if self._watch.on:
-            self.watchdog = Watchdog(
-                self._client,
-                self.lease,
-                max_hold=self._watch.max_hold,
-                on_lost=self._watch.on_lost,
-                counted_from=asked,
-            )
-            self.watchdog.start()
-        return self.lease
 
     def __exit__(self, *exc_info: Any) -> None:
         try:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -121,6 +122,8 @@ class _Line:
     #: The permits its semaphore had free after the line's last turn (``None``: not known): a turn asks for as
     #: many requests as that and its releases could make room for, and a few more.
     room_left: int | None = None
+    #: The lookup of a waiting request's key under way (``HandOff._answer_retries``), one at a time.
+    looking_up: asyncio.Task[None] | None = None
 
 
 async def _attempt_decides_if_gone(ticket: _Ticket) -> None:
@@ -316,7 +319,7 @@ class HandOff:
                     # No room: the head asks alone (which reclaims expired leases) when its recheck is due.
                     if batch and (not recheck or ticket.future.done()):
                         refusals += 1
-                        await self._answer_retries(line)
+                        self._answer_retries(line)
                         continue
                     if ticket.future.done():
                         continue
@@ -365,7 +368,7 @@ class HandOff:
                         ticket.future.set_result(None)
                     continue
                 refusals += 1
-                await self._answer_retries(line)
+                self._answer_retries(line)
         finally:
             line.task = None
             if line.heard is not None:
@@ -386,28 +389,40 @@ class HandOff:
                     del self._lines[name]
                     self._waker.unwatch(name, line.room)
 
-    async def _answer_retries(self, line: _Line) -> None:
+    def _answer_retries(self, line: _Line) -> None:
         """Answer the retries waiting behind a head that finds no room. A request whose reply was lost is
         asked again, through another instance perhaps, where it joins the line as a new request: behind a
         head that may be waiting for that very lease's permit, it would wait out its whole time (and the
         head its own) before its turn found the lease. So a request that has waited ``RECHECK_SECONDS``
-        behind the head has its key looked up once, a read: a lease held under it for the same want is its
-        answer. Anything else (no lease, or one for other wants) waits for its turn as before."""
+        behind the head has its key looked up once, a read, in a task of its own, one at a time per line, so
+        that the line's turns and releases never wait for it. A lease held under it for the same want is its
+        answer; anything else (no lease, one for other wants) waits for its turn as before."""
+        if line.looking_up is not None and not line.looking_up.done():
+            return
         now = monotonic()
-        for ticket in list(line.tickets)[1:]:
+        for ticket in itertools.islice(line.tickets, 1, None):
+            if now - ticket.joined < RECHECK_SECONDS:
+                return  # nor any behind it: the line is in the order they joined
             if ticket.looked_up or ticket.future.done() or ticket.abandoned or ticket.attempting:
                 continue
-            if ticket.rechecked_at is not None or now - ticket.joined < RECHECK_SECONDS:
-                continue
+            if ticket.rechecked_at is not None:
+                continue  # it has asked with its full recheck already: a lease under its key was not there
             ticket.looked_up = True
-            try:
-                lease = await self._inner.get_lease(ticket.owner, ticket.key)
-            except Exception:  # not found, or the database: its turn will tell
-                continue
-            if lease.held and lease.counts == {ticket.want.name: ticket.want.count} and not ticket.future.done():
-                ticket.future.set_result(lease)
-                with contextlib.suppress(ValueError):
-                    line.tickets.remove(ticket)
+            line.looking_up = asyncio.ensure_future(self._look_up(line, ticket))
+            return
+
+    async def _look_up(self, line: _Line, ticket: _Ticket) -> None:
+        try:
+            lease = await self._inner.get_lease(ticket.owner, ticket.key)
+        except Exception:  # not found, or the database: its turn will tell
+            return
+        if not lease.held or lease.counts != {ticket.want.name: ticket.want.count} or ticket.future.done():
+            return
+        if ticket.attempting or (line.tickets and line.tickets[0] is ticket):
+            return  # it is being asked for, or is the head now: the line's own attempt answers it
+        with contextlib.suppress(ValueError):
+            line.tickets.remove(ticket)
+        ticket.future.set_result(lease)
 
     def _batch(self, name: str, line: _Line) -> list[_Ticket]:
         """The requests at the head of the line that a turn asks for, up to the first that must ask alone;

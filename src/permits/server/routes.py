@@ -225,7 +225,7 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
         elif wait > 0 and outcome == "timeout":
             # Kept: say whether there is a place at all (a plain semaphore has none), so that a client that
             # stops waiting sends its give-up, a request and a write, only when there is one to give up.
-            exc.details["kept_place"] = state.sql_store.queue_short(owner, key) is not None
+            exc.details["kept_place"] = state.sql_store.holds_place(owner, key)
         raise
     except IdempotencyConflict:
         outcome = "conflict"
