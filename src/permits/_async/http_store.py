@@ -200,6 +200,9 @@ class AsyncHTTPStore:
     def queue_short(self, owner: str, key: str) -> int | None:
         return None  # the service paces its own waiting
 
+    def holds_place(self, owner: str, key: str) -> bool:
+        return False  # the service keeps its own places
+
     def place_called(self, owner: str, key: str) -> bool:
         return False
 

@@ -249,6 +249,9 @@ class InstanceStore:
         # A waiter in a fair queue is called by the database (PostgreSQL), wherever the release ran.
         return self._inner.wake_calls(names)
 
+    def holds_place(self, owner: str, key: str) -> bool:
+        return self._inner.holds_place(owner, key)
+
     def place_called(self, owner: str, key: str) -> bool:
         return self._inner.place_called(owner, key)
 

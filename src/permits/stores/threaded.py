@@ -67,6 +67,9 @@ class ThreadedSQLStore:
         result: int | None = self._inner.queue_short(owner, key)  # a memory lookup: no thread needed
         return result
 
+    def holds_place(self, owner: str, key: str) -> bool:
+        return bool(self._inner.holds_place(owner, key))  # a memory lookup: no thread needed
+
     def place_called(self, owner: str, key: str) -> bool:
         return False
 
