@@ -274,8 +274,18 @@ CASES: dict[str, Case] = {
         None, lambda ctx: ("POST", "/v1/semaphores", {"name": "", "capacity": "many"}), token=CLIENT
     ),
     "revoke-reason-blank": Case(
-        None, lambda ctx: ("POST", "/v1/leases/revoke", {"key": ctx.job, "owner": ctx.owner, "reason": " "})
+        lambda ctx: ctx.client.revoke(ctx.job, owner=ctx.owner, reason=" "),
+        lambda ctx: ("POST", "/v1/leases/revoke", {"key": ctx.job, "owner": ctx.owner, "reason": " "}),
     ),
+    "capacity-reason-blank": Case(
+        lambda ctx: ctx.client.set_capacity(ctx.s, 3, reason=" "),
+        lambda ctx: ("PATCH", f"/v1/semaphores/{ctx.s}", {"capacity": 3, "reason": " "}),
+    ),
+    "exist-ok-not-a-flag": Case(
+        lambda ctx: ctx.client.create_semaphore(ctx.s, 3, exist_ok="no"),
+        lambda ctx: ("POST", "/v1/semaphores", {"name": ctx.s, "capacity": 3, "exist_ok": "no"}),
+    ),
+    "path-not-utf8": Case(None, lambda ctx: ("GET", "/v1/holders/%ff", None)),
     "delete-reason-too-long": Case(
         None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}?force=true&reason={'r' * 1001}", None)
     ),
