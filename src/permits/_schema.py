@@ -62,6 +62,19 @@ def newer_schema(where: str, revision: str) -> SchemaMismatch:
     )
 
 
+def outdated(where: str, revision: str | None) -> SchemaMismatch:
+    """The error for a schema this version cannot use until it is upgraded: missing, or older."""
+    if revision is None:
+        return SchemaMismatch(f"no permits tables at {where}: run `permits db upgrade`", url=where)
+    return SchemaMismatch(
+        f"the permits schema at {where} is at revision {revision}; this version needs {head()}."
+        " Run `permits db upgrade`",
+        url=where,
+        revision=revision,
+        head=head(),
+    )
+
+
 def current(connection: Connection) -> str | None:
     """The revision the database is at, or None for a database permits has never touched."""
     context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})

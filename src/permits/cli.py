@@ -42,7 +42,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_NOT_ACQUIRED = 75  # EX_TEMPFAIL: try again later
 EXIT_LEASE_LOST = 76
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 #: The signals ``permits run`` passes on to COMMAND, so a supervisor can stop it cleanly.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>

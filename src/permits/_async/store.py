@@ -25,7 +25,6 @@ from permits._exceptions import (
     IdempotencyConflict,
     LeaseLost,
     LeaseNotFound,
-    SchemaMismatch,
     StorageConflict,
     StorageError,
     StorageReadOnly,
@@ -278,18 +277,9 @@ class AsyncSQLStore:
         if revision != head:
             if _schema.newer_than_this_code(revision):
                 raise _schema.newer_schema(self.url, revision)
-            if self._settings.auto_upgrade:
-                await self._with_retries(self._upgrade)
-            elif revision is None:
-                raise SchemaMismatch(f"no permits tables at {self.url}: run `permits db upgrade`", url=self.url)
-            else:
-                raise SchemaMismatch(
-                    f"the permits schema at {self.url} is at revision {revision}; this version needs {head}."
-                    " Run `permits db upgrade`",
-                    url=self.url,
-                    revision=revision,
-                    head=head,
-                )
+            if not self._settings.auto_upgrade:
+                raise _schema.outdated(self.url, revision)
+            await self._with_retries(self._upgrade)
         if self._dialect.name == "postgresql":
             await self._with_retries(self._call_server_functions)
         self._opened = True
@@ -823,13 +813,7 @@ class AsyncSQLStore:
         if revision != _schema.head() and (revision is None or not _schema.newer_than_this_code(revision)):
             # The tables are gone, or older than this client needs: the database was emptied, or replaced
             # by an older one. Every operation would fail.
-            raise SchemaMismatch(
-                f"the permits schema at {self.url} is at revision {revision}; this version needs"
-                f" {_schema.head()}. Run `permits db upgrade`",
-                url=self.url,
-                revision=revision,
-                head=_schema.head(),
-            )
+            raise _schema.outdated(self.url, revision)
 
     async def count_held_leases(self, identity: str) -> int:
         """Held leases whose owner is ``identity`` or starts with ``identity/`` (the service's quota)."""

@@ -186,14 +186,10 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
     _check_ttl(body.ttl, limits.max_ttl)
     owner = identity.db_owner(body.owner)
     key = body.key if body.key is not None else uuid.uuid4().hex
-    # Bad input is a 422 whatever the quota, and the quota's lookup of a retry's key must not be sent a key
-    # the database cannot take (a NUL, on PostgreSQL): the request is checked first, as the client would.
-    _validate.wants(pairs)
-    _validate.key(key)
-    _validate.owner(owner)
     try:
         await state.check_lease_quota(identity, owner, body.key)
     except LimitExceeded:
+        _validate.wants(pairs)  # bad input is a 422 whatever the quota: a 429 would say "retry"
         state.metrics.acquires.labels("limited").inc()
         raise
 

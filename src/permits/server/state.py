@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from permits import _validate
 from permits._async.client import AsyncClient
 from permits._config import DEFAULT_TTL, Settings
 from permits._exceptions import ConfigurationError, LeaseNotFound, LimitExceeded
@@ -124,6 +125,12 @@ class ServiceState:
             quota = _Quota(await self.sql_store.count_held_leases(identity.name), now)
             self._quotas[identity.name] = quota
         if quota.count + quota.granted_since >= limit:
+            # Checked before the lookup: the database must not be sent what it cannot take (a NUL in a key is
+            # an error on PostgreSQL), and bad input is a 422 whatever the quota. Below the bound, the client
+            # checks them as for any request.
+            if key is not None:
+                _validate.key(key)
+            _validate.owner(owner)
             if key is not None and await self._holds(owner, key):
                 return
             raise LimitExceeded(
