@@ -250,6 +250,15 @@ def test_bad_json_from_a_caller_without_a_token_is_401(service: Service) -> None
             assert (
                 _error(refused) == (422, "invalid_argument") and "not valid JSON" in refused.json()["error"]["message"]
             )
+        # A name given twice in one object is JSON the service will not guess at, on the hot routes and off
+        # them, and the message names it.
+        twice = {"content": b'{"key": "a", "key": "b"}', "headers": {"Content-Type": "application/json"}}
+        for path in ("/v1/leases/release", "/v1/leases/extend", "/v1/leases/give-up"):
+            refused = alice.post(path, **twice)
+            assert _error(refused) == (422, "invalid_argument"), path
+            assert refused.json()["error"]["message"] == (
+                "the body is not valid JSON (the name 'key' appears twice in one object)"
+            )
 
 
 def test_error_bodies_and_statuses(service: Service, ns: str) -> None:

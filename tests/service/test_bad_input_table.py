@@ -243,6 +243,8 @@ CASES: dict[str, Case] = {
     "body-missing-field": _body('{"key": "k"}'),
     "body-extra-field": _body('{"wants": {"{s}": 1}, "colour": "red"}'),
     "body-wrong-type": _body('{"wants": {"{s}": 1}, "key": 7}'),
+    "body-name-twice": _body('{"wants": {"{s}": 1, "{s}": 2}}'),
+    "body-field-twice": _body('{"wants": {"{s}": 1}, "ttl": 5, "ttl": 500}'),
     "auth-missing": _as(None, _remote_acquire, _acquire_http),
     "auth-wrong": _as("not-a-token-of-this-service-0", _remote_acquire, _acquire_http),
     "auth-not-bearer": Case(None, _acquire_http, token=None, headers={"Authorization": f"Basic {CLIENT}"}),

@@ -70,6 +70,35 @@ def test_release_outcomes() -> None:
     assert decide.release_outcome(swept) == ReleaseOutcome.LOST
 
 
+def _drive(flow: Any, replies: list[Result]) -> tuple[list[str], Any]:
+    """Run a flow on canned results: the names of the statements it sent, and what it returned."""
+    sent = [next(flow).name]
+    try:
+        for reply in replies:
+            sent.append(flow.send(reply).name)
+    except StopIteration as done:
+        return sent, done.value
+    raise AssertionError(f"the flow wanted more than {len(replies)} results: {sent}")
+
+
+def test_a_revoke_tells_whether_it_was_what_ended_the_lease() -> None:
+    """The service audits a revoke by this answer, which comes from the locked re-check: of two revokes at
+    once, both read the lease as held, and only the one whose locking read still finds it ends it."""
+    held, revoked = Result(_lease_rows(), 1), Result(_lease_rows(state=0, reason="revoked"), 1)
+    sent, (lease, ended) = _drive(
+        flows.revoke_telling("o", "k", "why"),
+        [held, Result([(7,)], 1), Result([(3, 2)], 1), Result([], 1), Result([], 1), revoked],
+    )
+    assert sent == ["LEASE_FIND", "LEASES_LOCK_HELD", "PERMITS_SUM", "LEASES_END", "SEM_GIVE_BACK", "LEASE_FIND"]
+    assert ended and lease.end_reason == "revoked"
+    # The other revoke: its locking read finds the lease ended already, so it ends nothing.
+    sent, (lease, ended) = _drive(flows.revoke_telling("o", "k", "why"), [held, Result([], 0), revoked])
+    assert sent == ["LEASE_FIND", "LEASES_LOCK_HELD", "LEASE_FIND"] and not ended
+    # A lease found ended: answered as it is.
+    sent, (lease, ended) = _drive(flows.revoke_telling("o", "k", "why"), [revoked])
+    assert sent == ["LEASE_FIND"] and not ended and lease.end_reason == "revoked"
+
+
 def test_acquire_fast_path_statements() -> None:
     """A grant with room is: one conditional UPDATE per semaphore, the lease row, the permit rows (where the
     dialect has no one-statement grant over several semaphores)."""

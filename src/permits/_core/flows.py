@@ -599,14 +599,22 @@ def revoke(owner: str, key: str, note: str) -> Flow[Lease]:
     """End a lease for its holder (an administrator's force-release), recording why. The holder learns
     it at its next extend (``LeaseLost``, reason ``revoked``). A lease that has ended already is left as
     it is and returned."""
+    lease, _ = yield from revoke_telling(owner, key, note)
+    return lease
+
+
+def revoke_telling(owner: str, key: str, note: str) -> Flow[tuple[Lease, bool]]:
+    """``revoke``, and whether this revoke is what ended the lease. The answer comes from the locked
+    re-check that ends it, not from the read before: of two revokes at once, only one ends the lease, and
+    only that one is an action to audit."""
     existing = yield from _find_lease(owner, key)
     if existing is None:
         raise LeaseNotFound(f"no lease under key {key!r} for owner {owner!r}", key=key, owner=owner)
     lease_id, lease = existing
     if lease.end_reason is not None:
-        return lease
-    yield from _end_held([lease_id], EndReason.REVOKED, note)
-    return (yield from get_lease(owner, key))
+        return lease, False
+    _, ended = yield from _end_held([lease_id], EndReason.REVOKED, note)
+    return (yield from get_lease(owner, key)), bool(ended)
 
 
 def get_lease(owner: str, key: str) -> Flow[Lease]:

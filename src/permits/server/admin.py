@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from permits import _validate
 from permits._core import flows, observe
-from permits._core.flows import Flow, Stmt
+from permits._core.flows import Stmt
 from permits._exceptions import InvalidArgument
-from permits._models import CapacityChange, EndReason, Lease, Semaphore
+from permits._models import CapacityChange, Lease, Semaphore
 from permits.server.auth import Identity
 from permits.server.state import ServiceState
 
@@ -82,13 +82,6 @@ async def revoke(state: ServiceState, identity: Identity, owner: str, key: str, 
     # The note says who revoked it, where there are identities to tell apart.
     note = f"{identity.name}: {why}" if identity.scoped else why
 
-    def revoking() -> Flow[tuple[Lease, bool]]:
-        """The revoke, and whether it ended the lease: one that had ended already is answered unchanged,
-        and that is no action to record."""
-        before = yield from flows.get_lease(owner, key)
-        lease = yield from flows.revoke(owner, key, note)
-        return lease, before.end_reason is None and lease.end_reason is EndReason.REVOKED
-
     def entry(done: tuple[Lease, bool]) -> Stmt | None:
         lease, revoked = done
         if not revoked:
@@ -99,8 +92,13 @@ async def revoke(state: ServiceState, identity: Identity, owner: str, key: str, 
         detail = None if len(names) == 1 else "semaphores: " + ", ".join(names)
         return observe.log_admin(identity.name, "revoke", name, why, detail, lease_owner=owner, lease_key=key)
 
-    lease: Lease
-    lease, _ = await state.sql_store.run_flow(lambda: observe.audited(revoking(), entry))
-    state.waker.notify(list(lease.counts))
-    state.metrics.reclaims.labels("revoked").inc()
+    # One that had ended already (or that a concurrent revoke ended) is answered unchanged: no action to
+    # record, no permits returned.
+    done: tuple[Lease, bool] = await state.sql_store.run_flow(
+        lambda: observe.audited(flows.revoke_telling(owner, key, note), entry)
+    )
+    lease, revoked = done
+    if revoked:
+        state.waker.notify(list(lease.counts))
+        state.metrics.reclaims.labels("revoked").inc()
     return lease

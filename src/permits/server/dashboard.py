@@ -19,10 +19,10 @@ from fastapi.responses import Response, StreamingResponse
 from permits import _validate
 from permits._core import observe
 from permits._models import ms_to_datetime
-from permits.server import events, schemas
+from permits.server import body, events, schemas
 from permits.server.routes import _ERRORS, Caller, State
 
-router = APIRouter()
+router = APIRouter(route_class=body.Route)
 
 #: Seconds between comment lines on an idle stream, so proxies and browsers keep it open.
 STREAM_PING_SECONDS = 15.0

@@ -174,7 +174,10 @@ def install(app: FastAPI) -> None:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":  # loc is ("body", offset): the body, not a field "0"
-            return await _unparsed_body(request, str(first.get("msg")))
+            # The parser's own words ("Expecting value", a name given twice) say more than the framework's.
+            context = first.get("ctx")
+            why = context.get("error") if isinstance(context, dict) else None
+            return await _unparsed_body(request, str(why or first.get("msg")))
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
         field = loc[0] if loc else "body"
         where = ".".join(loc) or "the body"

@@ -9,7 +9,7 @@ turns"). So these two requests are answered here, in front of every layer, by th
 (``routes.acquire_lease`` and ``routes.release_lease``), with the same checks:
 
 - the caller, through the same ``Authenticator``;
-- the body, parsed as the framework parses it (``json.loads``) and validated with the same pydantic model;
+- the body, parsed as the framework parses it (``body.loads``) and validated with the same pydantic model;
 - the body limit, and what counts as JSON, as the app's own middleware (``app._BodyLimit``) has them.
 
 It answers only what it can answer exactly as the framework would. A request whose caller is refused, or
@@ -22,7 +22,6 @@ counted under its route like any other. ``hot_routes = false`` sends everything 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from permits._exceptions import PermitsError
 from permits.server import errors, gone, routes, schemas
 from permits.server.auth import Identity
+from permits.server.body import loads
 from permits.server.state import ServiceState
 
 Handler = Callable[[Any, Identity, ServiceState], Awaitable[dict[str, Any]]]
@@ -88,7 +88,7 @@ class HotRoutes:
         replay = replaying(body, receive)
         try:
             identity = self.state.auth.identify(authorization)
-            given = hot.model.model_validate(json.loads(body))
+            given = hot.model.model_validate(loads(body))
         except Exception:
             # Refused, but the framework says how, as it would have without the hot routes.
             await self.app(scope, replay, send)

@@ -29,7 +29,7 @@ from permits._exceptions import (
 )
 from permits._io import monotonic
 from permits._models import Lease
-from permits.server import admin, gone, schemas
+from permits.server import admin, body, gone, schemas
 from permits.server.auth import Identity
 from permits.server.state import ServiceState
 
@@ -44,7 +44,7 @@ class _TextConvertor(PathConvertor):
 
 register_url_convertor("text", _TextConvertor())
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=body.Route)
 #: What this service supports beyond the first API (``GET /v1/whoami``), for clients of another version:
 #: ``keep_place`` (an acquire's field, and ``POST /v1/leases/give-up``).
 FEATURES = ("keep_place",)
