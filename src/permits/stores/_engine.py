@@ -53,6 +53,9 @@ def install_events(
     transaction pooler, whose server connections change hands between transactions."""
     from permits.dialects.sqlite import SQLite
 
+    #: a connection was made with these parameters once: they are not what a later failure is about
+    parameters_taken = False
+
     @event.listens_for(engine, "do_connect")
     def _connect_or_refuse(engine_dialect: Any, _record: Any, cargs: Any, cparams: Any) -> Any:
         # The URL's query goes to the driver as keyword arguments: one it does not know, or a value it
@@ -60,12 +63,16 @@ def install_events(
         try:
             return engine_dialect.connect(*cargs, **cparams)
         except (TypeError, ValueError) as exc:
+            if parameters_taken:  # the same parameters worked before: a driver's fault, not the URL's
+                raise
             raise ConfigurationError(
                 f"the database driver refused a parameter of the URL ({settings.shown_url}): {exc}", field="url"
             ) from None
 
     @event.listens_for(engine, "connect")
     def _connected(dbapi_connection: Any, _record: Any) -> None:
+        nonlocal parameters_taken
+        parameters_taken = True
         dialect.connected(dbapi_connection)
 
     on_connect = dialect.on_connect_sql(settings.lock_wait_timeout, settings.pooler)
