@@ -265,11 +265,11 @@ def release(key: str, owner: str | None, db: str | None) -> None:
 
 @main.command()
 @click.argument("key")
-@click.option("--ttl", type=float, required=True, help="New TTL in seconds, from now.")
+@click.option("--ttl", type=float, default=None, help="New TTL in seconds, from now  [default: the lease's own TTL]")
 @_owner_option
 @_db_option
-def extend(key: str, ttl: float, owner: str | None, db: str | None) -> None:
-    """Extend the lease KEY; prints it as JSON."""
+def extend(key: str, ttl: float | None, owner: str | None, db: str | None) -> None:
+    """Extend the lease KEY by its TTL, or by --ttl, which becomes its TTL; prints it as JSON."""
     with _client(db, owner) as client:
         _echo_json(client.extend(key, ttl).to_dict())
 

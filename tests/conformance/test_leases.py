@@ -126,12 +126,27 @@ def test_extend(client: Any, ns: str) -> None:
     lease = client.try_acquire(f"{ns}s", ttl=2)
     extended = client.extend(lease, 120)
     assert 119 <= extended.expires_in <= 120 and extended.tokens == lease.tokens
-    assert client.extend(lease.key).expires_in > 50  # default ttl (60 s)
+    assert 119 <= client.extend(lease.key).expires_in <= 120  # the lease's TTL, as its last extend set it
     client.release(lease)
     with pytest.raises(permits.LeaseLost):
         client.extend(lease, 10)
     with pytest.raises(permits.LeaseNotFound):
         client.extend(f"{ns}no-such-key", 10)
+
+
+def test_an_extend_without_a_ttl_renews_by_the_leases_own(make_client: Any, ns: str) -> None:
+    """Whichever client sends it: the TTL is the lease's, kept by the database, not the extending client's."""
+    holder, other = make_client(owner=f"{ns}o", ttl=5), make_client(owner=f"{ns}o", ttl=7)
+    holder.create_semaphore(f"{ns}s", 2)
+    lease = holder.acquire(f"{ns}s", key=f"{ns}k", ttl=300)
+    assert 299 <= other.extend(lease.key).expires_in <= 300
+    assert 299 <= holder.extend(lease).expires_in <= 300
+    # One given becomes the lease's TTL.
+    assert 89 <= other.extend(lease.key, 90).expires_in <= 90
+    assert 89 <= holder.extend(lease).expires_in <= 90
+    # A grant at the client's default TTL keeps that one.
+    short = holder.acquire(f"{ns}s", key=f"{ns}k2")
+    assert 4 <= other.extend(short).expires_in <= 5
 
 
 def test_expired_lease_never_blocks(client: Any, ns: str) -> None:

@@ -44,7 +44,7 @@ def test_python_examples(doc: Path, tmp_path: Path) -> None:
 
 
 #: What an example says it shows, on a fresh database: it must show it.
-SAYS = {"api.md": ("refused: ",)}
+SAYS = {"api.md": ("refused: ", "lease TTL kept: 30 s")}
 
 
 @pytest.mark.parametrize("doc", [p for p in DOCS if _blocks(p, "sh")], ids=lambda p: p.name)

@@ -326,14 +326,16 @@ class AsyncClient:
         return await self._store.release(owner_, key_, one_semaphore)
 
     async def extend(self, lease: Lease | str, ttl: Seconds | None = None, *, owner: str | None = None) -> Lease:
-        """Set a held lease to expire ``ttl`` seconds from now, on the database's clock (default: this
-        client's ttl, not the one the lease was acquired with, which may have been longer).
+        """Set a held lease to expire ``ttl`` seconds from now, on the database's clock. Without ``ttl``,
+        by the lease's own TTL: the one it was acquired with, or given by its last extend, whichever client
+        asked. A ``ttl`` given becomes the lease's TTL. (A lease granted before the database's schema kept
+        TTLs, revision 0008, has none: this client's ttl, then.)
 
         Raises ``LeaseLost`` if it was released or has expired (its permits may be someone else's now),
         ``LeaseNotFound`` if it never existed.
         """
         owner_, key_ = self._lease_ref(lease, owner)
-        ttl_ms = self._settings.ttl_ms if ttl is None else _validate.ttl_ms(ttl)
+        ttl_ms = None if ttl is None else _validate.ttl_ms(ttl)
         return await self._store.extend(owner_, key_, ttl_ms)
 
     async def revoke(self, lease: Lease | str, *, owner: str | None = None, reason: str) -> Lease:

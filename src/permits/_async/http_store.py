@@ -210,8 +210,10 @@ class AsyncHTTPStore:
         data = await self._call("POST", "/v1/leases/release", json={"key": key, "owner": owner})
         return ReleaseOutcome(data["outcome"])
 
-    async def extend(self, owner: str, key: str, ttl_ms: int) -> Lease:
-        body = {"key": key, "owner": owner, "ttl": ttl_ms / 1000}
+    async def extend(self, owner: str, key: str, ttl_ms: int | None) -> Lease:
+        body: dict[str, Any] = {"key": key, "owner": owner}
+        if ttl_ms is not None:  # else the lease's own TTL, as the service keeps it
+            body["ttl"] = ttl_ms / 1000
         return _wire.lease_in(await self._call("POST", "/v1/leases/extend", json=body))
 
     async def revoke(self, owner: str, key: str, note: str) -> Lease:

@@ -775,8 +775,9 @@ class SQLStore:
     def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
         return self._run(lambda: flows.release(self._dialect, owner, key, one_semaphore), persist=True)
 
-    def extend(self, owner: str, key: str, ttl_ms: int) -> Lease:
-        return self._run(lambda: flows.extend(owner, key, ttl_ms), persist=True)
+    def extend(self, owner: str, key: str, ttl_ms: int | None) -> Lease:
+        default_ttl_ms = self._settings.ttl_ms  # for a lease granted before leases kept their TTL
+        return self._run(lambda: flows.extend(owner, key, ttl_ms, default_ttl_ms), persist=True)
 
     def revoke(self, owner: str, key: str, note: str) -> Lease:
         return self._run(lambda: flows.revoke(owner, key, note))

@@ -134,8 +134,8 @@ PORTABLE_SQL: dict[str, str] = {
         ORDER BY s.name""",
     # params: owner, key, ttl_ms -> id, acquired_at_ms, expires_at_ms (unique (owner, lease_key))
     "LEASE_INSERT": """
-        INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
-        VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms)
+        INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
+        VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms)
         RETURNING id, acquired_at_ms, expires_at_ms""",
     # params: id -> acquired_at_ms, expires_at_ms (for engines without INSERT ... RETURNING)
     "LEASE_TIMES": "SELECT acquired_at_ms, expires_at_ms FROM permits_lease WHERE id = :id",
@@ -241,9 +241,13 @@ PORTABLE_SQL: dict[str, str] = {
                            WHERE p.lease_id = :lease_id AND p.semaphore_id = permits_semaphore.id),
             updated_at_ms = {now}
         WHERE id IN (SELECT semaphore_id FROM permits_permit WHERE lease_id = :lease_id)""",
-    # params: owner, key, ttl_ms -> rowcount 1 if the lease was held and unexpired
+    # The TTL is the one asked for, else the lease's own (the grant's, or its last extend's), else, for a
+    # lease granted before leases kept theirs (migration 0008), the caller's default; it becomes the lease's.
+    # MySQL assigns in order, each seeing the ones before: the expiry is computed from the TTL as it was.
+    # params: owner, key, ttl_ms (or NULL), default_ttl_ms -> rowcount 1 if the lease was held and unexpired
     "LEASE_EXTEND": """
-        UPDATE permits_lease SET expires_at_ms = {now} + :ttl_ms
+        UPDATE permits_lease SET expires_at_ms = {now} + COALESCE(:ttl_ms, ttl_ms, :default_ttl_ms),
+            ttl_ms = COALESCE(:ttl_ms, ttl_ms, :default_ttl_ms)
         WHERE owner = :owner AND lease_key = :key AND state = 1 AND expires_at_ms > {now}""",
     # params: name -> owner, lease_key, count, token, acquired_at_ms, expires_at_ms, now_ms
     "HOLDERS": """

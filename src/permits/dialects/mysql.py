@@ -150,8 +150,8 @@ class MariaDB(Dialect):
             UPDATE permits_semaphore
             SET used = used + :count, last_token = (@permits_token := last_token + 1), updated_at_ms = {now}
             WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate};
-            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
-            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms FROM DUAL WHERE @permits_token IS NOT NULL
+            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
+            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms FROM DUAL WHERE @permits_token IS NOT NULL
             RETURNING id, acquired_at_ms, expires_at_ms, @permits_token;
             INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
             SELECT LAST_INSERT_ID(), id, :count, @permits_token FROM permits_semaphore
@@ -196,8 +196,8 @@ class MariaDB(Dialect):
         + """
             SET s.used = s.used + w.count, s.last_token = s.last_token + 1, s.updated_at_ms = {now}
             WHERE s.deleted = 0 AND @permits_fit = 1;
-            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
-            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms FROM DUAL WHERE @permits_fit = 1;
+            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
+            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms FROM DUAL WHERE @permits_fit = 1;
             INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
             SELECT LAST_INSERT_ID(), s.id, w.count, s.last_token
             FROM """
@@ -260,8 +260,8 @@ class MariaDB(Dialect):
                     + (@permits_k := CASE WHEN used - @permits_n + @permits_k <= capacity THEN @permits_k ELSE 0 END),
                 last_token = (@permits_before := last_token) + @permits_k, updated_at_ms = {now}
             WHERE id = @permits_sem AND (@permits_n > 0 OR @permits_k > 0);
-            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
-            SELECT a.owner, a.lease_key, 1, {now}, {now} + a.ttl_ms FROM """
+            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
+            SELECT a.owner, a.lease_key, 1, {now}, {now} + a.ttl_ms, a.ttl_ms FROM """
         + _ASKED
         + """
             WHERE a.place <= @permits_k AND @permits_before IS NOT NULL
@@ -401,8 +401,8 @@ class MySQL(MariaDB):
         "ACQUIRE_MANY": None,
         "HAND_OVER": None,
         "LEASE_INSERT": """
-            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
-            VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms)""",
+            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
+            VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms)""",
         # MySQL has no @@server_uid, and keeps its status in performance_schema: a cut session is not ended
         # there (not written for it until a MySQL server is in the tests).
         **dict.fromkeys(_SESSION_SQL),

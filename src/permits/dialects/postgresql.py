@@ -104,8 +104,8 @@ _ACQUIRE_ONE = """
                 WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
                 RETURNING id, last_token, {clock_now} AS granted_ms),
             lease AS (
-                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
-                SELECT :owner, :key, 1, granted_ms, granted_ms + :ttl_ms FROM taken
+                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
+                SELECT :owner, :key, 1, granted_ms, granted_ms + :ttl_ms, :ttl_ms FROM taken
                 RETURNING id, acquired_at_ms, expires_at_ms),
             permit AS (
                 INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
@@ -267,8 +267,9 @@ class PostgreSQL(Dialect):
                 WHERE s.id = l.id AND fits.ok
                 RETURNING s.id, l.name, l.count, s.last_token, {clock_now} AS granted_ms),
             lease AS (
-                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
-                SELECT :owner, :key, 1, MAX(granted_ms), MAX(granted_ms) + :ttl_ms FROM taken HAVING COUNT(*) > 0
+                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
+                SELECT :owner, :key, 1, MAX(granted_ms), MAX(granted_ms) + :ttl_ms, :ttl_ms FROM taken
+                HAVING COUNT(*) > 0
                 RETURNING id, acquired_at_ms, expires_at_ms),
             permit AS (
                 INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
@@ -337,8 +338,8 @@ class PostgreSQL(Dialect):
                 FROM asked a, taken t
                 WHERE a.place <= t.k),
             lease AS (
-                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms)
-                SELECT owner, lease_key, 1, granted_ms, granted_ms + ttl_ms FROM granted
+                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
+                SELECT owner, lease_key, 1, granted_ms, granted_ms + ttl_ms, ttl_ms FROM granted
                 RETURNING id, owner, lease_key, acquired_at_ms, expires_at_ms),
             permit AS (
                 INSERT INTO permits_permit (lease_id, semaphore_id, count, token)

@@ -111,7 +111,11 @@ class LeaseRefIn(_Strict):
 
 class ExtendIn(LeaseRefIn):
     ttl: Ttl | None = Field(
-        default=None, description="the new TTL from now, in seconds (default: the service's default ttl)"
+        default=None,
+        description=(
+            "the new TTL from now, in seconds, which becomes the lease's TTL (default: the lease's own, the one it"
+            " was granted with or last extended by)"
+        ),
     )
 
 
