@@ -13,6 +13,7 @@ exception the embedded library would::
     ├── SemaphoreInUse                            delete refused while permits are held
     ├── AcquireTimeout (TimeoutError)             waited `timeout`, nothing was granted
     ├── IdempotencyConflict                       same key, different request
+    │   └── KeyInUse                              a request for a new lease under a key that names one
     ├── LeaseError
     │   ├── LeaseNotFound (LookupError)           no lease was ever granted under this key
     │   ├── LeaseLost                             the lease ended: released, expired, swept or revoked
@@ -136,6 +137,13 @@ class IdempotencyConflict(PermitsError):
     """The key was used before for a different request."""
 
     code = "idempotency_conflict"
+
+
+class KeyInUse(IdempotencyConflict):
+    """A request that asked for a new lease only (``new_only``) found a lease under its key already, held
+    or ended: ``details["held"]`` says which. Nothing was granted; that lease is left as it is."""
+
+    code = "key_in_use"
 
 
 class LeaseError(PermitsError):

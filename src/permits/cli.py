@@ -28,7 +28,7 @@ from permits._exceptions import (
     AcquireTimeout,
     ConfigurationError,
     InvalidArgument,
-    LeaseNotFound,
+    KeyInUse,
     PermitsError,
     UsageError,
 )
@@ -468,18 +468,27 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
 
     previous = {s: signal.signal(s, on_signal) for s in FORWARDED_SIGNALS}
     try:
-        if options.key is not None:
-            _refuse_a_held_key(client, options.key, options.conflict_exit_code)
         # The lease's own context manager: its watchdog counts the lease's deadline from the request that
-        # got it, and a stop while waiting releases by key whatever the grant became.
+        # got it, and a stop while waiting releases by key whatever the grant became (but under --key).
+        # A key names one request: a second run given a key whose lease exists would get that lease back,
+        # as a retry does, and run its command beside the first. So a run asks for a new lease only, which
+        # the database decides as it grants: two runs started at once cannot both pass.
         held = client.lease(
-            wants, key=options.key, ttl=options.ttl, timeout=options.timeout, max_hold=options.max_hold, on_lost=on_lost
+            wants,
+            key=options.key,
+            ttl=options.ttl,
+            timeout=options.timeout,
+            max_hold=options.max_hold,
+            on_lost=on_lost,
+            new_only=options.key is not None,
         )
         try:
             lease = held.__enter__()
         except AcquireTimeout as exc:
             click.echo(f"permits: {exc}", err=True)
             sys.exit(options.conflict_exit_code)
+        except KeyInUse as exc:
+            _refuse_a_used_key(exc, options.conflict_exit_code)
         except _Stopped as stop:
             _exit_stopped(stop.signum)
         try:
@@ -525,21 +534,16 @@ def _exit_stopped(signum: int) -> NoReturn:
     sys.exit(128 + signum)
 
 
-def _refuse_a_held_key(client: Client, key: str, exit_code: int) -> None:
-    """A key names one request: a second ``permits run --key K`` while a lease under K is held would get
-    that lease back, as a retry does, and run its command beside the first. Refused instead."""
-    try:
-        existing = client.get_lease(key)
-    except LeaseNotFound:
-        return
-    if existing.held:
-        click.echo(
-            f"permits: a lease under key {key!r} is held already, by another `permits run --key {key}` or one"
-            f" that ended without releasing it (it expires in {existing.expires_in:.0f} s); a second holder"
-            " under one key would share it",
-            err=True,
-        )
-        sys.exit(exit_code)
+def _refuse_a_used_key(refused: KeyInUse, exit_code: int) -> NoReturn:
+    """The lease under ``--key`` exists already: held by another ``permits run --key`` (or one that was
+    killed, until its TTL), or ended, since a key is one request and is not granted twice."""
+    key = refused.details.get("key")
+    if refused.details.get("held"):
+        why = f"is held already, by another `permits run --key {key}` or one that ended without releasing it"
+    else:
+        why = "was used already, by a run that has ended (a key is one request: choose a new one)"
+    click.echo(f"permits: a lease under key {key!r} {why}", err=True)
+    sys.exit(exit_code)
 
 
 def _wait_for(child: subprocess.Popen[bytes], stopping: list[float], kill_after: float | None) -> int:

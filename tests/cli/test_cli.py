@@ -320,6 +320,37 @@ def test_a_second_run_under_a_held_key_is_refused(db_url: str, ns: str, tmp_path
         assert first.wait(timeout=30) == 0
 
 
+def test_runs_under_one_key_that_get_room_at_once_run_one_command(db_url: str, ns: str, tmp_path: Path) -> None:
+    """Four `permits run --key J` wait on a semaphore with room for all four, which comes at once. Each
+    looked for a lease under J before it waited, and found none; the first grant makes one, and every other
+    run's grant then finds it. Answered as a retry, they would all run beside it; asking for a new lease
+    only, they are refused by the database as it grants, and exactly one command runs."""
+    name, runs = f"{ns}fleet", 4
+    _permits(db_url, "sem", "create", name, "--capacity", str(runs))
+    ran = tmp_path / "ran"
+    env = {**os.environ, "PERMITS_DATABASE_URL": db_url, "PERMITS_OWNER": "cli-tests"}
+    command = f"echo $PERMITS_FENCING_TOKEN >> {ran}; sleep 5"
+    run = [sys.executable, "-m", "permits", "run", name, "--key", f"{ns}J", "--timeout", "60", "--"]
+    with permits.connect(db_url, owner="blocker") as client:
+        blocker = client.acquire({name: runs}, ttl=60)
+        waiting = [
+            subprocess.Popen(
+                [*run, "sh", "-c", command],
+                env=env,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(runs)
+        ]
+        time.sleep(3)  # every run has started and waits for room (one that comes later races all the same)
+        client.release(blocker)
+        statuses = [run.wait(timeout=60) for run in waiting]
+        said = [run.stderr.read() if run.stderr is not None else "" for run in waiting]
+    assert sorted(statuses) == [0] + [75] * (runs - 1), said
+    assert len(ran.read_text().split()) == 1
+    assert sum("held already" in text or "used already" in text for text in said) == runs - 1, said
+
+
 @pytest.mark.parametrize(
     "args",
     [

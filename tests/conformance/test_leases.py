@@ -102,6 +102,36 @@ def test_same_key_different_request_conflicts(client: Any, ns: str) -> None:
     assert client.get_semaphore(f"{ns}s").used == 1
 
 
+def test_a_request_for_a_new_lease_only_is_never_answered_with_one_under_its_key(client: Any, ns: str) -> None:
+    """``new_only``: the key is not a retry's but a claim. A lease under it, held or ended, is refused with
+    KeyInUse (an IdempotencyConflict), whether there is room or not, and is left as it was."""
+    client.create_semaphore(f"{ns}s", 2)
+    first = client.acquire(f"{ns}s", key=f"{ns}k", new_only=True)
+    for timeout in (0, 1):  # with room, and waiting: refused at once either way
+        with pytest.raises(permits.KeyInUse) as refused:
+            client.acquire(f"{ns}s", key=f"{ns}k", new_only=True, timeout=timeout)
+        assert refused.value.code == "key_in_use" and refused.value.details["held"] is True
+        assert isinstance(refused.value, permits.IdempotencyConflict)
+    with pytest.raises(permits.KeyInUse):
+        client.try_acquire(f"{ns}s", key=f"{ns}k", new_only=True)
+    with pytest.raises(permits.KeyInUse), client.lease(f"{ns}s", key=f"{ns}k", new_only=True):
+        pass
+    assert client.acquire(f"{ns}s", key=f"{ns}k").tokens == first.tokens  # a retry is answered with it
+    assert client.get_semaphore(f"{ns}s").used == 1
+    # Full: refused for the key, not timed out.
+    other = client.acquire(f"{ns}s")
+    with pytest.raises(permits.KeyInUse):
+        client.acquire(f"{ns}s", key=f"{ns}k", new_only=True, timeout=1)
+    client.release(first)
+    client.release(other)
+    with pytest.raises(permits.KeyInUse) as refused:
+        client.acquire(f"{ns}s", key=f"{ns}k", new_only=True)
+    assert refused.value.details["held"] is False
+    assert client.get_semaphore(f"{ns}s").used == 0
+    with pytest.raises(permits.InvalidArgument):
+        client.acquire(f"{ns}s", new_only="yes")
+
+
 def test_released_key_is_not_granted_again(client: Any, ns: str) -> None:
     client.create_semaphore(f"{ns}s", 1)
     lease = client.try_acquire(f"{ns}s", key=f"{ns}once")

@@ -8,7 +8,16 @@ from typing import Any
 
 import pytest
 
-from permits import IdempotencyConflict, InvalidArgument, LeaseLost, ReleaseOutcome, SemaphoreNotFound, Want, _validate
+from permits import (
+    IdempotencyConflict,
+    InvalidArgument,
+    KeyInUse,
+    LeaseLost,
+    ReleaseOutcome,
+    SemaphoreNotFound,
+    Want,
+    _validate,
+)
 from permits._backoff import Backoff
 from permits._core import decide, flows
 from permits._core.flows import Result
@@ -60,6 +69,16 @@ def test_replay_returns_the_same_lease_or_refuses() -> None:
     assert expired is not None
     with pytest.raises(LeaseLost, match="expired"):
         decide.replay(expired, [Want("a", 2)])
+
+
+def test_a_request_for_a_new_lease_only_is_never_a_replay() -> None:
+    held = decide.lease_from_rows(_lease_rows(), "o", "k")
+    ended = decide.lease_from_rows(_lease_rows(state=0, reason="released"), "o", "k")
+    assert held is not None and ended is not None
+    for lease, is_held in ((held, True), (ended, False)):
+        with pytest.raises(KeyInUse) as refused:
+            decide.replay(lease, [Want("a", 2)], new_only=True)
+        assert refused.value.details == {"key": "k", "owner": "o", "held": is_held}
 
 
 def test_release_outcomes() -> None:

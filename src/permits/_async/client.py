@@ -124,15 +124,19 @@ class AsyncClient:
         key: str | None = None,
         owner: str | None = None,
         ttl: Seconds | None = None,
+        new_only: bool = False,
     ) -> Lease | None:
         """Take every wanted permit at once, or none: a ``Lease``, or ``None`` at once when there is no room.
 
         ``wants`` is a semaphore name (one permit), a ``{name: count}`` mapping, or a list of names,
         ``(name, count)`` pairs or ``Want``s. Retrying with the same ``key`` returns the same lease.
+        With ``new_only``, a key that names a lease already, held or ended, is refused with ``KeyInUse`` instead of
+        answered with that lease: two callers that chose the same key cannot both hold it (see docs/api.md).
         """
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
+        new_only = _validate.flag(new_only, "new_only")
         try:
-            return await self._store.try_acquire(owner_, key_, wants_, ttl_ms)
+            return await self._store.try_acquire(owner_, key_, wants_, ttl_ms, new_only=new_only)
         except BaseException as exc:
             if key is None and not isinstance(exc, Exception):
                 # As acquire does: a grant under a key the caller never saw would be held until its TTL.
@@ -148,6 +152,7 @@ class AsyncClient:
         owner: str | None = None,
         ttl: Seconds | None = None,
         timeout: Seconds | None = None,
+        new_only: bool = False,
     ) -> Lease:
         """Take every wanted permit at once, waiting up to ``timeout`` seconds (``None``: for ever).
 
@@ -156,15 +161,24 @@ class AsyncClient:
         fair queue paces itself by its place, and waiters told of the same release spread their retries
         (see ``permits._pacing``). Every attempt uses the same key, so an attempt whose reply was lost can
         never grant twice. Raises ``AcquireTimeout`` when the time is up.
+        With ``new_only``, a key that names a lease already, held or ended, is refused with ``KeyInUse`` instead of
+        answered with that lease: two callers that chose the same key cannot both hold it (see docs/api.md).
         """
-        lease, _asked = await self._acquire(wants, key, owner, ttl, timeout)
+        lease, _asked = await self._acquire(wants, key, owner, ttl, timeout, new_only)
         return lease
 
     async def _acquire(
-        self, wants: WantsLike, key: str | None, owner: str | None, ttl: Seconds | None, timeout: Seconds | None
+        self,
+        wants: WantsLike,
+        key: str | None,
+        owner: str | None,
+        ttl: Seconds | None,
+        timeout: Seconds | None,
+        new_only: bool = False,
     ) -> tuple[Lease, float]:
         """``acquire``, and when the attempt that got the lease was sent (monotonic)."""
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
+        new_only = _validate.flag(new_only, "new_only")
         limit = _validate.timeout(timeout)
         deadline = None if limit is None else monotonic() + limit
         await self._store.open()  # what the store can do (queues_in_line) is known once it is open
@@ -183,7 +197,14 @@ class AsyncClient:
                 asked = monotonic()
                 try:
                     lease = await self._store.try_acquire(
-                        owner_, key_, wants_, ttl_ms, wait, recheck=pacer.recheck_due(monotonic()), in_line=in_line
+                        owner_,
+                        key_,
+                        wants_,
+                        ttl_ms,
+                        wait,
+                        recheck=pacer.recheck_due(monotonic()),
+                        in_line=in_line,
+                        new_only=new_only,
                     )
                 except StorageConflict as exc:
                     # Lock contention that outlasted the store's retries (a holder frozen inside its
@@ -258,11 +279,13 @@ class AsyncClient:
         keepalive: bool = False,
         max_hold: Seconds | None = None,
         on_lost: Callable[[str], Any] | None = None,
+        new_only: bool = False,
     ) -> AsyncHeld:
         """``async with client.lease("backups") as lease:`` acquires (waiting up to ``timeout``) and
         releases on exit, also when the body raises. With ``keepalive``, a watchdog extends the lease
         while the block runs (see ``keepalive()``; ``max_hold`` and ``on_lost`` go to it), and the block's
-        task is cancelled if the lease is lost; ``held.lost`` tells a sync holder."""
+        task is cancelled if the lease is lost; ``held.lost`` tells a sync holder. ``new_only``: as in
+        ``acquire``."""
         owner_, key_, wants_, ttl_ = self._request(wants, key, owner, ttl)
         hold = None if max_hold is None else _validate.timeout(max_hold, "max_hold")
         if hold is not None:
@@ -271,7 +294,15 @@ class AsyncClient:
             ttl_ = min(ttl_, max(1, math.ceil(hold * 1000)))
         watch = _Watch(keepalive or hold is not None or on_lost is not None, hold, on_lost)
         return AsyncHeld(
-            self, wants_, key_, owner_, ttl_ / 1000, _validate.timeout(timeout), watch, fresh_keys=key is None
+            self,
+            wants_,
+            key_,
+            owner_,
+            ttl_ / 1000,
+            _validate.timeout(timeout),
+            watch,
+            fresh_keys=key is None,
+            new_only=_validate.flag(new_only, "new_only"),
         )
 
     def mutex(
@@ -285,6 +316,7 @@ class AsyncClient:
         keepalive: bool = False,
         max_hold: Seconds | None = None,
         on_lost: Callable[[str], Any] | None = None,
+        new_only: bool = False,
     ) -> AsyncHeld:
         """A lease on one permit of ``name``: mutual exclusion when ``name`` has capacity 1 (see
         ``create_mutex``). Sugar over ``lease``: the same code path."""
@@ -297,6 +329,7 @@ class AsyncClient:
             keepalive=keepalive,
             max_hold=max_hold,
             on_lost=on_lost,
+            new_only=new_only,
         )
 
     def keepalive(
@@ -495,8 +528,10 @@ class AsyncHeld:
         timeout: float | None,
         watch: _Watch | None = None,
         fresh_keys: bool = False,
+        new_only: bool = False,
     ) -> None:
         self._client = client
+        self._new_only = new_only
         self._wants = wants
         self._key = key
         #: the key was made up, not given: each entry after the first makes a new one, since a key names one
@@ -532,7 +567,7 @@ class AsyncHeld:
             self._entries += 1
             self.lease, self.watchdog = None, None
             self.lease, asked = await self._client._acquire(
-                self._wants, self._key, self._owner, self._ttl, self._timeout
+                self._wants, self._key, self._owner, self._ttl, self._timeout, self._new_only
             )
             if self._watch.on:
                 self.watchdog = AsyncWatchdog(
@@ -550,9 +585,10 @@ class AsyncHeld:
                     # Granted, but its watchdog could not start: the block does not run, so nothing holds it.
                     with contextlib.suppress(Exception):
                         await async_shield(self._client.release(self.lease, owner=self._owner))
-                elif not isinstance(exc, Exception):
+                elif not isinstance(exc, Exception) and not self._new_only:
                     # Interrupted (cancelled, Ctrl-C) while the grant may have committed: release by key so
-                    # the permits do not wait for the TTL. Releasing a key never granted changes nothing.
+                    # the permits do not wait for the TTL. Releasing a key never granted changes nothing. Not
+                    # for a request for a new lease only: the lease under its key may be another caller's.
                     with contextlib.suppress(Exception):
                         await async_shield(self._client.release(self._key, owner=self._owner))
             finally:

@@ -139,6 +139,7 @@ class AsyncHTTPStore:
         wait: float = 0.0,
         recheck: bool = True,
         in_line: bool = False,
+        new_only: bool = False,
     ) -> Lease | None:
         # ``recheck`` and ``in_line`` do not cross HTTP: the service runs its own waiting loop (a long poll).
         await self.open()
@@ -150,6 +151,8 @@ class AsyncHTTPStore:
             "ttl": ttl_ms / 1000,
             "wait": wait,
         }
+        if new_only:
+            body["new_only"] = True
         if wait > 0 and self._keeps_places:
             # The client asks again with this key until its own timeout, and then gives its places up
             # (``dequeue``): a wait longer than the service's max_wait keeps its place in a fair queue.

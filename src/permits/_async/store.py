@@ -529,6 +529,7 @@ class AsyncSQLStore:
         wait: float = 0.0,
         recheck: bool = True,
         in_line: bool = False,
+        new_only: bool = False,
     ) -> Lease | None:
         # This store never waits for room (the client's loop does); ``wait`` bounds how long it keeps
         # retrying lock conflicts, so a caller's timeout holds behind a frozen lock holder. An attempt
@@ -592,6 +593,7 @@ class AsyncSQLStore:
                 line_wait_ms,
                 round(LINE_HEAD_WAIT_SECONDS * 1000),
                 line_free_first=lined and line_free_first,
+                new_only=new_only,
             )
             return flows.try_acquire(self._dialect, request, recheck=full)
 
@@ -607,7 +609,7 @@ class AsyncSQLStore:
             # to, such as the grant after a reclaim) may have lost its connection with its grant committed
             # and the reply lost: then the answer is the lease under the key, not "no room", which would
             # leave that lease holding its permits, unknown to anyone, until its TTL.
-            granted = await self._lease_under(owner, key, wants)
+            granted = await self._lease_under(owner, key, wants, new_only)
             if granted is None:
                 raise
             result = granted
@@ -678,12 +680,13 @@ class AsyncSQLStore:
             handed = dataclasses.replace(handed, ask_alone=True)
         return handed
 
-    async def _lease_under(self, owner: str, key: str, wants: Sequence[Want]) -> Lease | None:
+    async def _lease_under(self, owner: str, key: str, wants: Sequence[Want], new_only: bool) -> Lease | None:
         """The lease an earlier try of this acquire got, if one did and it is still held: one read, which no
-        row lock holds up, and no retry past the caller's time (a read that fails is no answer)."""
+        row lock holds up, and no retry past the caller's time (a read that fails is no answer). Never for a
+        request for a new lease only (``KeyInUse`` is an ``IdempotencyConflict``): its next attempt says."""
         try:
             existing = await self._attempt(flows.get_lease(owner, key), True, [])
-            return decide.replay(existing, wants)
+            return decide.replay(existing, wants, new_only)
         except (LeaseNotFound, LeaseLost, IdempotencyConflict, DBAPIError):
             return None
 

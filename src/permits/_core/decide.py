@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from permits._exceptions import CountExceedsCapacity, IdempotencyConflict, LeaseLost
+from permits._exceptions import CountExceedsCapacity, IdempotencyConflict, KeyInUse, LeaseLost
 from permits._models import EndReason, Holder, Lease, ReleaseOutcome, Semaphore, Waiter, Want, ms_to_datetime
 
 #: lease.state values: a lease is held (1) until it ends (0), and never comes back.
@@ -39,12 +39,23 @@ def lease_from_rows(rows: Sequence[Sequence[Any]], owner: str, key: str) -> Leas
     )
 
 
-def replay(existing: Lease, wants: Sequence[Want]) -> Lease:
+def replay(existing: Lease, wants: Sequence[Want], new_only: bool = False) -> Lease:
     """An acquire found a lease under its key already: this is a retry. Answer it without granting twice.
 
     The same request gets the same lease back, as long as it is still held; a different request under the
-    same key is a conflict, and a lease that has ended cannot be handed out again.
+    same key is a conflict, and a lease that has ended cannot be handed out again. A request for a new lease
+    only (``new_only``) is never answered with one that exists: the lease may be another caller's that used
+    the same key (two ``permits run --key K`` at once), and nothing here can tell it from one this request's
+    own earlier attempt got with its reply lost.
     """
+    if new_only:
+        state = "held" if existing.held else f"ended ({existing.end_reason or 'expired'})"
+        raise KeyInUse(
+            f"key {existing.key!r} names a lease already, {state}: a request for a new lease under it is refused",
+            key=existing.key,
+            owner=existing.owner,
+            held=existing.held,
+        )
     asked = {w.name: w.count for w in wants}
     if asked != existing.counts:
         raise IdempotencyConflict(

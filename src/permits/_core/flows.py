@@ -126,6 +126,8 @@ class Request:
     line_free_first: bool = False
     #: this attempt has ended the expired leases in its way already, and does not again (``_reclaim_then``)
     reclaimed: bool = False
+    #: a lease under the key is refused (``KeyInUse``), not answered as this request's (``decide.replay``)
+    new_only: bool = False
 
 
 def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | AskInLine | None]:
@@ -196,7 +198,7 @@ def _why_refused(d: Dialect, req: Request, may_run_alone: bool = True) -> Flow[L
             raise Restart(lambda: _why_refused(d, req, may_run_alone=False), readonly=True)
         existing = yield from _find_lease(req.owner, req.key)
         if existing is not None:
-            return decide.replay(existing[1], req.wants)
+            return decide.replay(existing[1], req.wants, req.new_only)
     expired = {int(row[2]) for row in found.rows if int(row[1])}  # the semaphores expired leases hold
     rows = [row[2:] for row in found.rows if row[2] is not None]
     sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used, _ in rows}
@@ -324,7 +326,7 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
     try:
         done = yield Stmt(statement, params, alone=True)
     except DuplicateKey:
-        raise Restart(lambda: _replay(req.owner, req.key, req.wants)) from None
+        raise Restart(lambda: _replay(req.owner, req.key, req.wants, req.new_only)) from None
     if not done.rows and outside_line:
         return ASK_IN_LINE
     if not done.rows:
@@ -362,7 +364,7 @@ def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease 
     try:
         done = yield Stmt(statement, params, alone=not in_line)
     except DuplicateKey:
-        raise Restart(lambda: _replay(req.owner, req.key, req.wants)) from None
+        raise Restart(lambda: _replay(req.owner, req.key, req.wants, req.new_only)) from None
     if not done.rows:
         raise _refused(d, req, recheck)
     _, acquired_ms, expires_ms = done.rows[0][:3]
@@ -468,7 +470,7 @@ def _insert_lease(d: Dialect, req: Request, tokens: dict[str, int]) -> Flow[Leas
     except DuplicateKey:
         # The key is taken: this is a retry of a request that was granted (or a race with one). Roll back
         # the room just taken and answer from the lease that exists.
-        raise Restart(lambda: _replay(req.owner, req.key, req.wants)) from None
+        raise Restart(lambda: _replay(req.owner, req.key, req.wants, req.new_only)) from None
     if d.insert_returning:
         lease_id, acquired_ms, expires_ms = inserted.rows[0]
     else:
@@ -497,13 +499,13 @@ def _granted(req: Request, tokens: Mapping[str, int], acquired_ms: Any, expires_
     )
 
 
-def _replay(owner: str, key: str, wants: Sequence[Want]) -> Flow[Lease]:
+def _replay(owner: str, key: str, wants: Sequence[Want], new_only: bool = False) -> Flow[Lease]:
     existing = yield from _find_lease(owner, key)
     if existing is None:
         # No lease under the key: the duplicate was not the key's. Either a concurrent acquire with the key
         # rolled back, or (on Galera) a node behind the cluster computed a fencing token already taken.
         raise Retry()
-    return decide.replay(existing[1], wants)
+    return decide.replay(existing[1], wants, new_only)
 
 
 def _find_lease(owner: str, key: str) -> Flow[tuple[int, Lease] | None]:

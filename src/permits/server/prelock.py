@@ -205,6 +205,7 @@ class InstanceStore:
         wait: float = 0.0,
         recheck: bool = True,
         in_line: bool = False,
+        new_only: bool = False,
     ) -> Lease | None:
         if self.waker.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
@@ -215,7 +216,8 @@ class InstanceStore:
         # semaphore's waiters keep their places in the database's queue (the store knows them) and pace
         # themselves by them; larger requests wait as before, so none holds up a line's smaller ones.
         handoff = self.handoff if self.handoff is not None and self.handoff.enabled else None
-        lined = handoff is not None and wait > 0 and len(wants) == 1 and wants[0].count == 1
+        # A request for a new lease only asks alone: a line answers a retry with the lease under its key.
+        lined = handoff is not None and wait > 0 and len(wants) == 1 and wants[0].count == 1 and not new_only
         lease = None
         rechecked_at = None
         # Where a line has formed, a new request goes to its back rather than ask ahead of it; unless it is
@@ -233,7 +235,7 @@ class InstanceStore:
             to_line = fresh or handoff.queued(names[0]) > 0
         if not to_line:
             async with self.prelock.hold(names):
-                lease = await self._inner.try_acquire(owner, key, wants, ttl_ms, wait, recheck)
+                lease = await self._inner.try_acquire(owner, key, wants, ttl_ms, wait, recheck, new_only=new_only)
             rechecked_at = monotonic() if recheck else None
         remaining = wait - (monotonic() - started)
         fair = self._inner.queue_short(owner, key) is not None

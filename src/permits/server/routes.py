@@ -199,9 +199,11 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
     try:
         if wait > 0:
             with state.instance_stats.waiting(names):
-                lease = await state.client.acquire(pairs, key=key, owner=owner, ttl=body.ttl, timeout=wait)
+                lease = await state.client.acquire(
+                    pairs, key=key, owner=owner, ttl=body.ttl, timeout=wait, new_only=body.new_only
+                )
         else:
-            found = await state.client.try_acquire(pairs, key=key, owner=owner, ttl=body.ttl)
+            found = await state.client.try_acquire(pairs, key=key, owner=owner, ttl=body.ttl, new_only=body.new_only)
             if found is None:
                 outcome = "refused"
                 described = ", ".join(f"{n}:{c}" for n, c in sorted(pairs))

@@ -98,6 +98,14 @@ class AcquireIn(_Strict):
         ),
     )
 
+    new_only: StrictBool = Field(
+        default=False,
+        description=(
+            "grant a new lease only: a key that names a lease already, held or ended, is refused (409 key_in_use)"
+            " instead of answered with that lease, so two callers that chose the same key cannot both hold it"
+        ),
+    )
+
     def want_pairs(self) -> list[tuple[str, int]]:
         if isinstance(self.wants, dict):
             return list(self.wants.items())

@@ -43,11 +43,13 @@ class AsyncStore(Protocol):
         wait: float = 0.0,
         recheck: bool = True,
         in_line: bool = False,
+        new_only: bool = False,
     ) -> Lease | None:
         """One attempt: a lease, or ``None`` for no room. The store answers within about ``wait`` seconds
         (the SQL store never waits for room, and stops retrying lock conflicts at ``wait``; a store that
         can wait for room on the server side, such as the HTTP store, may wait up to ``wait``).
         ``recheck=False``: a waiter asking again; a store may answer no room without finding out why.
+        ``new_only``: a lease under the key already is ``KeyInUse``, never this request's answer.
         ``in_line``: a waiter asking again at once, which waits for its turn in the server's lock queue
         first where the store has one (``queues_in_line``)."""
         ...
@@ -132,6 +134,7 @@ class Store(Protocol):
         wait: float = 0.0,
         recheck: bool = True,
         in_line: bool = False,
+        new_only: bool = False,
     ) -> Lease | None: ...
     def queues_in_line(self, wants: Sequence[Want]) -> bool: ...
     def wake_calls(self, names: Sequence[str]) -> int | None: ...
