@@ -236,16 +236,25 @@ def sem_rm(name: str, force: bool, db: str | None) -> None:
 @click.option("--key", required=True, help="Idempotency key: the same key never grants twice.")
 @click.option("--ttl", type=float, default=None, help="Lease TTL in seconds (default 60).")
 @click.option("--timeout", type=float, default=0.0, show_default=True, help="Seconds to wait for room.")
+@click.option(
+    "--new-only", is_flag=True, help="Refuse a KEY that names a lease already (key_in_use), instead of printing it."
+)
 @_owner_option
 @_db_option
 def acquire(
-    wants: tuple[str, ...], key: str, ttl: float | None, timeout: float, owner: str | None, db: str | None
+    wants: tuple[str, ...],
+    key: str,
+    ttl: float | None,
+    timeout: float,
+    new_only: bool,
+    owner: str | None,
+    db: str | None,
 ) -> None:
     """Acquire permits of one or more semaphores, all or nothing; prints the lease as JSON."""
     with _client(db, owner) as client:
         try:
-            lease = client.acquire(parse_wants(wants), key=key, ttl=ttl, timeout=timeout)
-        except AcquireTimeout as exc:
+            lease = client.acquire(parse_wants(wants), key=key, ttl=ttl, timeout=timeout, new_only=new_only)
+        except (AcquireTimeout, KeyInUse) as exc:
             _fail(exc, EXIT_FAILED)
         _echo_json(lease.to_dict())
 
