@@ -179,6 +179,31 @@ def test_an_extend_without_a_ttl_renews_by_the_leases_own(make_client: Any, ns: 
     assert 4 <= other.extend(short).expires_in <= 5
 
 
+def test_a_lease_granted_before_leases_kept_their_ttl_is_extended_by_the_default(
+    make_client: Any, db_url: str, via: str, ns: str
+) -> None:
+    """A lease an older permits granted (before migration 0008) has no TTL of its own: an extend without one
+    gives it the extending client's default, through a service the service's, as every extend did before."""
+    from sqlalchemy import create_engine, text
+
+    from tests.conftest import sqlalchemy_url
+
+    holder = make_client(owner=f"{ns}o", ttl=7)
+    holder.create_semaphore(f"{ns}s", 1)
+    lease = holder.acquire(f"{ns}s", key=f"{ns}k", ttl=300)
+    engine = create_engine(sqlalchemy_url(db_url))
+    with engine.begin() as conn:  # as an older permits wrote it
+        conn.execute(
+            text("UPDATE permits_lease SET ttl_ms = NULL WHERE owner = :o AND lease_key = :k"),
+            {"o": f"{ns}o", "k": f"{ns}k"},
+        )
+    engine.dispose()
+    default = 7 if via == "db" else permits.DEFAULT_TTL
+    assert default - 1 <= holder.extend(lease).expires_in <= default
+    # ... which is its TTL from then on.
+    assert default - 1 <= holder.extend(lease).expires_in <= default
+
+
 def test_expired_lease_never_blocks(client: Any, ns: str) -> None:
     client.create_semaphore(f"{ns}s", 1)
     old = client.try_acquire(f"{ns}s", ttl=0.3)

@@ -15,7 +15,7 @@ from sqlalchemy.engine import URL
 from permits import _validate
 from permits._async.watchdog import AsyncWatchdog
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
-from permits._exceptions import AcquireTimeout, PermitsError, StorageConflict, UsageError
+from permits._exceptions import AcquireTimeout, KeyInUse, PermitsError, StorageConflict, UsageError
 from permits._io import async_lock, async_shield, async_sleep, async_try_lock, monotonic
 from permits._models import (
     RWLOCK_READERS,
@@ -134,7 +134,8 @@ class AsyncClient:
         answered with that lease: two callers that chose the same key cannot both hold it (see docs/api.md).
         """
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
-        new_only = _validate.flag(new_only, "new_only")
+        # A key made up here names no other request: it only costs a lost reply its answer (docs/api.md).
+        new_only = _validate.flag(new_only, "new_only") and key is not None
         try:
             return await self._store.try_acquire(owner_, key_, wants_, ttl_ms, new_only=new_only)
         except BaseException as exc:
@@ -178,7 +179,7 @@ class AsyncClient:
     ) -> tuple[Lease, float]:
         """``acquire``, and when the attempt that got the lease was sent (monotonic)."""
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
-        new_only = _validate.flag(new_only, "new_only")
+        new_only = _validate.flag(new_only, "new_only") and key is not None
         limit = _validate.timeout(timeout)
         deadline = None if limit is None else monotonic() + limit
         await self._store.open()  # what the store can do (queues_in_line) is known once it is open
@@ -211,6 +212,12 @@ class AsyncClient:
                     # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
                     lease, conflict = None, exc
                     pacer.force_recheck()
+                except KeyInUse:
+                    # Another request's lease under the key: this one ends, and its places in fair queues
+                    # with it (a place taken just as that lease was granted would hold up the queue).
+                    with contextlib.suppress(PermitsError):
+                        await self._store.dequeue(owner_, key_)
+                    raise
                 if lease is not None:
                     pacer.granted()
                     self._remember_contention(contended, pacer)
@@ -302,7 +309,7 @@ class AsyncClient:
             _validate.timeout(timeout),
             watch,
             fresh_keys=key is None,
-            new_only=_validate.flag(new_only, "new_only"),
+            new_only=_validate.flag(new_only, "new_only") and key is not None,
         )
 
     def mutex(

@@ -91,6 +91,8 @@ class AsyncHTTPStore:
         self._max_wait = 0.0
         #: whether the service keeps a timed-out request's place in a fair queue when asked (``keep_place``)
         self._keeps_places = False
+        #: what the service supports beyond the first API (``routes.FEATURES``), as it said when opened
+        self._features: frozenset[str] = frozenset()
         #: whether this client ever asked to keep places: those may outlive an older instance's refusal
         self._kept_places = False
         #: (owner, key) of requests whose last 409 said that the service kept no place for them (a plain
@@ -121,7 +123,8 @@ class AsyncHTTPStore:
             about = await self._call("GET", "/v1/whoami")
             # A wait is a long poll on the service, which bounds it: ask for no more than it allows.
             self._max_wait = float(about.get("limits", {}).get("max_wait", self._max_wait))
-            self._keeps_places = "keep_place" in about.get("features", ())
+            self._features = frozenset(about.get("features", ()))
+            self._keeps_places = "keep_place" in self._features
             self._opened = True
 
     async def close(self) -> None:
@@ -143,6 +146,8 @@ class AsyncHTTPStore:
     ) -> Lease | None:
         # ``recheck`` and ``in_line`` do not cross HTTP: the service runs its own waiting loop (a long poll).
         await self.open()
+        if new_only and "new_only" not in self._features:
+            raise UsageError(f"the permits service at {self.url} is too old for new_only: upgrade it")
         wait = min(wait, self._max_wait)
         body = {
             "wants": [{"name": w.name, "count": w.count} for w in wants],
@@ -165,7 +170,11 @@ class AsyncHTTPStore:
 
         while True:
             try:
-                data = await self._call("POST", "/v1/leases", body=asked_now, deadline=deadline)
+                # A request for a new lease only is not sent again once it may have been granted: its own
+                # lease, granted with the reply lost, would come back as another's (key_in_use).
+                data = await self._call(
+                    "POST", "/v1/leases", body=asked_now, deadline=deadline, idempotent=not new_only
+                )
             except AcquireTimeout as exc:
                 if body.get("keep_place"):
                     # A service that does not say (an older version) may have kept one: give it up.
@@ -214,6 +223,9 @@ class AsyncHTTPStore:
         return ReleaseOutcome(data["outcome"])
 
     async def extend(self, owner: str, key: str, ttl_ms: int | None) -> Lease:
+        await self.open()
+        if ttl_ms is None and "lease_ttl" not in self._features:
+            ttl_ms = self._settings.ttl_ms  # an older service would apply its own default: this client's, as before
         body: dict[str, Any] = {"key": key, "owner": owner}
         if ttl_ms is not None:  # else the lease's own TTL, as the service keeps it
             body["ttl"] = ttl_ms / 1000

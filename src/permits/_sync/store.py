@@ -24,6 +24,7 @@ from permits._core.flows import DuplicateKey, Flow, Restart, Result, Retry, Stmt
 from permits._exceptions import (
     ConfigurationError,
     IdempotencyConflict,
+    KeyInUse,
     LeaseLost,
     LeaseNotFound,
     StorageConflict,
@@ -598,13 +599,27 @@ class SQLStore:
             )
             return flows.try_acquire(self._dialect, request, recheck=full)
 
+        faults: list[Fault] = []
         try:
-            result: Any = self._run(attempt, deadline=deadline)
+            result: Any = self._run(attempt, deadline=deadline, faults=faults)
             if isinstance(result, flows.AskInLine):
                 # Not granted outside the line, and nothing written: ask in it, as a first attempt.
                 self._note_line_busy(wants[0].name)
                 tries, line_free_first = 0, False
-                result = self._run(attempt, deadline=deadline)
+                result = self._run(attempt, deadline=deadline, faults=faults)
+        except KeyInUse as exc:
+            if Fault.UNAVAILABLE not in faults:
+                raise
+            # A try before lost its connection, perhaps with its grant committed and the reply lost: the lease
+            # under the key may be this request's own, which a request for a new lease only cannot tell from
+            # another's. Not another's for sure, so not KeyInUse: the outcome is unknown.
+            raise StorageUnavailable(
+                f"the connection to the database was lost while a request for a new lease under key {key!r} ran;"
+                " whether it was granted is unknown (if it was, the lease runs out at its TTL)",
+                url=self.url,
+                key=key,
+                owner=owner,
+            ) from exc
         except StorageConflict:
             # Lock conflicts outlasted the caller's time. A try before them (an attempt, or a step it went on
             # to, such as the grant after a reclaim) may have lost its connection with its grant committed
@@ -909,12 +924,14 @@ class SQLStore:
         readonly: bool = False,
         deadline: float | None = None,
         persist: bool = False,
+        faults: list[Fault] | None = None,
     ) -> T:
         """Run a flow in a transaction of its own.
 
         Conflicts and lost connections are retried with backoff and jitter, each time with a fresh flow.
         That is safe because every write is idempotent: an acquire is keyed, a release and an extend check
         the lease's state, so a commit whose reply was lost is answered by the retry from what is stored.
+        ``faults`` collects the faults that were retried.
         With a ``deadline`` (``monotonic()`` time), conflicts are not retried past it. With ``persist``,
         conflicts are retried past ``retries``, for up to PERSIST_SECONDS: giving permits back must not
         fail because others are busy with the same semaphore (at REPEATABLE READ or SERIALIZABLE, every
@@ -925,7 +942,7 @@ class SQLStore:
             deadline = monotonic() + PERSIST_SECONDS
         own_cuts: list[_CutSession] = []  # this operation's attempts that the reply deadline cut
         try:
-            return self._retrying(make_flow, readonly, deadline, persist, own_cuts)
+            return self._retrying(make_flow, readonly, deadline, persist, own_cuts, faults)
         finally:
             for cut in own_cuts:
                 cut.abandoned = True
@@ -937,6 +954,7 @@ class SQLStore:
         deadline: float | None,
         persist: bool,
         own_cuts: list[_CutSession],
+        faults: list[Fault] | None = None,
     ) -> T:
         """``_run``'s loop; the attempts the reply deadline cuts are noted in ``own_cuts``."""
         restarts = failures = 0
@@ -983,6 +1001,8 @@ class SQLStore:
                 sync_sleep(RETRY_BACKOFF.delay(failures))
             except DBAPIError as exc:
                 failures = self._backoff_or_raise(exc, failures, deadline, persist)
+                if faults is not None:
+                    faults.append(self._dialect.classify(exc))
 
     def _with_retries(self, attempt: Callable[[], Any]) -> Any:
         failures = 0

@@ -93,12 +93,14 @@ async def revoke(state: ServiceState, identity: Identity, owner: str, key: str, 
         return observe.log_admin(identity.name, "revoke", name, why, detail, lease_owner=owner, lease_key=key)
 
     # One that had ended already (or that a concurrent revoke ended) is answered unchanged: no action to
-    # record, no permits returned.
+    # record.
     done: tuple[Lease, bool] = await state.sql_store.run_flow(
         lambda: observe.audited(flows.revoke_telling(owner, key, note), entry)
     )
     lease, revoked = done
+    # Waiters are told whatever the answer: a retry after a lost reply answers "not this revoke" for a
+    # revoke that did commit, and a needless wake-up costs a waiter one attempt.
+    state.waker.notify(list(lease.counts))
     if revoked:
-        state.waker.notify(list(lease.counts))
         state.metrics.reclaims.labels("revoked").inc()
     return lease

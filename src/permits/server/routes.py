@@ -46,8 +46,9 @@ register_url_convertor("text", _TextConvertor())
 
 router = APIRouter(prefix="/v1", route_class=body.Route)
 #: What this service supports beyond the first API (``GET /v1/whoami``), for clients of another version:
-#: ``keep_place`` (an acquire's field, and ``POST /v1/leases/give-up``).
-FEATURES = ("keep_place",)
+#: ``keep_place`` (an acquire's field, and ``POST /v1/leases/give-up``); ``new_only`` (an acquire's field);
+#: ``lease_ttl`` (an extend without ``ttl`` renews by the lease's own TTL, not the service's default).
+FEATURES = ("keep_place", "new_only", "lease_ttl")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorOut} for status in (401, 403, 404, 409, 410, 413, 422, 429, 503)
 }

@@ -102,7 +102,8 @@ class AcquireIn(_Strict):
         default=False,
         description=(
             "grant a new lease only: a key that names a lease already, held or ended, is refused (409 key_in_use)"
-            " instead of answered with that lease, so two callers that chose the same key cannot both hold it"
+            " instead of answered with that lease, so two callers that chose the same key (and owner) cannot both"
+            " hold it; a request that may have been granted is then not to be sent again"
         ),
     )
 

@@ -63,8 +63,11 @@ def install_events(
         try:
             return engine_dialect.connect(*cargs, **cparams)
         except (TypeError, ValueError) as exc:
-            if parameters_taken:  # the same parameters worked before: a driver's fault, not the URL's
-                raise
+            if parameters_taken:  # the same parameters worked before: the driver's failure, not the URL's
+                raise StorageUnavailable(
+                    f"the database driver failed to connect to {settings.shown_url}: {type(exc).__name__}: {exc}",
+                    url=settings.shown_url,
+                ) from exc
             raise ConfigurationError(
                 f"the database driver refused a parameter of the URL ({settings.shown_url}): {exc}", field="url"
             ) from None
