@@ -64,6 +64,9 @@ class Lease:
     ended_at: datetime | None = None
     #: how it ended, in words: an administrator's reason for a revoke, or what maintenance found
     end_note: str | None = None
+    #: the TTL it was granted with, in seconds, which an extend without a TTL renews it by; ``None`` for a
+    #: lease granted before the database kept TTLs (schema revision 0008)
+    ttl: float | None = None
 
     @property
     def held(self) -> bool:
@@ -89,6 +92,7 @@ class Lease:
             "end_reason": None if self.end_reason is None else str(self.end_reason),
             "ended_at": None if self.ended_at is None else self.ended_at.isoformat(),
             "end_note": self.end_note,
+            "ttl": self.ttl,
         }
 
 

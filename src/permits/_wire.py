@@ -38,6 +38,7 @@ def lease_out(lease: Lease) -> dict[str, Any]:
         "end_reason": None if lease.end_reason is None else str(lease.end_reason),
         "ended_at": None if lease.ended_at is None else lease.ended_at.isoformat(),
         "end_note": lease.end_note,
+        "ttl": lease.ttl,
     }
 
 
@@ -54,6 +55,7 @@ def lease_in(data: dict[str, Any]) -> Lease:
             end_reason=None if data.get("end_reason") is None else EndReason(data["end_reason"]),
             ended_at=None if data.get("ended_at") is None else datetime.fromisoformat(data["ended_at"]),
             end_note=None if data.get("end_note") is None else str(data["end_note"]),
+            ttl=None if data.get("ttl") is None else float(data["ttl"]),  # an older service leaves it out
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _malformed("lease", exc) from exc

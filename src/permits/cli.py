@@ -278,7 +278,7 @@ def release(key: str, owner: str | None, db: str | None) -> None:
 @_owner_option
 @_db_option
 def extend(key: str, ttl: float | None, owner: str | None, db: str | None) -> None:
-    """Extend the lease KEY by its TTL, or by --ttl, which becomes its TTL; prints it as JSON."""
+    """Extend the lease KEY by its own TTL, or by --ttl this once; prints it as JSON."""
     with _client(db, owner) as client:
         _echo_json(client.extend(key, ttl).to_dict())
 
@@ -362,7 +362,12 @@ def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> f
 @click.pass_context
 @click.option("--ttl", type=float, default=60.0, show_default=True, help="Lease TTL; renewed every ttl/3.")
 @click.option("--timeout", type=float, default=None, help="Seconds to wait for room (default: for ever).")
-@click.option("--key", default=None, help="Idempotency key (default: a new one).")
+@click.option(
+    "--key",
+    default=None,
+    help="Names the lease; a key that names one already is refused. Keys are per owner (user@host by default):"
+    " runs on several hosts that must exclude each other by key need the same --owner. (Default: a new key.)",
+)
 @click.option(
     "--conflict-exit-code",
     type=click.IntRange(0, 255),

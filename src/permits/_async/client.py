@@ -367,8 +367,8 @@ class AsyncClient:
 
     async def extend(self, lease: Lease | str, ttl: Seconds | None = None, *, owner: str | None = None) -> Lease:
         """Set a held lease to expire ``ttl`` seconds from now, on the database's clock. Without ``ttl``,
-        by the lease's own TTL: the one it was acquired with, or given by its last extend, whichever client
-        asked. A ``ttl`` given becomes the lease's TTL. (A lease granted before the database's schema kept
+        by the lease's own TTL (``lease.ttl``), the one it was acquired with, whichever client asks. A ``ttl``
+        given changes the expiry, not the lease's TTL. (A lease granted before the database's schema kept
         TTLs, revision 0008, has none: this client's ttl, then.)
 
         Raises ``LeaseLost`` if it was released or has expired (its permits may be someone else's now),

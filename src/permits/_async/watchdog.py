@@ -70,7 +70,10 @@ class AsyncWatchdog:
         #: when the lease runs out as far as this process can tell (monotonic), at the latest: moved on by
         #: each extend, counted from before its request
         self.deadline = (monotonic() if counted_from is None else counted_from) + lease.expires_in
-        self.ttl = ttl if ttl is not None else max(0.003, (lease.expires_at - lease.acquired_at).total_seconds())
+        # The lease's own TTL; for one granted before the database kept TTLs, the time its grant or last
+        # extend gave it (which a retry's or an earlier watchdog's extends may have lengthened).
+        own = lease.ttl if lease.ttl is not None else (lease.expires_at - lease.acquired_at).total_seconds()
+        self.ttl = ttl if ttl is not None else max(0.003, own)
         self.max_hold = max_hold
         self._on_lost = on_lost
         self._cancel = cancel

@@ -17,7 +17,7 @@ def lease_from_rows(rows: Sequence[Sequence[Any]], owner: str, key: str) -> Leas
     """Build a lease from the rows of ``LEASE_FIND`` (one row per semaphore of the lease).
 
     Columns: id, state, end_reason, acquired_at_ms, expires_at_ms, ended_at_ms, now_ms, name, count, token,
-    end_note.
+    end_note, ttl_ms.
     """
     if not rows:
         return None
@@ -36,6 +36,7 @@ def lease_from_rows(rows: Sequence[Sequence[Any]], owner: str, key: str) -> Leas
         end_reason=None if int(state) == HELD else EndReason(str(end_reason)),
         ended_at=None if ended_ms is None else ms_to_datetime(int(ended_ms)),
         end_note=None if len(first) < 11 or first[10] is None else str(first[10]),
+        ttl=None if len(first) < 12 or first[11] is None else int(first[11]) / 1000,
     )
 
 

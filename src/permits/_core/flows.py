@@ -496,6 +496,7 @@ def _granted(req: Request, tokens: Mapping[str, int], acquired_ms: Any, expires_
         acquired_at=ms_to_datetime(acquired),
         expires_at=ms_to_datetime(expires),
         expires_in=(expires - acquired) / 1000,
+        ttl=req.ttl_ms / 1000,
     )
 
 
@@ -603,22 +604,32 @@ def revoke(owner: str, key: str, note: str) -> Flow[Lease]:
     """End a lease for its holder (an administrator's force-release), recording why. The holder learns
     it at its next extend (``LeaseLost``, reason ``revoked``). A lease that has ended already is left as
     it is and returned."""
-    lease, _ = yield from revoke_telling(owner, key, note)
+    lease, _ = yield from revoke_telling(owner, key, note, again=lambda: revoke(owner, key, note))
     return lease
 
 
-def revoke_telling(owner: str, key: str, note: str) -> Flow[tuple[Lease, bool]]:
+def revoke_telling(
+    owner: str, key: str, note: str, again: Callable[[], Flow[Any]] | None = None
+) -> Flow[tuple[Lease, bool]]:
     """``revoke``, and whether this revoke is what ended the lease. The answer comes from the locked
     re-check that ends it, not from the read before: of two revokes at once, only one ends the lease, and
-    only that one is an action to audit."""
+    only that one is an action to audit. ``again``: the caller's flow, to run anew when this one restarts
+    (default: this one)."""
     existing = yield from _find_lease(owner, key)
     if existing is None:
         raise LeaseNotFound(f"no lease under key {key!r} for owner {owner!r}", key=key, owner=owner)
     lease_id, lease = existing
-    if lease.end_reason is not None:
+    if not lease.held:
+        # Ended, or expired (and not yet swept or reclaimed: its permits are anyone's who asks). Nothing of
+        # the holder's to end: left as it is, not relabelled as revoked.
         return lease, False
     _, ended = yield from _end_held([lease_id], EndReason.REVOKED, note)
-    return (yield from get_lease(owner, key)), bool(ended)
+    if not ended:
+        # Ended meanwhile by another transaction (a concurrent revoke, a release). This one's reads still
+        # see the lease as held on MariaDB, whose consistent reads keep the snapshot of the first: the
+        # answer is read in a transaction of its own.
+        raise Restart(again or (lambda: revoke_telling(owner, key, note)))
+    return (yield from get_lease(owner, key)), True
 
 
 def get_lease(owner: str, key: str) -> Flow[Lease]:

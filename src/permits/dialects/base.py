@@ -123,10 +123,10 @@ PORTABLE_SQL: dict[str, str] = {
         WHERE name IN :names AND deleted = 0 ORDER BY name{for_update}""",
     # Every row of one lease, one per semaphore. params: owner, key
     # -> id, state, end_reason, acquired_at_ms, expires_at_ms, ended_at_ms, now_ms, name, count, token,
-    #    end_note
+    #    end_note, ttl_ms
     "LEASE_FIND": """
         SELECT l.id, l.state, l.end_reason, l.acquired_at_ms, l.expires_at_ms, l.ended_at_ms, {now},
-               s.name, p.count, p.token, l.end_note
+               s.name, p.count, p.token, l.end_note, l.ttl_ms
         FROM permits_lease l
         JOIN permits_permit p ON p.lease_id = l.id
         JOIN permits_semaphore s ON s.id = p.semaphore_id
@@ -241,13 +241,12 @@ PORTABLE_SQL: dict[str, str] = {
                            WHERE p.lease_id = :lease_id AND p.semaphore_id = permits_semaphore.id),
             updated_at_ms = {now}
         WHERE id IN (SELECT semaphore_id FROM permits_permit WHERE lease_id = :lease_id)""",
-    # The TTL is the one asked for, else the lease's own (the grant's, or its last extend's), else, for a
-    # lease granted before leases kept theirs (migration 0008), the caller's default; it becomes the lease's.
-    # MySQL assigns in order, each seeing the ones before: the expiry is computed from the TTL as it was.
+    # The TTL is the one asked for, else the lease's own (the grant's), else, for a lease granted before
+    # leases kept theirs (migration 0008), the caller's default. The lease's own stays as it was granted: a
+    # watchdog's extends, or one long extend, do not change what the next extend without a TTL gives.
     # params: owner, key, ttl_ms (or NULL), default_ttl_ms -> rowcount 1 if the lease was held and unexpired
     "LEASE_EXTEND": """
-        UPDATE permits_lease SET expires_at_ms = {now} + COALESCE(:ttl_ms, ttl_ms, :default_ttl_ms),
-            ttl_ms = COALESCE(:ttl_ms, ttl_ms, :default_ttl_ms)
+        UPDATE permits_lease SET expires_at_ms = {now} + COALESCE(:ttl_ms, ttl_ms, :default_ttl_ms)
         WHERE owner = :owner AND lease_key = :key AND state = 1 AND expires_at_ms > {now}""",
     # params: name -> owner, lease_key, count, token, acquired_at_ms, expires_at_ms, now_ms
     "HOLDERS": """

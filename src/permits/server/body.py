@@ -16,13 +16,16 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+#: the start of the parser's message for a name given twice (errors.py words its answer by it)
+NAME_TWICE = "the name "
+
 
 def _one_value_per_name(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     members = dict(pairs)
     if len(members) != len(pairs):
         names = [name for name, _ in pairs]
         twice = next(name for i, name in enumerate(names) if name in names[:i])
-        raise json.JSONDecodeError(f"the name {twice!r} appears twice in one object", "", 0)
+        raise json.JSONDecodeError(f"{NAME_TWICE}{twice!r} appears twice in one object", "", 0)
     return members
 
 

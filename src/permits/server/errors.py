@@ -45,7 +45,7 @@ from permits._exceptions import (
     Unauthorized,
     UsageError,
 )
-from permits.server import routes
+from permits.server import body, routes
 from permits.server.metrics import Metrics
 
 logger = logging.getLogger("permits.server")
@@ -147,6 +147,8 @@ async def _unparsed_body(request: Request, why: str) -> JSONResponse:
         await routes.refuse_caller(request)
     except PermitsError as refused:
         return error_response(refused)
+    if why.startswith(body.NAME_TWICE):  # valid JSON, which parsers read differently: ambiguous, not broken
+        return error_response(InvalidArgument(f"the body is ambiguous: {why}", field="body"))
     return error_response(InvalidArgument(f"the body is not valid JSON ({why})", field="body"))
 
 

@@ -122,8 +122,8 @@ class ExtendIn(LeaseRefIn):
     ttl: Ttl | None = Field(
         default=None,
         description=(
-            "the new TTL from now, in seconds, which becomes the lease's TTL (default: the lease's own, the one it"
-            " was granted with or last extended by)"
+            "the time from now, in seconds, the lease is to last (default: the lease's own TTL, the one it was"
+            " granted with)"
         ),
     )
 
@@ -173,6 +173,10 @@ class LeaseOut(BaseModel):
     end_reason: str | None
     ended_at: str | None
     end_note: str | None
+    ttl: float | None = Field(
+        description="the TTL it was granted with, in seconds, which an extend without a ttl renews it by (null: a"
+        " lease granted before the database kept TTLs)"
+    )
 
 
 class SemaphoreOut(BaseModel):

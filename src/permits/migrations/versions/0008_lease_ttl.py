@@ -1,10 +1,10 @@
 """A lease keeps its TTL.
 
-``permits_lease.ttl_ms``: the TTL the lease was granted with, or the one its last extend gave it. An
-extend that names no TTL renews the lease by this one, so ``client.extend(lease)`` keeps a lease acquired
-for 300 seconds at 300 seconds, whichever client or service instance sends it. Leases granted before this
-revision have none (NULL); an extend without a TTL gives them the extending client's default TTL, as every
-extend without a TTL did before.
+``permits_lease.ttl_ms``: the TTL the lease was granted with. An extend that names no TTL renews the lease
+by this one, so ``client.extend(lease)`` keeps a lease acquired for 300 seconds at 300 seconds, whichever
+client or service instance sends it; an extend that names one changes the expiry, not this. Leases granted
+before this revision have none (NULL); an extend without a TTL gives them the extending client's default
+TTL, as every extend without a TTL did before.
 
 Revision ID: 0008
 """
