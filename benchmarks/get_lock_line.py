@@ -130,9 +130,10 @@ def _try_acquire(
     wait: float = 0.0,
     recheck: bool = True,
     in_line: bool = False,
+    new_only: bool = False,
 ) -> Any:
     if not in_line or _line is None or not self._take_line_seat():
-        lease = _plain_try_acquire(self, owner, key, wants, ttl_ms, wait, recheck)
+        lease = _plain_try_acquire(self, owner, key, wants, ttl_ms, wait, recheck, new_only=new_only)
         if lease is None:
             _refused_at[wants[0].name] = time.monotonic()
         return lease
@@ -151,7 +152,11 @@ def _try_acquire(
             row = _line.grant_and_leave(self, owner, key, wants[0], ttl_ms, wait_s)
             if row is None:
                 # The slow path (why refused, a place in a fair queue) as the plain attempt runs it.
-                return _plain_try_acquire(self, owner, key, wants, ttl_ms, wait, recheck) if recheck else None
+                return (
+                    _plain_try_acquire(self, owner, key, wants, ttl_ms, wait, recheck, new_only=new_only)
+                    if recheck
+                    else None
+                )
             _, acquired_ms, expires_ms, token = row
             return Lease(
                 key=key,
@@ -166,7 +171,9 @@ def _try_acquire(
             head_until = time.monotonic() + LINE_HEAD_WAIT_SECONDS
             tries = 0
             while True:
-                lease = _plain_try_acquire(self, owner, key, wants, ttl_ms, wait, recheck and tries == 0)
+                lease = _plain_try_acquire(
+                    self, owner, key, wants, ttl_ms, wait, recheck and tries == 0, new_only=new_only
+                )
                 tries += 1
                 if lease is None:
                     _refused_at[name] = time.monotonic()
