@@ -8,6 +8,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -29,9 +31,20 @@ def instances(
         yield a, b
 
 
-def test_a_retry_on_another_instance_gets_its_lease_back_without_waiting_out_the_line(
-    instances: tuple[Service, Service], ns: str
-) -> None:
+@dataclass
+class _Scene:
+    """x holds the one permit, granted through a; y waits in b's line for it."""
+
+    asked: dict[str, Any]
+    granted: httpx.Response
+    via_a: httpx.Client
+    via_b: httpx.Client
+    waiting: list[httpx.Response]
+
+
+@contextmanager
+def _x_held_and_y_waiting(instances: tuple[Service, Service], ns: str) -> Iterator[_Scene]:
+    """The scene, then: x released through b, and y granted the permit x gave back."""
     a, b = instances
     name = f"{ns}s"
     with permits.connect(a.url) as admin:
@@ -48,14 +61,21 @@ def test_a_retry_on_another_instance_gets_its_lease_back_without_waiting_out_the
         )
         waiter.start()
         time.sleep(0.5)  # y waits in b's line for the permit x holds
-        started = time.monotonic()
-        again = via_b.post("/v1/leases", json={**asked, "wait": 10})
-        took = time.monotonic() - started
-        assert again.status_code == 201 and again.json()["tokens"] == granted.json()["tokens"], again.text
-        assert took < 3.0, took
+        yield _Scene(asked, granted, via_a, via_b, waiting)
         assert via_b.post("/v1/leases/release", json={"key": f"{ns}x", "owner": "x"}).json()["outcome"] == "released"
         waiter.join(30)
     assert waiting and waiting[0].status_code == 201, waiting  # and y got the permit x gave back
+
+
+def test_a_retry_on_another_instance_gets_its_lease_back_without_waiting_out_the_line(
+    instances: tuple[Service, Service], ns: str
+) -> None:
+    with _x_held_and_y_waiting(instances, ns) as scene:
+        started = time.monotonic()
+        again = scene.via_b.post("/v1/leases", json={**scene.asked, "wait": 10})
+        took = time.monotonic() - started
+        assert again.status_code == 201 and again.json()["tokens"] == scene.granted.json()["tokens"], again.text
+        assert took < 3.0, took
 
 
 def test_a_request_for_a_new_lease_only_is_refused_on_another_instance_with_a_line(
@@ -63,30 +83,12 @@ def test_a_request_for_a_new_lease_only_is_refused_on_another_instance_with_a_li
 ) -> None:
     """The same scene, with the second request asking for a new lease only: it never joins b's line, whose
     lookup would answer it with x's lease as a retry's; it is refused at once, and x is left as it was."""
-    a, b = instances
-    name = f"{ns}s"
-    with permits.connect(a.url) as admin:
-        admin.create_semaphore(name, 1)
-    asked = {"wants": {name: 1}, "key": f"{ns}x", "owner": "x", "ttl": 60}
-    with httpx.Client(base_url=a.url, timeout=30) as via_a, httpx.Client(base_url=b.url, timeout=30) as via_b:
-        granted = via_a.post("/v1/leases", json=asked)
-        assert granted.status_code == 201, granted.text
-        waiting: list[httpx.Response] = []
-        waiter = threading.Thread(
-            target=lambda: waiting.append(
-                httpx.post(f"{b.url}/v1/leases", json={"wants": {name: 1}, "key": f"{ns}y", "wait": 8}, timeout=30)
-            )
-        )
-        waiter.start()
-        time.sleep(0.5)  # y waits in b's line for the permit x holds
+    with _x_held_and_y_waiting(instances, ns) as scene:
         started = time.monotonic()
-        refused = via_b.post("/v1/leases", json={**asked, "wait": 10, "new_only": True})
+        refused = scene.via_b.post("/v1/leases", json={**scene.asked, "wait": 10, "new_only": True})
         took = time.monotonic() - started
         assert refused.status_code == 409, refused.text
         assert refused.json()["error"]["code"] == "key_in_use" and refused.json()["error"]["details"]["held"] is True
         assert took < 3.0, took
-        lease = via_a.get(f"/v1/leases/{ns}x", params={"owner": "x"}).json()
-        assert lease["end_reason"] is None and lease["tokens"] == granted.json()["tokens"]
-        assert via_b.post("/v1/leases/release", json={"key": f"{ns}x", "owner": "x"}).json()["outcome"] == "released"
-        waiter.join(30)
-    assert waiting and waiting[0].status_code == 201, waiting
+        lease = scene.via_a.get(f"/v1/leases/{ns}x", params={"owner": "x"}).json()
+        assert lease["end_reason"] is None and lease["tokens"] == scene.granted.json()["tokens"]
