@@ -82,6 +82,7 @@ def redact(url: URL) -> str:
 class Settings:
     url: URL
     owner: str
+    #: the TTL of a lease acquired without one
     ttl_ms: int
     lock_wait_timeout: float = DEFAULT_LOCK_WAIT_TIMEOUT
     retries: int = DEFAULT_RETRIES
@@ -97,6 +98,10 @@ class Settings:
     pool_size: int | None = None
     #: the ``reply_timeout`` the caller gave (``None``: the default, see ``reply_timeout``)
     chosen_reply_timeout: float | None = None
+    #: whether the caller chose ``ttl_ms``; if not, a store with a default of its own (a service's) sets it
+    ttl_chosen: bool = True
+    #: no extend sets an expiry further ahead than this (a service's ``limits.max_ttl``; ``None``: no bound)
+    max_ttl_ms: int | None = None
 
     @property
     def reply_timeout(self) -> float:
@@ -118,13 +123,14 @@ class Settings:
         url: str | URL | None,
         *,
         owner: str | None,
-        ttl: float,
+        ttl: float | None,
         lock_wait_timeout: float,
         retries: int,
         auto_upgrade: bool | None,
         token: str | None = None,
         pool_size: int | None = None,
         reply_timeout: float | None = None,
+        max_ttl: float | None = None,
     ) -> Settings:
         parsed, pooler = _take_pooler(parse_url(url))
         if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
@@ -148,7 +154,8 @@ class Settings:
         return cls(
             url=parsed,
             owner=_validate.owner(owner if owner is not None else default_owner()),
-            ttl_ms=_validate.ttl_ms(ttl),
+            ttl_ms=_validate.ttl_ms(DEFAULT_TTL if ttl is None else ttl),
+            ttl_chosen=ttl is not None,
             lock_wait_timeout=wait,
             retries=retries,
             auto_upgrade=parsed.get_backend_name() == "sqlite" if auto_upgrade is None else auto_upgrade,
@@ -156,6 +163,7 @@ class Settings:
             pooler=pooler,
             pool_size=pool_size,
             chosen_reply_timeout=replies,
+            max_ttl_ms=None if max_ttl is None else _validate.ttl_ms(max_ttl),
         )
 
 

@@ -234,7 +234,9 @@ def sem_rm(name: str, force: bool, db: str | None) -> None:
 @main.command()
 @click.argument("wants", nargs=-1, required=True, metavar="NAME[:COUNT]...")
 @click.option("--key", required=True, help="Idempotency key: the same key never grants twice.")
-@click.option("--ttl", type=float, default=None, help="Lease TTL in seconds (default 60).")
+@click.option(
+    "--ttl", type=float, default=None, help="Lease TTL in seconds (default 60, or through a service the service's)."
+)
 @click.option("--timeout", type=float, default=0.0, show_default=True, help="Seconds to wait for room.")
 @click.option(
     "--new-only", is_flag=True, help="Refuse a KEY that names a lease already (key_in_use), instead of printing it."
@@ -360,7 +362,12 @@ def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> f
 @main.command(cls=_RunCommand)
 @click.argument("wants", nargs=-1, metavar="NAME[:COUNT]... -- COMMAND [ARGS]...")
 @click.pass_context
-@click.option("--ttl", type=float, default=60.0, show_default=True, help="Lease TTL; renewed every ttl/3.")
+@click.option(
+    "--ttl",
+    type=float,
+    default=None,
+    help="Lease TTL; renewed every ttl/3 (default 60, or through a service the service's default).",
+)
 @click.option("--timeout", type=float, default=None, help="Seconds to wait for room (default: for ever).")
 @click.option(
     "--key",
@@ -398,7 +405,7 @@ def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> f
 def run(
     ctx: click.Context,
     wants: tuple[str, ...],
-    ttl: float,
+    ttl: float | None,
     timeout: float | None,
     key: str | None,
     conflict_exit_code: int,
@@ -441,7 +448,7 @@ def run(
 
 @dataclass(frozen=True)
 class _RunOptions:
-    ttl: float
+    ttl: float | None
     timeout: float | None
     key: str | None
     conflict_exit_code: int

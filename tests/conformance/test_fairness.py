@@ -8,6 +8,7 @@ loses its place within PLACE_MS.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
@@ -177,6 +178,39 @@ def test_a_cancelled_waiter_gives_its_place_up_at_once(client_url: str, ns: str)
             return gone_after
 
     assert asyncio.run(scenario()) < 1.5
+
+
+def test_a_waiter_cancelled_at_any_moment_of_its_first_attempt_leaves_no_place(client_url: str, ns: str) -> None:
+    """Cancelled at every moment of its first attempt, a new client's waiter leaves no place behind: not
+    while its place's transaction commits with the reply on the way, nor while it starts listening for
+    calls after that (on PostgreSQL, which a Ctrl-C in CI once hit: the place held the queue up until
+    it lapsed)."""
+    name = f"{ns}fair"
+
+    async def scenario() -> list[int]:
+        left_behind = []
+        async with permits.connect_async(client_url, owner=f"{ns}holder") as holder:
+            await holder.create_semaphore(name, 1, fair=True)
+            held = await holder.acquire(name, ttl=120)
+            for step in range(30):
+                async with permits.connect_async(client_url, owner=f"{ns}w{step}") as waiter:
+                    task = asyncio.create_task(waiter.acquire(name, ttl=30, timeout=20))
+                    await asyncio.sleep(step * 0.003)
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                cancelled = time.monotonic()
+                while await holder.waiters(name) and time.monotonic() - cancelled < 1.5:
+                    await asyncio.sleep(0.02)
+                if await holder.waiters(name):
+                    left_behind.append(step)
+                    await holder.delete_semaphore(name, force=True)
+                    await holder.create_semaphore(name, 1, fair=True)
+                    held = await holder.acquire(name, ttl=120)
+            await holder.release(held)
+        return left_behind
+
+    assert asyncio.run(scenario()) == []
 
 
 def test_a_waiter_interrupted_by_ctrl_c_gives_its_place_up_at_once(client_url: str, ns: str) -> None:

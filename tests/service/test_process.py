@@ -258,6 +258,33 @@ def test_openapi_document_states_this_instances_limits(sqlite_url: str) -> None:
     assert set(wrong_method.headers["allow"].split(", ")) >= {"GET", "PATCH", "DELETE"}
 
 
+def test_no_expiry_the_service_sets_is_beyond_its_max_ttl(db_url: str, ns: str) -> None:
+    """``limits.max_ttl`` bounds every expiry the service sets, not only the TTLs it is asked for: its default
+    TTL, and an extend without a TTL of a lease whose own TTL is longer (one a library client granted, here
+    600 s). The lease keeps its own TTL, for extends that do not go through this service."""
+    name = f"{ns}bounded"
+    with (
+        running(db_url, env={"PERMITS_LIMITS__MAX_TTL": "30"}) as service,
+        permits.connect(service.url, owner=f"{ns}web") as web,
+        permits.connect(db_url, owner=f"{ns}lib") as lib,
+    ):
+        web.create_semaphore(name, 2)
+        assert web.default_ttl == 30 and lib.default_ttl == 60
+        assert httpx.get(f"{service.url}/v1/whoami").json()["limits"]["default_ttl"] == 30
+        defaulted = web.acquire(name)
+        assert defaulted.ttl == 30 and 25 < defaulted.expires_in <= 30
+        with permits.connect(service.url, ttl=60) as chose, pytest.raises(permits.InvalidArgument, match="at most 30"):
+            chose.acquire(name)  # a TTL the caller chose is not cut short behind its back
+        long_lived = lib.acquire(name, ttl=600)
+        assert long_lived.ttl == 600
+        extended = web.extend(long_lived.key, owner=f"{ns}lib")
+        assert extended.ttl == 600 and 25 < extended.expires_in <= 30
+        assert 15 < web.extend(long_lived.key, 20, owner=f"{ns}lib").expires_in <= 20
+        with pytest.raises(permits.InvalidArgument, match="ttl is at most 30 s"):
+            web.extend(long_lived.key, 31, owner=f"{ns}lib")
+        assert 590 < lib.extend(long_lived).expires_in <= 600  # the library is not bound by the service
+
+
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 def test_a_delete_whose_reply_is_lost_is_not_sent_again(db_url: str, ns: str) -> None:
     """The client retries a request whose connection dropped, but not a delete that may have reached the

@@ -23,7 +23,7 @@ import httpx
 
 from permits import _wire
 from permits._backoff import RETRY_BACKOFF
-from permits._config import Settings
+from permits._config import DEFAULT_TTL, Settings
 from permits._exceptions import (
     AcquireTimeout,
     InvalidArgument,
@@ -93,6 +93,7 @@ class AsyncHTTPStore:
         self._keeps_places = False
         #: what the service supports beyond the first API (``routes.FEATURES``), as it said when opened
         self._features: frozenset[str] = frozenset()
+        self._default_ttl_ms: int | None = None
         #: whether this client ever asked to keep places: those may outlive an older instance's refusal
         self._kept_places = False
         #: (owner, key) of requests whose last 409 said that the service kept no place for them (a plain
@@ -115,6 +116,10 @@ class AsyncHTTPStore:
     def url(self) -> str:
         return self._settings.shown_url
 
+    @property
+    def default_ttl_ms(self) -> int | None:
+        return self._default_ttl_ms
+
     async def open(self) -> None:
         """Check that the service answers and knows our token."""
         if self._closed:
@@ -122,7 +127,12 @@ class AsyncHTTPStore:
         if not self._opened:
             about = await self._call("GET", "/v1/whoami")
             # A wait is a long poll on the service, which bounds it: ask for no more than it allows.
-            self._max_wait = float(about.get("limits", {}).get("max_wait", self._max_wait))
+            limits = about.get("limits", {})
+            self._max_wait = float(limits.get("max_wait", self._max_wait))
+            # A lease without a TTL of its caller's gets the service's default, within its max_ttl (an older
+            # service, which does not say its default, has the library's, and then refused it above max_ttl).
+            default_ttl = limits.get("default_ttl", min(DEFAULT_TTL, float(limits.get("max_ttl", DEFAULT_TTL))))
+            self._default_ttl_ms = round(float(default_ttl) * 1000)
             self._features = frozenset(about.get("features", ()))
             self._keeps_places = "keep_place" in self._features
             self._opened = True

@@ -585,10 +585,17 @@ def _release_cold(d: Dialect, owner: str, key: str) -> Flow[ReleaseOutcome]:
     return decide.release_outcome(lease)
 
 
-def extend(owner: str, key: str, ttl_ms: int | None, default_ttl_ms: int) -> Flow[Lease]:
+def extend(owner: str, key: str, ttl_ms: int | None, default_ttl_ms: int, max_ttl_ms: int | None = None) -> Flow[Lease]:
     """Push a held lease's expiry to now + ttl on the database's clock. ``ttl_ms`` ``None``: by the lease's
-    own TTL (``default_ttl_ms`` for a lease granted before leases kept theirs)."""
-    params = {"owner": owner, "key": key, "ttl_ms": ttl_ms, "default_ttl_ms": default_ttl_ms}
+    own TTL (``default_ttl_ms`` for a lease granted before leases kept theirs). ``max_ttl_ms``: no further
+    than that (a service's bound), whatever the TTL."""
+    params = {
+        "owner": owner,
+        "key": key,
+        "ttl_ms": ttl_ms,
+        "default_ttl_ms": default_ttl_ms,
+        "max_ttl_ms": max_ttl_ms,
+    }
     extended = yield Stmt("LEASE_EXTEND", params)
     existing = yield from _find_lease(owner, key)
     if existing is None:

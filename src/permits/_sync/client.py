@@ -15,7 +15,7 @@ from sqlalchemy.engine import URL
 
 from permits import _validate
 from permits._sync.watchdog import Watchdog
-from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, Settings
+from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, Settings
 from permits._exceptions import AcquireTimeout, KeyInUse, PermitsError, StorageConflict, UsageError
 from permits._io import sync_lock, sync_shield, sync_sleep, sync_try_lock, monotonic
 from permits._models import (
@@ -49,7 +49,8 @@ class Client:
     interface, over HTTP); ``None`` reads ``$PERMITS_DATABASE_URL``.
 
     :param owner: the identity that scopes lease keys (default ``$PERMITS_OWNER``, else ``user@host``).
-    :param ttl: the default lease TTL in seconds.
+    :param ttl: the TTL, in seconds, of a lease acquired without one. Default: 60, or through a service
+        the service's default (60, or its ``max_ttl`` if lower).
     :param lock_wait_timeout: how long one transaction may wait for a row lock before it is retried.
     :param retries: how many times a transaction is retried after a deadlock, a serialization failure, a
         busy database or a lost connection.
@@ -68,7 +69,7 @@ class Client:
         url: str | URL | None = None,
         *,
         owner: str | None = None,
-        ttl: float = DEFAULT_TTL,
+        ttl: float | None = None,
         lock_wait_timeout: float = DEFAULT_LOCK_WAIT_TIMEOUT,
         retries: int = DEFAULT_RETRIES,
         auto_upgrade: bool | None = None,
@@ -95,6 +96,16 @@ class Client:
     def owner(self) -> str:
         """The default owner of this client's leases."""
         return self._settings.owner
+
+    @property
+    def default_ttl(self) -> float:
+        """The TTL, in seconds, of a lease acquired without one: ``connect``'s ``ttl``, else through a service
+        the service's default (known once the client is open), else 60."""
+        return self._default_ttl_ms() / 1000
+
+    def _default_ttl_ms(self) -> int:
+        store_default = self._store.default_ttl_ms
+        return self._settings.ttl_ms if self._settings.ttl_chosen or store_default is None else store_default
 
     @property
     def url(self) -> str:
@@ -134,6 +145,8 @@ class Client:
         With ``new_only``, a key that names a lease already, held or ended, is refused with ``KeyInUse`` instead of
         answered with that lease: two callers that chose the same key cannot both hold it (see docs/api.md).
         """
+        if ttl is None and not self._settings.ttl_chosen:
+            self._store.open()  # a service's default TTL is known once it is open
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
         # A key made up here names no other request: it only costs a lost reply its answer (docs/api.md).
         new_only = _validate.flag(new_only, "new_only") and key is not None
@@ -179,11 +192,12 @@ class Client:
         new_only: bool = False,
     ) -> tuple[Lease, float]:
         """``acquire``, and when the attempt that got the lease was sent (monotonic)."""
+        # What the store can do (queues_in_line), and a service's default TTL, are known once it is open.
+        self._store.open()
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
         new_only = _validate.flag(new_only, "new_only") and key is not None
         limit = _validate.timeout(timeout)
         deadline = None if limit is None else monotonic() + limit
-        self._store.open()  # what the store can do (queues_in_line) is known once it is open
         names = [w.name for w in wants_]
         contended = tuple(names)
         lost_races, quiet_until = self._contention.get(contended, (0, 0.0))
@@ -503,7 +517,7 @@ class Client:
         # uuid for the same reason); a caller that retries across processes passes its own.
         key_ = uuid.uuid4().hex if key is None else _validate.key(key)
         owner_ = self.owner if owner is None else _validate.owner(owner)
-        ttl_ms = self._settings.ttl_ms if ttl is None else _validate.ttl_ms(ttl)
+        ttl_ms = self._default_ttl_ms() if ttl is None else _validate.ttl_ms(ttl)
         return owner_, key_, wants_, ttl_ms
 
     def _lease_ref(self, lease: Lease | str, owner: str | None) -> tuple[str, str]:

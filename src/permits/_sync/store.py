@@ -9,7 +9,7 @@ import functools
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Callable, Mapping, Sequence
+from collections.abc import Iterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import text
@@ -600,51 +600,50 @@ class SQLStore:
             return flows.try_acquire(self._dialect, request, recheck=full)
 
         faults: list[Fault] = []
-        try:
-            result: Any = self._run(attempt, deadline=deadline, faults=faults)
-            if isinstance(result, flows.AskInLine):
-                # Not granted outside the line, and nothing written: ask in it, as a first attempt.
-                self._note_line_busy(wants[0].name)
-                tries, line_free_first = 0, False
-                result = self._run(attempt, deadline=deadline, faults=faults)
-        except KeyInUse as exc:
-            if Fault.UNAVAILABLE not in faults:
-                raise
-            # A try before lost its connection, perhaps with its grant committed and the reply lost: the lease
-            # under the key may be this request's own, which a request for a new lease only cannot tell from
-            # another's. Not another's for sure, so not KeyInUse: the outcome is unknown.
-            raise StorageUnavailable(
-                f"the connection to the database was lost while a request for a new lease under key {key!r} ran;"
-                " whether it was granted is unknown (if it was, the lease runs out at its TTL)",
-                url=self.url,
-                key=key,
-                owner=owner,
-            ) from exc
-        except StorageConflict:
-            # Lock conflicts outlasted the caller's time. A try before them (an attempt, or a step it went on
-            # to, such as the grant after a reclaim) may have lost its connection with its grant committed
-            # and the reply lost: then the answer is the lease under the key, not "no room", which would
-            # leave that lease holding its permits, unknown to anyone, until its TTL.
-            granted = self._lease_under(owner, key, wants, new_only)
-            if granted is None:
-                raise
-            result = granted
-        finally:
-            if in_line:
-                self._leave_line_seat()
+        with self._kept_if_interrupted(owner, key, queue_ms):
+            try:
+                result: Any = self._run(attempt, deadline=deadline, faults=faults)
+                if isinstance(result, flows.AskInLine):
+                    # Not granted outside the line, and nothing written: ask in it, as a first attempt.
+                    self._note_line_busy(wants[0].name)
+                    tries, line_free_first = 0, False
+                    result = self._run(attempt, deadline=deadline, faults=faults)
+            except KeyInUse as exc:
+                if Fault.UNAVAILABLE not in faults:
+                    raise
+                # A try before lost its connection, perhaps with its grant committed and the reply lost: the lease
+                # under the key may be this request's own, which a request for a new lease only cannot tell from
+                # another's. Not another's for sure, so not KeyInUse: the outcome is unknown.
+                raise StorageUnavailable(
+                    f"the connection to the database was lost while a request for a new lease under key {key!r} ran;"
+                    " whether it was granted is unknown (if it was, the lease runs out at its TTL)",
+                    url=self.url,
+                    key=key,
+                    owner=owner,
+                ) from exc
+            except StorageConflict:
+                # Lock conflicts outlasted the caller's time. A try before them (an attempt, or a step it went on
+                # to, such as the grant after a reclaim) may have lost its connection with its grant committed
+                # and the reply lost: then the answer is the lease under the key, not "no room", which would
+                # leave that lease holding its permits, unknown to anyone, until its TTL.
+                granted = self._lease_under(owner, key, wants, new_only)
+                if granted is None:
+                    raise
+                result = granted
+            finally:
+                if in_line:
+                    self._leave_line_seat()
         if isinstance(result, flows.Queued):
             # Only a full attempt records (or refreshes) the place, and with it the wake channel.
             called = wake is not None if full else place is not None and place[1]
+            # Remembered before anything else is awaited: a waiter interrupted from here on gives it up.
+            self._remember_place(owner, key, result.short, called)
             if self._listener is not None:
                 # Listen for calls (from now on, if not yet), so that an attempt can record where to call
                 # this waiter.
                 self._listener.want_calls()
                 if wake is None:
                     self._listener.start()
-            self._queued[(owner, key)] = (result.short, called)
-            self._queued.move_to_end((owner, key))
-            if len(self._queued) > MAX_REMEMBERED_PLACES:
-                self._queued.popitem(last=False)
             return None
         if result is not None:
             self._queued.pop((owner, key), None)
@@ -652,6 +651,28 @@ class SQLStore:
             self._queued.pop((owner, key), None)  # its place lapsed: the next full recheck takes another
         lease: Lease | None = result
         return lease
+
+    @contextlib.contextmanager
+    def _kept_if_interrupted(self, owner: str, key: str, queue_ms: int) -> Iterator[None]:
+        """Around an attempt that may take places in fair queues: if it is interrupted (cancelled, Ctrl-C),
+        remember that it may hold them, so that ``dequeue`` gives them up. Its transaction may have committed
+        with the reply still on the way, and a place nobody knows of holds up its queue until it lapses."""
+        try:
+            yield
+        except BaseException as exc:
+            if queue_ms and not isinstance(exc, Exception) and (owner, key) not in self._queued:
+                self._remember_place(owner, key, None, False)
+            raise
+
+    def _remember_place(self, owner: str, key: str, short: int | None, called: bool) -> None:
+        self._queued[(owner, key)] = (short, called)
+        self._queued.move_to_end((owner, key))
+        if len(self._queued) > MAX_REMEMBERED_PLACES:
+            self._queued.popitem(last=False)
+
+    @property
+    def default_ttl_ms(self) -> int | None:
+        return None  # the client's own
 
     @property
     def hands_over(self) -> bool:
@@ -794,8 +815,10 @@ class SQLStore:
         return self._run(lambda: flows.release(self._dialect, owner, key, one_semaphore), persist=True)
 
     def extend(self, owner: str, key: str, ttl_ms: int | None) -> Lease:
-        default_ttl_ms = self._settings.ttl_ms  # for a lease granted before leases kept their TTL
-        return self._run(lambda: flows.extend(owner, key, ttl_ms, default_ttl_ms), persist=True)
+        settings = self._settings  # its ttl: for a lease granted before leases kept their TTL
+        return self._run(
+            lambda: flows.extend(owner, key, ttl_ms, settings.ttl_ms, settings.max_ttl_ms), persist=True
+        )
 
     def revoke(self, owner: str, key: str, note: str) -> Lease:
         return self._run(lambda: flows.revoke(owner, key, note))

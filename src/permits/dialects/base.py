@@ -244,9 +244,14 @@ PORTABLE_SQL: dict[str, str] = {
     # The TTL is the one asked for, else the lease's own (the grant's), else, for a lease granted before
     # leases kept theirs (migration 0008), the caller's default. The lease's own stays as it was granted: a
     # watchdog's extends, or one long extend, do not change what the next extend without a TTL gives.
-    # params: owner, key, ttl_ms (or NULL), default_ttl_ms -> rowcount 1 if the lease was held and unexpired
+    # A service's max_ttl bounds every expiry it sets, a lease's own TTL included (one granted by a library
+    # client may be longer).
+    # params: owner, key, ttl_ms (or NULL), default_ttl_ms, max_ttl_ms (or NULL: no bound)
+    # -> rowcount 1 if the lease was held and unexpired
     "LEASE_EXTEND": """
-        UPDATE permits_lease SET expires_at_ms = {now} + COALESCE(:ttl_ms, ttl_ms, :default_ttl_ms)
+        UPDATE permits_lease SET expires_at_ms = {now} + CASE
+            WHEN :max_ttl_ms < COALESCE(:ttl_ms, ttl_ms, :default_ttl_ms) THEN :max_ttl_ms
+            ELSE COALESCE(:ttl_ms, ttl_ms, :default_ttl_ms) END
         WHERE owner = :owner AND lease_key = :key AND state = 1 AND expires_at_ms > {now}""",
     # params: name -> owner, lease_key, count, token, acquired_at_ms, expires_at_ms, now_ms
     "HOLDERS": """

@@ -193,6 +193,10 @@ class InstanceStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    @property
+    def default_ttl_ms(self) -> int | None:
+        return None  # the service's client has the service's default (ServiceState.build)
+
     def queues_in_line(self, wants: Sequence[Want]) -> bool:
         return False  # this instance lines up its waiters in its own memory (handoff.py)
 

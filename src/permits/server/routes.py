@@ -152,7 +152,12 @@ async def whoami(identity: Caller, state: State) -> dict[str, Any]:
         "identity": identity.name,
         "admin": identity.admin,
         "version": permits.__version__,
-        "limits": {"max_wait": limits.max_wait, "max_ttl": limits.max_ttl, "max_wants": limits.max_wants},
+        "limits": {
+            "max_wait": limits.max_wait,
+            "max_ttl": limits.max_ttl,
+            "max_wants": limits.max_wants,
+            "default_ttl": state.client.default_ttl,
+        },
         "features": list(FEATURES),
     }
 

@@ -271,6 +271,7 @@ class LimitsOut(BaseModel):
     max_wait: float
     max_ttl: float
     max_wants: int
+    default_ttl: float = Field(description="the TTL of a lease acquired without one: 60 s, or max_ttl if lower")
 
 
 class WhoAmIOut(BaseModel):

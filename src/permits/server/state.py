@@ -69,15 +69,18 @@ class ServiceState:
         liveness: dict[str, LivenessProbe] | None = None,
     ) -> ServiceState:
         metrics = metrics or Metrics()
+        # A request without a TTL gets the usual default, within the bound this service sets.
+        default_ttl = min(DEFAULT_TTL, config.limits.max_ttl)
         settings = Settings.build(
             config.database_url,
             owner=SERVICE_OWNER,
-            ttl=DEFAULT_TTL,
+            ttl=default_ttl,
             lock_wait_timeout=config.lock_wait_timeout,
             retries=config.retries,
             auto_upgrade=None,
             pool_size=config.db_pool_size,
             reply_timeout=config.reply_timeout,
+            max_ttl=config.limits.max_ttl,
         )
         if settings.url.get_backend_name() not in ("sqlite", "mysql", "mariadb", "postgresql"):
             raise ConfigurationError(
@@ -95,6 +98,7 @@ class ServiceState:
         client = AsyncClient(
             config.database_url,
             owner=SERVICE_OWNER,
+            ttl=default_ttl,
             lock_wait_timeout=config.lock_wait_timeout,
             retries=config.retries,
             store=cast(AsyncStore, instance_store),

@@ -11,6 +11,7 @@ itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,10 @@ class ThreadedSQLStore:
     @property
     def url(self) -> str:
         return self._inner.url
+
+    @property
+    def default_ttl_ms(self) -> int | None:
+        return None  # the client's own
 
     @property
     def dialect_name(self) -> str:
@@ -81,7 +86,15 @@ class ThreadedSQLStore:
         @functools.wraps(method)
         async def on_a_thread(*args: Any, **kwargs: Any) -> Any:
             # A cancelled caller does not stop the thread: the operation commits or rolls back whole,
-            # and its key (or the lease's state) makes a retry safe either way.
-            return await asyncio.to_thread(method, *args, **kwargs)
+            # and its key (or the lease's state) makes a retry safe either way. The cancellation waits
+            # for it to end, so that what the caller does next (give its place in a queue up, release)
+            # sees what it did: a place committed after its give-up held the queue up until it lapsed.
+            running = asyncio.ensure_future(asyncio.to_thread(method, *args, **kwargs))
+            try:
+                return await asyncio.shield(running)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await running
+                raise
 
         return on_a_thread
