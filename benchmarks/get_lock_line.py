@@ -84,7 +84,14 @@ class _Line:
         connection, so that the line is held for less than one round trip. Returns the grant's row, or None."""
         sql, names = store._driver_sql("ACQUIRE_ONE")
         assert names is None  # PyMySQL names its parameters
-        params = {"owner": owner, "key": key, "name": want.name, "count": want.count, "ttl_ms": ttl_ms}
+        params = {
+            "owner": owner,
+            "key": key,
+            "name": want.name,
+            "count": want.count,
+            "ttl_ms": ttl_ms,
+            "request_id": None,
+        }
         params["permits_line"] = _line_name(want.name)
         cursor = self.conn.cursor()
         # The line is let go before the COMMIT: InnoDB lets go of the row locks before it flushes the log, so
@@ -130,10 +137,10 @@ def _try_acquire(
     wait: float = 0.0,
     recheck: bool = True,
     in_line: bool = False,
-    new_only: bool = False,
+    **options: Any,  # new_only, request_id: the plain attempt's
 ) -> Any:
     if not in_line or _line is None or not self._take_line_seat():
-        lease = _plain_try_acquire(self, owner, key, wants, ttl_ms, wait, recheck, new_only=new_only)
+        lease = _plain_try_acquire(self, owner, key, wants, ttl_ms, wait, recheck, **options)
         if lease is None:
             _refused_at[wants[0].name] = time.monotonic()
         return lease
@@ -153,9 +160,7 @@ def _try_acquire(
             if row is None:
                 # The slow path (why refused, a place in a fair queue) as the plain attempt runs it.
                 return (
-                    _plain_try_acquire(self, owner, key, wants, ttl_ms, wait, recheck, new_only=new_only)
-                    if recheck
-                    else None
+                    _plain_try_acquire(self, owner, key, wants, ttl_ms, wait, recheck, **options) if recheck else None
                 )
             _, acquired_ms, expires_ms, token = row
             return Lease(
@@ -171,9 +176,7 @@ def _try_acquire(
             head_until = time.monotonic() + LINE_HEAD_WAIT_SECONDS
             tries = 0
             while True:
-                lease = _plain_try_acquire(
-                    self, owner, key, wants, ttl_ms, wait, recheck and tries == 0, new_only=new_only
-                )
+                lease = _plain_try_acquire(self, owner, key, wants, ttl_ms, wait, recheck and tries == 0, **options)
                 tries += 1
                 if lease is None:
                     _refused_at[name] = time.monotonic()

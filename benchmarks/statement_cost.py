@@ -37,6 +37,11 @@ FLOOR_TAKE = "UPDATE permits_semaphore SET used = used + 1 WHERE name = 'floor' 
 FLOOR_GIVE = "UPDATE permits_semaphore SET used = used - 1 WHERE name = 'floor'"
 
 
+def _grant_params(key: str) -> dict[str, object]:
+    """The parameters of one grant of one permit of the benchmark's semaphore, as the library sends them."""
+    return {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000, "request_id": None}
+
+
 def _as_sent(dialect: PostgreSQL, name: str) -> str:
     """A statement compiled for psycopg as the store compiles it (``_driver_sql``): the exact text the
     library sends."""
@@ -76,8 +81,7 @@ def main() -> None:
 
             def cycle() -> None:
                 key = uuid.uuid4().hex
-                params = {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000, **more}
-                cur.execute(grant, params)
+                cur.execute(grant, {**_grant_params(key), **more})
                 if len(cur.fetchall()) != 1:
                     raise SystemExit("the grant granted nothing: is another client using this database?")
                 cur.execute(give_back, {"owner": "cost", "key": key})
@@ -90,8 +94,7 @@ def main() -> None:
 
             def cycle() -> None:
                 key = uuid.uuid4().hex
-                params = {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000}
-                if len(conn.execute(grant, params, prepare=False).fetchall()) != 1:
+                if len(conn.execute(grant, _grant_params(key), prepare=False).fetchall()) != 1:
                     raise SystemExit("the grant granted nothing: is another client using this database?")
                 conn.execute(give_back, {"owner": "cost", "key": key}, prepare=False).fetchall()
 

@@ -16,6 +16,8 @@ from permits._models import Want
 MAX_NAME_LENGTH = 255
 MAX_KEY_LENGTH = 255
 MAX_OWNER_LENGTH = 255
+#: the column is VARCHAR(64): a uuid4 in hex is 32
+MAX_REQUEST_ID_LENGTH = 64
 MAX_REASON_LENGTH = 1000
 #: Leases live at most 30 days: longer is almost always a unit mistake (milliseconds passed as seconds).
 MAX_TTL_SECONDS = 30 * 24 * 3600.0
@@ -55,6 +57,11 @@ def name(value: object, field: str = "name") -> str:
 
 def key(value: object) -> str:
     return _text(value, "key", MAX_KEY_LENGTH, "a lease key")
+
+
+def request_id(value: object) -> str:
+    """The id of a request for a new lease only (``new_only``), the same in each of its tries."""
+    return _text(value, "request_id", MAX_REQUEST_ID_LENGTH, "a request id")
 
 
 def owner(value: object) -> str:

@@ -132,6 +132,37 @@ def test_a_request_for_a_new_lease_only_is_never_answered_with_one_under_its_key
         client.acquire(f"{ns}s", new_only="yes")
 
 
+def test_a_retry_of_a_request_for_a_new_lease_only_gets_its_own_lease_back(client: Any, ns: str) -> None:
+    """A ``new_only`` request's tries share its ``request_id``, which its lease records: a retry after a lost
+    reply (here, the same id sent again) is answered with that lease, with room left and without, while a
+    request under another id, or none, is refused. For one semaphore and for several: each grant statement
+    records it."""
+    a, b = f"{ns}a", f"{ns}b"
+    client.create_semaphore(a, 2)
+    client.create_semaphore(b, 2)
+    for shape, wants in (("one", {a: 1}), ("many", {a: 1, b: 1})):
+        key = f"{ns}{shape}"
+        first = client.acquire(wants, key=key, new_only=True, request_id=f"r-{shape}")
+        # With room: the retry's grant meets the key's lease (a duplicate key), and is answered with it.
+        assert client.acquire(wants, key=key, new_only=True, request_id=f"r-{shape}").tokens == first.tokens
+        filler = client.acquire(wants)
+        # Without room: the refusal finds the key's lease, and answers with it.
+        assert client.try_acquire(wants, key=key, new_only=True, request_id=f"r-{shape}").tokens == first.tokens
+        for other in ("r-other", None):
+            with pytest.raises(permits.KeyInUse):
+                client.acquire(wants, key=key, new_only=True, request_id=other, timeout=0)
+        client.release(filler)
+        client.release(first)
+        with pytest.raises(permits.LeaseLost):  # its own, but ended: never handed out again
+            client.acquire(wants, key=key, new_only=True, request_id=f"r-{shape}")
+        assert client.get_semaphore(a).used == 0
+    assert client.acquire(a, key=f"{ns}plain", request_id="ignored").key == f"{ns}plain"  # without new_only
+    for bad in ("", "x" * 65, 7):
+        with pytest.raises(permits.InvalidArgument):
+            client.acquire(a, key=f"{ns}bad", new_only=True, request_id=bad)
+    assert client.get_semaphore(a).used == 1
+
+
 def test_released_key_is_not_granted_again(client: Any, ns: str) -> None:
     client.create_semaphore(f"{ns}s", 1)
     lease = client.try_acquire(f"{ns}s", key=f"{ns}once")

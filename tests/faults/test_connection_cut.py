@@ -183,18 +183,18 @@ def test_cut_anywhere_in_one_acquire(db_url: str, proxy: CuttingProxy, ns: str, 
 
 
 @pytest.mark.slow
-def test_a_request_for_a_new_lease_only_cut_anywhere_is_granted_once_or_unknown(
+def test_a_request_for_a_new_lease_only_cut_anywhere_is_granted_exactly_once(
     db_url: str, proxy: CuttingProxy, ns: str
 ) -> None:
-    """``new_only``, alone under its key, cut anywhere: it is granted, exactly once, or it says that its
-    outcome is unknown (``StorageUnavailable``), never that another request holds the key (``KeyInUse``): a
-    retry that finds a lease under the key after a lost connection cannot know whose it is."""
+    """``new_only``, alone under its key, cut anywhere: it is granted, exactly once, and answered with its
+    lease, never refused as if another request held the key (``KeyInUse``). A retry that finds a lease under
+    the key after a lost connection knows it as its own by the request id the lease records (migration
+    0009); before, such a retry could only say that the outcome was unknown."""
     bench = _Bench(db_url, proxy, ns, "one", "roomy")
     try:
         size, packets = bench.measure()
         points = set(range(0, size, STRIDE)) | set(range(max(0, size - TAIL), size))
         cuts = [("bytes", n) for n in sorted(points)] + [("packets", m) for m in range(1, packets + 1)]
-        unknown = 0
         for kind, n in cuts:
             key = f"{ns}new-{kind}{n}"
             before = bench.last_tokens()
@@ -203,24 +203,14 @@ def test_a_request_for_a_new_lease_only_cut_anywhere_is_granted_once_or_unknown(
             else:
                 proxy.cut_after_client_packets(n)
             try:
-                lease: permits.Lease | None = bench.client.acquire(bench.wants, key=key, timeout=5, new_only=True)
-            except StorageUnavailable:
-                lease, unknown = None, unknown + 1
+                lease = bench.client.acquire(bench.wants, key=key, timeout=5, new_only=True)
             finally:
                 proxy.heal()
             name = bench.names[0]
-            try:
-                stored = bench.direct.get_lease(key)
-            except permits.LeaseNotFound:
-                assert lease is None, f"{kind} {n}: answered with a lease that is not stored"
-                assert bench.direct.get_semaphore(name).last_token == before[name]
-                continue
-            assert lease is None or lease.tokens == stored.tokens, f"{kind} {n}"
+            stored = bench.direct.get_lease(key)
+            assert lease.tokens == stored.tokens, f"{kind} {n}"
             assert stored.tokens[name] == before[name] + 1 and stored.held, f"{kind} {n}: not granted once"
             assert bench.direct.release(key) == ReleaseOutcome.RELEASED
-        # A cut before the grant committed is retried to a grant; after it, the outcome is unknown. (On MariaDB
-        # a grant is one request, committed once it arrives: every cut here is unknown.)
-        assert 0 < unknown <= len(cuts)
     finally:
         bench.close()
 

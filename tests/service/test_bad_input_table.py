@@ -195,6 +195,8 @@ CASES: dict[str, Case] = {
     "key-too-long": _acquire({"{s}": 1}, key="k" * 256),
     "key-nul": _acquire({"{s}": 1}, key="k\x00"),
     "key-reused": _acquire({"{s}": 2}, key="{job}"),
+    "request-id-too-long": _acquire({"{s}": 1}, new_only=True, request_id="r" * 65),
+    "request-id-not-text": _acquire({"{s}": 1}, new_only=True, request_id=7),
     "owner-too-long": _acquire({"{s}": 1}, owner="o" * 256),
     "owner-too-long-scoped": Case(
         None, lambda ctx: ("POST", "/v1/leases", {"wants": {ctx.s: 1}, "key": ctx.probe, "owner": "o" * 191})

@@ -286,6 +286,34 @@ def test_no_expiry_the_service_sets_is_beyond_its_max_ttl(db_url: str, ns: str) 
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_request_for_a_new_lease_only_whose_reply_is_lost_is_sent_again_and_gets_its_lease(
+    db_url: str, ns: str
+) -> None:
+    """A ``new_only`` acquire whose reply is lost after the service granted it: the client sends it again,
+    with the same ``request_id``, and the service answers with the lease the first try got, as its own, not
+    with 409 ``key_in_use``. Granted once."""
+    name, key = f"{ns}once", f"{ns}job"
+    with (
+        running(db_url) as service,
+        CuttingProxy(("127.0.0.1", int(service.url.rsplit(":", 1)[1].rstrip("/")))) as proxy,
+        permits.connect(f"http://127.0.0.1:{proxy.port}", retries=3) as client,
+        permits.connect(db_url) as direct,
+    ):
+        direct.create_semaphore(name, 1)
+        client.get_semaphore(name)  # the client's connection to the service is open
+        connections = proxy.connections
+        proxy.cut_after_server_bytes(0)  # the acquire is answered, and the answer's first byte cut
+        lease = client.acquire(name, key=key, new_only=True, timeout=5)
+        proxy.heal()
+        assert proxy.connections > connections, "the acquire was not sent again"
+        stored = direct.get_lease(key, owner=lease.owner)
+        assert stored.held and lease.tokens == stored.tokens
+        assert direct.get_semaphore(name).used == 1 and len(direct.holders(name)) == 1
+        # Both tries were answered with the lease: the first one's reply was lost, not its request.
+        assert metric(service, 'permits_acquire_total{outcome="granted"}') == 2
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 def test_a_delete_whose_reply_is_lost_is_not_sent_again(db_url: str, ns: str) -> None:
     """The client retries a request whose connection dropped, but not a delete that may have reached the
     service: sent again, it could delete (and, forced, revoke the leases of) a semaphore created under the

@@ -71,7 +71,7 @@ def test_replay_returns_the_same_lease_or_refuses() -> None:
         decide.replay(expired, [Want("a", 2)])
 
 
-def test_a_request_for_a_new_lease_only_is_never_a_replay() -> None:
+def test_a_request_for_a_new_lease_only_is_a_replay_of_its_own_lease_only() -> None:
     held = decide.lease_from_rows(_lease_rows(), "o", "k")
     ended = decide.lease_from_rows(_lease_rows(state=0, reason="released"), "o", "k")
     assert held is not None and ended is not None
@@ -79,6 +79,29 @@ def test_a_request_for_a_new_lease_only_is_never_a_replay() -> None:
         with pytest.raises(KeyInUse) as refused:
             decide.replay(lease, [Want("a", 2)], new_only=True)
         assert refused.value.details == {"key": "k", "owner": "o", "held": is_held}
+    # Its own (the lease records this request's id): a retry, answered as any retry is.
+    assert decide.replay(held, [Want("a", 2)], new_only=True, own=True) is held
+    with pytest.raises(LeaseLost):
+        decide.replay(ended, [Want("a", 2)], new_only=True, own=True)
+    with pytest.raises(IdempotencyConflict) as other:
+        decide.replay(held, [Want("a", 1)], new_only=True, own=True)
+    assert not isinstance(other.value, KeyInUse)
+
+
+def test_a_retry_of_a_new_only_request_knows_its_lease_by_the_request_id() -> None:
+    """The flow reads the id the lease records (LEASE_FIND's last column) and compares it with its own."""
+    request = flows.Request("o", "k", (Want("a", 2),), 5000, new_only=True, request_id="r1")
+    for recorded, own in (("r1", True), ("r2", False), (None, False)):
+        flow = flows._replay(request)
+        assert next(flow).name == "LEASE_FIND"
+        rows = [(*row, None, None, recorded) for row in _lease_rows()]  # end_note, ttl_ms, request_id
+        if own:
+            with pytest.raises(StopIteration) as done:
+                flow.send(Result(rows, len(rows)))
+            assert done.value.value.key == "k"
+        else:
+            with pytest.raises(KeyInUse):
+                flow.send(Result(rows, len(rows)))
 
 
 def test_release_outcomes() -> None:
@@ -328,6 +351,7 @@ def test_postgresql_acquires_several_semaphores_in_one_statement() -> None:
         "counts": [1, 2],
         "wants": '[["a", 1], ["b", 2]]',  # the same, for MariaDB's JSON_TABLE
         "ttl_ms": 5000,
+        "request_id": None,
     }
     with pytest.raises(StopIteration) as done:
         flow.send(Result([(5, 1000, 6000, "b", 12), (5, 1000, 6000, "a", 77)], 2))

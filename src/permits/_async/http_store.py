@@ -153,6 +153,7 @@ class AsyncHTTPStore:
         recheck: bool = True,
         in_line: bool = False,
         new_only: bool = False,
+        request_id: str | None = None,
     ) -> Lease | None:
         # ``recheck`` and ``in_line`` do not cross HTTP: the service runs its own waiting loop (a long poll).
         await self.open()
@@ -166,8 +167,13 @@ class AsyncHTTPStore:
             "ttl": ttl_ms / 1000,
             "wait": wait,
         }
+        # A service that keeps request ids knows this request's lease from another's, so a try whose reply
+        # was lost can be sent again (an older one cannot tell: see the call below).
+        resendable = not new_only or (request_id is not None and "request_id" in self._features)
         if new_only:
             body["new_only"] = True
+            if resendable:
+                body["request_id"] = request_id
         if wait > 0 and self._keeps_places:
             # The client asks again with this key until its own timeout, and then gives its places up
             # (``dequeue``): a wait longer than the service's max_wait keeps its place in a fair queue.
@@ -180,11 +186,9 @@ class AsyncHTTPStore:
 
         while True:
             try:
-                # A request for a new lease only is not sent again once it may have been granted: its own
-                # lease, granted with the reply lost, would come back as another's (key_in_use).
-                data = await self._call(
-                    "POST", "/v1/leases", body=asked_now, deadline=deadline, idempotent=not new_only
-                )
+                # A request for a new lease only without a request id is not sent again once it may have
+                # been granted: its own lease, granted with the reply lost, would come back as another's.
+                data = await self._call("POST", "/v1/leases", body=asked_now, deadline=deadline, idempotent=resendable)
             except AcquireTimeout as exc:
                 if body.get("keep_place"):
                     # A service that does not say (an older version) may have kept one: give it up.

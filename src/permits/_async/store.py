@@ -25,7 +25,6 @@ from permits._exceptions import (
     IdempotencyConflict,
     KeyInUse,
     LeaseLost,
-    LeaseNotFound,
     StorageConflict,
     StorageError,
     StorageReadOnly,
@@ -531,6 +530,7 @@ class AsyncSQLStore:
         recheck: bool = True,
         in_line: bool = False,
         new_only: bool = False,
+        request_id: str | None = None,
     ) -> Lease | None:
         # This store never waits for room (the client's loop does); ``wait`` bounds how long it keeps
         # retrying lock conflicts, so a caller's timeout holds behind a frozen lock holder. An attempt
@@ -595,6 +595,7 @@ class AsyncSQLStore:
                 round(LINE_HEAD_WAIT_SECONDS * 1000),
                 line_free_first=lined and line_free_first,
                 new_only=new_only,
+                request_id=request_id,
             )
             return flows.try_acquire(self._dialect, request, recheck=full)
 
@@ -608,7 +609,7 @@ class AsyncSQLStore:
                     tries, line_free_first = 0, False
                     result = await self._run(attempt, deadline=deadline, faults=faults)
             except KeyInUse as exc:
-                if Fault.UNAVAILABLE not in faults:
+                if request_id is not None or Fault.UNAVAILABLE not in faults:
                     raise
                 # A try before lost its connection, perhaps with its grant committed and the reply lost: the lease
                 # under the key may be this request's own, which a request for a new lease only cannot tell from
@@ -625,7 +626,7 @@ class AsyncSQLStore:
                 # to, such as the grant after a reclaim) may have lost its connection with its grant committed
                 # and the reply lost: then the answer is the lease under the key, not "no room", which would
                 # leave that lease holding its permits, unknown to anyone, until its TTL.
-                granted = await self._lease_under(owner, key, wants, new_only)
+                granted = await self._lease_under(owner, key, wants, new_only, request_id)
                 if granted is None:
                     raise
                 result = granted
@@ -716,14 +717,20 @@ class AsyncSQLStore:
             handed = dataclasses.replace(handed, ask_alone=True)
         return handed
 
-    async def _lease_under(self, owner: str, key: str, wants: Sequence[Want], new_only: bool) -> Lease | None:
+    async def _lease_under(
+        self, owner: str, key: str, wants: Sequence[Want], new_only: bool, request_id: str | None
+    ) -> Lease | None:
         """The lease an earlier try of this acquire got, if one did and it is still held: one read, which no
-        row lock holds up, and no retry past the caller's time (a read that fails is no answer). Never for a
-        request for a new lease only (``KeyInUse`` is an ``IdempotencyConflict``): its next attempt says."""
+        row lock holds up, and no retry past the caller's time (a read that fails is no answer). For a
+        request for a new lease only, only a lease that records its ``request_id`` (another request's is
+        ``KeyInUse``, an ``IdempotencyConflict``: its next attempt says)."""
         try:
-            existing = await self._attempt(flows.get_lease(owner, key), True, [])
-            return decide.replay(existing, wants, new_only)
-        except (LeaseNotFound, LeaseLost, IdempotencyConflict, DBAPIError):
+            found = await self._attempt(flows.find_lease(owner, key), True, [])
+            if found is None:
+                return None
+            existing, got_by = found
+            return decide.replay(existing, wants, new_only, own=request_id is not None and got_by == request_id)
+        except (LeaseLost, IdempotencyConflict, DBAPIError):
             return None
 
     async def _read_place(self, owner: str, key: str, deadline: float | None) -> int | None:

@@ -17,7 +17,7 @@ def lease_from_rows(rows: Sequence[Sequence[Any]], owner: str, key: str) -> Leas
     """Build a lease from the rows of ``LEASE_FIND`` (one row per semaphore of the lease).
 
     Columns: id, state, end_reason, acquired_at_ms, expires_at_ms, ended_at_ms, now_ms, name, count, token,
-    end_note, ttl_ms.
+    end_note, ttl_ms (and request_id, which the lease does not show: see ``replay``).
     """
     if not rows:
         return None
@@ -40,16 +40,16 @@ def lease_from_rows(rows: Sequence[Sequence[Any]], owner: str, key: str) -> Leas
     )
 
 
-def replay(existing: Lease, wants: Sequence[Want], new_only: bool = False) -> Lease:
+def replay(existing: Lease, wants: Sequence[Want], new_only: bool = False, own: bool = False) -> Lease:
     """An acquire found a lease under its key already: this is a retry. Answer it without granting twice.
 
     The same request gets the same lease back, as long as it is still held; a different request under the
     same key is a conflict, and a lease that has ended cannot be handed out again. A request for a new lease
-    only (``new_only``) is never answered with one that exists: the lease may be another caller's that used
-    the same key (two ``permits run --key K`` at once), and nothing here can tell it from one this request's
-    own earlier attempt got with its reply lost.
+    only (``new_only``) is answered with the lease only if it is its ``own``: the lease records the id of the
+    request that got it, which a try whose reply was lost shares with the retry. Any other lease under the
+    key is another caller's that used the same key (two ``permits run --key K`` at once): ``KeyInUse``.
     """
-    if new_only:
+    if new_only and not own:
         state = "held" if existing.held else f"ended ({existing.end_reason or 'expired'})"
         raise KeyInUse(
             f"key {existing.key!r} names a lease already, {state}: a request for a new lease under it is refused",

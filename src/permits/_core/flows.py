@@ -126,8 +126,12 @@ class Request:
     line_free_first: bool = False
     #: this attempt has ended the expired leases in its way already, and does not again (``_reclaim_then``)
     reclaimed: bool = False
-    #: a lease under the key is refused (``KeyInUse``), not answered as this request's (``decide.replay``)
+    #: a lease under the key is refused (``KeyInUse``), not answered as this request's (``decide.replay``),
+    #: unless it records ``request_id``
     new_only: bool = False
+    #: the id the caller made up for this request, the same in each of its tries: its lease records it, so
+    #: that a retry of a ``new_only`` request whose reply was lost knows the lease as its own
+    request_id: str | None = None
 
 
 def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | AskInLine | None]:
@@ -196,9 +200,9 @@ def _why_refused(d: Dialect, req: Request, may_run_alone: bool = True) -> Flow[L
     if any(int(row[0]) for row in found.rows):
         if alone:  # look again, in a transaction that can go on to read the lease
             raise Restart(lambda: _why_refused(d, req, may_run_alone=False), readonly=True)
-        existing = yield from _find_lease(req.owner, req.key)
-        if existing is not None:
-            return decide.replay(existing[1], req.wants, req.new_only)
+        under_key = yield from find_lease(req.owner, req.key)
+        if under_key is not None:
+            return _answer_retry(req, *under_key)
     expired = {int(row[2]) for row in found.rows if int(row[1])}  # the semaphores expired leases hold
     rows = [row[2:] for row in found.rows if row[2] is not None]
     sems = {str(name): (int(sid), int(cap), int(used)) for sid, name, cap, used, _ in rows}
@@ -313,7 +317,14 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
     own (the key check, the reclaim of expired leases, a place in a fair queue for a caller that waits).
     """
     (want,) = req.wants
-    params = {"owner": req.owner, "key": req.key, "name": want.name, "count": want.count, "ttl_ms": req.ttl_ms}
+    params = {
+        "owner": req.owner,
+        "key": req.key,
+        "name": want.name,
+        "count": want.count,
+        "ttl_ms": req.ttl_ms,
+        "request_id": req.request_id,
+    }
     statement = "ACQUIRE_ONE"
     lined = req.line_wait_ms is not None and d.has("ACQUIRE_ONE_QUEUED")
     outside_line = lined and req.line_free_first and d.has("ACQUIRE_ONE_LINE_FREE")
@@ -326,7 +337,7 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
     try:
         done = yield Stmt(statement, params, alone=True)
     except DuplicateKey:
-        raise Restart(lambda: _replay(req.owner, req.key, req.wants, req.new_only)) from None
+        raise Restart(lambda: _replay(req)) from None
     if not done.rows and outside_line:
         return ASK_IN_LINE
     if not done.rows:
@@ -350,6 +361,7 @@ def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease 
         # The same wants as one JSON text, for a server without array parameters (MariaDB's JSON_TABLE).
         "wants": json.dumps([[w.name, w.count] for w in req.wants], ensure_ascii=False),
         "ttl_ms": req.ttl_ms,
+        "request_id": req.request_id,
     }
     statement, in_line = "ACQUIRE_MANY", False
     if req.line_wait_ms is not None and d.has("ACQUIRE_MANY_QUEUED"):
@@ -364,7 +376,7 @@ def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease 
     try:
         done = yield Stmt(statement, params, alone=not in_line)
     except DuplicateKey:
-        raise Restart(lambda: _replay(req.owner, req.key, req.wants, req.new_only)) from None
+        raise Restart(lambda: _replay(req)) from None
     if not done.rows:
         raise _refused(d, req, recheck)
     _, acquired_ms, expires_ms = done.rows[0][:3]
@@ -466,11 +478,12 @@ def _lacking_room(wants: Sequence[Want], sems: Mapping[str, tuple[int, int, int]
 
 def _insert_lease(d: Dialect, req: Request, tokens: dict[str, int]) -> Flow[Lease]:
     try:
-        inserted = yield Stmt("LEASE_INSERT", {"owner": req.owner, "key": req.key, "ttl_ms": req.ttl_ms})
+        params = {"owner": req.owner, "key": req.key, "ttl_ms": req.ttl_ms, "request_id": req.request_id}
+        inserted = yield Stmt("LEASE_INSERT", params)
     except DuplicateKey:
         # The key is taken: this is a retry of a request that was granted (or a race with one). Roll back
         # the room just taken and answer from the lease that exists.
-        raise Restart(lambda: _replay(req.owner, req.key, req.wants, req.new_only)) from None
+        raise Restart(lambda: _replay(req)) from None
     if d.insert_returning:
         lease_id, acquired_ms, expires_ms = inserted.rows[0]
     else:
@@ -500,13 +513,29 @@ def _granted(req: Request, tokens: Mapping[str, int], acquired_ms: Any, expires_
     )
 
 
-def _replay(owner: str, key: str, wants: Sequence[Want], new_only: bool = False) -> Flow[Lease]:
-    existing = yield from _find_lease(owner, key)
-    if existing is None:
+def _replay(req: Request) -> Flow[Lease]:
+    found = yield from find_lease(req.owner, req.key)
+    if found is None:
         # No lease under the key: the duplicate was not the key's. Either a concurrent acquire with the key
         # rolled back, or (on Galera) a node behind the cluster computed a fencing token already taken.
         raise Retry()
-    return decide.replay(existing[1], wants, new_only)
+    return _answer_retry(req, *found)
+
+
+def _answer_retry(req: Request, existing: Lease, request_id: str | None) -> Lease:
+    """The answer to ``req`` when its key names ``existing`` already, which the request ``request_id`` got."""
+    own = req.request_id is not None and request_id == req.request_id
+    return decide.replay(existing, req.wants, req.new_only, own=own)
+
+
+def find_lease(owner: str, key: str) -> Flow[tuple[Lease, str | None] | None]:
+    """The lease under the key, if any, and the id of the request that got it (``Request.request_id``)."""
+    found = yield Stmt("LEASE_FIND", {"owner": owner, "key": key})
+    lease = decide.lease_from_rows(found.rows, owner, key)
+    if lease is None:
+        return None
+    request_id = found.rows[0][12] if len(found.rows[0]) > 12 else None
+    return lease, None if request_id is None else str(request_id)
 
 
 def _find_lease(owner: str, key: str) -> Flow[tuple[int, Lease] | None]:

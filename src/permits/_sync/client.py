@@ -137,6 +137,7 @@ class Client:
         owner: str | None = None,
         ttl: Seconds | None = None,
         new_only: bool = False,
+        request_id: str | None = None,
     ) -> Lease | None:
         """Take every wanted permit at once, or none: a ``Lease``, or ``None`` at once when there is no room.
 
@@ -144,14 +145,16 @@ class Client:
         ``(name, count)`` pairs or ``Want``s. Retrying with the same ``key`` returns the same lease.
         With ``new_only``, a key that names a lease already, held or ended, is refused with ``KeyInUse`` instead of
         answered with that lease: two callers that chose the same key cannot both hold it (see docs/api.md).
+        ``request_id`` names the request for that, the same across its retries (default: one made up per call).
         """
         if ttl is None and not self._settings.ttl_chosen:
             self._store.open()  # a service's default TTL is known once it is open
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
         # A key made up here names no other request: it only costs a lost reply its answer (docs/api.md).
         new_only = _validate.flag(new_only, "new_only") and key is not None
+        request_id = _request_id(new_only, request_id)
         try:
-            return self._store.try_acquire(owner_, key_, wants_, ttl_ms, new_only=new_only)
+            return self._store.try_acquire(owner_, key_, wants_, ttl_ms, new_only=new_only, request_id=request_id)
         except BaseException as exc:
             if key is None and not isinstance(exc, Exception):
                 # As acquire does: a grant under a key the caller never saw would be held until its TTL.
@@ -168,6 +171,7 @@ class Client:
         ttl: Seconds | None = None,
         timeout: Seconds | None = None,
         new_only: bool = False,
+        request_id: str | None = None,
     ) -> Lease:
         """Take every wanted permit at once, waiting up to ``timeout`` seconds (``None``: for ever).
 
@@ -179,7 +183,7 @@ class Client:
         With ``new_only``, a key that names a lease already, held or ended, is refused with ``KeyInUse`` instead of
         answered with that lease: two callers that chose the same key cannot both hold it (see docs/api.md).
         """
-        lease, _asked = self._acquire(wants, key, owner, ttl, timeout, new_only)
+        lease, _asked = self._acquire(wants, key, owner, ttl, timeout, new_only, request_id)
         return lease
 
     def _acquire(
@@ -190,12 +194,18 @@ class Client:
         ttl: Seconds | None,
         timeout: Seconds | None,
         new_only: bool = False,
+        request_id: str | None = None,
+        ttl_at_most_ms: int | None = None,
     ) -> tuple[Lease, float]:
-        """``acquire``, and when the attempt that got the lease was sent (monotonic)."""
+        """``acquire``, and when the attempt that got the lease was sent (monotonic). ``ttl_at_most_ms``: a
+        bound on the TTL, whichever default it comes from (``lease``'s ``max_hold``)."""
         # What the store can do (queues_in_line), and a service's default TTL, are known once it is open.
         self._store.open()
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
+        if ttl_at_most_ms is not None:
+            ttl_ms = min(ttl_ms, ttl_at_most_ms)
         new_only = _validate.flag(new_only, "new_only") and key is not None
+        request_id = _request_id(new_only, request_id)
         limit = _validate.timeout(timeout)
         deadline = None if limit is None else monotonic() + limit
         names = [w.name for w in wants_]
@@ -221,6 +231,7 @@ class Client:
                         recheck=pacer.recheck_due(monotonic()),
                         in_line=in_line,
                         new_only=new_only,
+                        request_id=request_id,
                     )
                 except StorageConflict as exc:
                     # Lock contention that outlasted the store's retries (a holder frozen inside its
@@ -308,23 +319,24 @@ class Client:
         while the block runs (see ``keepalive()``; ``max_hold`` and ``on_lost`` go to it), and the block's
         task is cancelled if the lease is lost; ``held.lost`` tells a sync holder. ``new_only``: as in
         ``acquire``."""
-        owner_, key_, wants_, ttl_ = self._request(wants, key, owner, ttl)
+        # Checked now; a TTL left to the default is the store's, known once the client is open (a service's).
+        owner_, key_, wants_, _ = self._request(wants, key, owner, ttl)
         hold = None if max_hold is None else _validate.timeout(max_hold, "max_hold")
-        if hold is not None:
-            # The lease must not outlive max_hold, and extends cannot shorten the grant's own TTL: so the
-            # grant asks for no more than max_hold (at least the shortest TTL there is).
-            ttl_ = min(ttl_, max(1, math.ceil(hold * 1000)))
+        # The lease must not outlive max_hold, and extends cannot shorten the grant's own TTL: so the grant
+        # asks for no more than max_hold (at least the shortest TTL there is).
+        ttl_at_most_ms = None if hold is None else max(1, math.ceil(hold * 1000))
         watch = _Watch(keepalive or hold is not None or on_lost is not None, hold, on_lost)
         return Held(
             self,
             wants_,
             key_,
             owner_,
-            ttl_ / 1000,
+            ttl,
             _validate.timeout(timeout),
             watch,
             fresh_keys=key is None,
             new_only=_validate.flag(new_only, "new_only") and key is not None,
+            ttl_at_most_ms=ttl_at_most_ms,
         )
 
     def mutex(
@@ -528,6 +540,15 @@ class Client:
         return (self.owner if owner is None else _validate.owner(owner)), _validate.key(lease)
 
 
+def _request_id(new_only: bool, given: str | None) -> str | None:
+    """The id a request for a new lease only is known by in each of its tries (``flows.Request.request_id``):
+    the caller's (a service relays its client's), else one made up for this call. Other requests need none."""
+    if given is not None:
+        checked = _validate.request_id(given)
+        return checked if new_only else None
+    return uuid.uuid4().hex if new_only else None
+
+
 @dataclass(frozen=True, slots=True)
 class _Watch:
     """Whether and how a held lease is kept alive."""
@@ -546,14 +567,16 @@ class Held:
         wants: tuple[Want, ...],
         key: str,
         owner: str,
-        ttl: float,
+        ttl: Seconds | None,
         timeout: float | None,
         watch: _Watch | None = None,
         fresh_keys: bool = False,
         new_only: bool = False,
+        ttl_at_most_ms: int | None = None,
     ) -> None:
         self._client = client
         self._new_only = new_only
+        self._ttl_at_most_ms = ttl_at_most_ms
         self._wants = wants
         self._key = key
         #: the key was made up, not given: each entry after the first makes a new one, since a key names one
@@ -589,7 +612,13 @@ class Held:
             self._entries += 1
             self.lease, self.watchdog = None, None
             self.lease, asked = self._client._acquire(
-                self._wants, self._key, self._owner, self._ttl, self._timeout, self._new_only
+                self._wants,
+                self._key,
+                self._owner,
+                self._ttl,
+                self._timeout,
+                self._new_only,
+                ttl_at_most_ms=self._ttl_at_most_ms,
             )
             if self._watch.on:
                 self.watchdog = Watchdog(

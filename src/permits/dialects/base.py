@@ -123,19 +123,20 @@ PORTABLE_SQL: dict[str, str] = {
         WHERE name IN :names AND deleted = 0 ORDER BY name{for_update}""",
     # Every row of one lease, one per semaphore. params: owner, key
     # -> id, state, end_reason, acquired_at_ms, expires_at_ms, ended_at_ms, now_ms, name, count, token,
-    #    end_note, ttl_ms
+    #    end_note, ttl_ms, request_id
     "LEASE_FIND": """
         SELECT l.id, l.state, l.end_reason, l.acquired_at_ms, l.expires_at_ms, l.ended_at_ms, {now},
-               s.name, p.count, p.token, l.end_note, l.ttl_ms
+               s.name, p.count, p.token, l.end_note, l.ttl_ms, l.request_id
         FROM permits_lease l
         JOIN permits_permit p ON p.lease_id = l.id
         JOIN permits_semaphore s ON s.id = p.semaphore_id
         WHERE l.owner = :owner AND l.lease_key = :key
         ORDER BY s.name""",
-    # params: owner, key, ttl_ms -> id, acquired_at_ms, expires_at_ms (unique (owner, lease_key))
+    # params: owner, key, ttl_ms, request_id -> id, acquired_at_ms, expires_at_ms (unique (owner, lease_key))
     "LEASE_INSERT": """
-        INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
-        VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms)
+        INSERT INTO permits_lease (
+            owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms, request_id)
+        VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms, :request_id)
         RETURNING id, acquired_at_ms, expires_at_ms""",
     # params: id -> acquired_at_ms, expires_at_ms (for engines without INSERT ... RETURNING)
     "LEASE_TIMES": "SELECT acquired_at_ms, expires_at_ms FROM permits_lease WHERE id = :id",

@@ -144,14 +144,17 @@ class MariaDB(Dialect):
         # variable, reset first: NULL means the UPDATE found no room, and then neither INSERT inserts anything
         # and the batch commits nothing. LAST_INSERT_ID() is the lease's new id. A grant also gives up the
         # request's places in fair queues (a waiting caller may hold some). params: owner, key, name,
-        # count, ttl_ms -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no such semaphore)
+        # count, ttl_ms, request_id -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no
+        # such semaphore)
         "ACQUIRE_ONE": """
             SET @permits_token = NULL;
             UPDATE permits_semaphore
             SET used = used + :count, last_token = (@permits_token := last_token + 1), updated_at_ms = {now}
             WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate};
-            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
-            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms FROM DUAL WHERE @permits_token IS NOT NULL
+            INSERT INTO permits_lease (
+                owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms, request_id)
+            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms, :request_id
+            FROM DUAL WHERE @permits_token IS NOT NULL
             RETURNING id, acquired_at_ms, expires_at_ms, @permits_token;
             INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
             SELECT LAST_INSERT_ID(), id, :count, @permits_token FROM permits_semaphore
@@ -171,8 +174,8 @@ class MariaDB(Dialect):
         # tests/concurrency/test_lock_order.py shows it). The last statement
         # answers, as PostgreSQL's does, a row per semaphore. Where the grant a statement per step held the
         # rows locked across a round trip per semaphore, the lease and the permits, this holds them for one.
-        # params: owner, key, wants (JSON), ttl_ms -> lease id, acquired_at_ms, expires_at_ms, name, token:
-        # a row per semaphore (none: no room in one of them, or one does not exist)
+        # params: owner, key, wants (JSON), ttl_ms, request_id -> lease id, acquired_at_ms, expires_at_ms, name,
+        # token: a row per semaphore (none: no room in one of them, or one does not exist)
         "ACQUIRE_MANY": """
             SET @permits_seen = NULL, @permits_fit = NULL;
             SELECT COUNT(*) = JSON_LENGTH(:wants) AND COALESCE(MIN(s.used + w.count <= s.capacity), 0)
@@ -196,8 +199,9 @@ class MariaDB(Dialect):
         + """
             SET s.used = s.used + w.count, s.last_token = s.last_token + 1, s.updated_at_ms = {now}
             WHERE s.deleted = 0 AND @permits_fit = 1;
-            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
-            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms FROM DUAL WHERE @permits_fit = 1;
+            INSERT INTO permits_lease (
+                owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms, request_id)
+            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms, :request_id FROM DUAL WHERE @permits_fit = 1;
             INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
             SELECT LAST_INSERT_ID(), s.id, w.count, s.last_token
             FROM """
@@ -401,8 +405,9 @@ class MySQL(MariaDB):
         "ACQUIRE_MANY": None,
         "HAND_OVER": None,
         "LEASE_INSERT": """
-            INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
-            VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms)""",
+            INSERT INTO permits_lease (
+                owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms, request_id)
+            VALUES (:owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms, :request_id)""",
         # MySQL has no @@server_uid, and keeps its status in performance_schema: a cut session is not ended
         # there (not written for it until a MySQL server is in the tests).
         **dict.fromkeys(_SESSION_SQL),

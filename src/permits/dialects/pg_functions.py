@@ -39,11 +39,25 @@ from permits.dialects.base import Dialect
 #: statements that run alone (one request, one transaction) qualify: a function call is one statement.
 CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]] = {
     "ACQUIRE_ONE": (
-        (("owner", "text"), ("key", "text"), ("name", "text"), ("count", "bigint"), ("ttl_ms", "bigint")),
+        (
+            ("owner", "text"),
+            ("key", "text"),
+            ("name", "text"),
+            ("count", "bigint"),
+            ("ttl_ms", "bigint"),
+            ("request_id", "text"),
+        ),
         (("lease_id", "bigint"), ("acquired_at_ms", "bigint"), ("expires_at_ms", "bigint"), ("token", "bigint")),
     ),
     "ACQUIRE_MANY": (
-        (("owner", "text"), ("key", "text"), ("names", "text[]"), ("counts", "bigint[]"), ("ttl_ms", "bigint")),
+        (
+            ("owner", "text"),
+            ("key", "text"),
+            ("names", "text[]"),
+            ("counts", "bigint[]"),
+            ("ttl_ms", "bigint"),
+            ("request_id", "text"),
+        ),
         (
             ("lease_id", "bigint"),
             ("acquired_at_ms", "bigint"),

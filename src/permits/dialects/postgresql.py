@@ -95,7 +95,7 @@ def _session_settings(lock_wait_timeout: float) -> list[tuple[str, str]]:
 # for the row still gets its whole TTL, and it is stamped after the commit of the release or grant
 # it waited for, as a grant over several semaphores (ACQUIRE_MANY) is. A grant also gives up
 # the request's places in fair queues (a waiting caller may hold some).
-# params: owner, key, name, count, ttl_ms
+# params: owner, key, name, count, ttl_ms, request_id
 # -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no such semaphore)
 _ACQUIRE_ONE = """
             WITH taken AS (
@@ -104,8 +104,9 @@ _ACQUIRE_ONE = """
                 WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
                 RETURNING id, last_token, {clock_now} AS granted_ms),
             lease AS (
-                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
-                SELECT :owner, :key, 1, granted_ms, granted_ms + :ttl_ms, :ttl_ms FROM taken
+                INSERT INTO permits_lease (
+                    owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms, request_id)
+                SELECT :owner, :key, 1, granted_ms, granted_ms + :ttl_ms, :ttl_ms, :request_id FROM taken
                 RETURNING id, acquired_at_ms, expires_at_ms),
             permit AS (
                 INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
@@ -236,9 +237,9 @@ class PostgreSQL(Dialect):
         # either all of them or none. The rest is ACQUIRE_ONE's, once per semaphore: the lease is stamped
         # once the rows are locked, so a grant that waited for a row still gets its whole TTL. One round trip,
         # where the grant a statement per step took a round trip per semaphore with the rows locked across
-        # them. params: owner, key, names, counts (arrays, in name order, no name twice), ttl_ms -> lease id,
-        # acquired_at_ms, expires_at_ms, name, token: a row per semaphore (none: no room in one of them, or
-        # one does not exist)
+        # them. params: owner, key, names, counts (arrays, in name order, no name twice), ttl_ms, request_id
+        # -> lease id, acquired_at_ms, expires_at_ms, name, token: a row per semaphore (none: no room in one of
+        # them, or one does not exist)
         "ACQUIRE_MANY": """
             WITH wanted AS (
                 SELECT w.name, w.count
@@ -267,8 +268,9 @@ class PostgreSQL(Dialect):
                 WHERE s.id = l.id AND fits.ok
                 RETURNING s.id, l.name, l.count, s.last_token, {clock_now} AS granted_ms),
             lease AS (
-                INSERT INTO permits_lease (owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms)
-                SELECT :owner, :key, 1, MAX(granted_ms), MAX(granted_ms) + :ttl_ms, :ttl_ms FROM taken
+                INSERT INTO permits_lease (
+                    owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms, request_id)
+                SELECT :owner, :key, 1, MAX(granted_ms), MAX(granted_ms) + :ttl_ms, :ttl_ms, :request_id FROM taken
                 HAVING COUNT(*) > 0
                 RETURNING id, acquired_at_ms, expires_at_ms),
             permit AS (

@@ -210,6 +210,7 @@ class InstanceStore:
         recheck: bool = True,
         in_line: bool = False,
         new_only: bool = False,
+        request_id: str | None = None,
     ) -> Lease | None:
         if self.waker.draining.is_set():
             raise ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
@@ -239,7 +240,9 @@ class InstanceStore:
             to_line = fresh or handoff.queued(names[0]) > 0
         if not to_line:
             async with self.prelock.hold(names):
-                lease = await self._inner.try_acquire(owner, key, wants, ttl_ms, wait, recheck, new_only=new_only)
+                lease = await self._inner.try_acquire(
+                    owner, key, wants, ttl_ms, wait, recheck, new_only=new_only, request_id=request_id
+                )
             rechecked_at = monotonic() if recheck else None
         remaining = wait - (monotonic() - started)
         fair = self._inner.queue_short(owner, key) is not None

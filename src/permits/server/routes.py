@@ -47,8 +47,9 @@ register_url_convertor("text", _TextConvertor())
 router = APIRouter(prefix="/v1", route_class=body.Route)
 #: What this service supports beyond the first API (``GET /v1/whoami``), for clients of another version:
 #: ``keep_place`` (an acquire's field, and ``POST /v1/leases/give-up``); ``new_only`` (an acquire's field);
-#: ``lease_ttl`` (an extend without ``ttl`` renews by the lease's own TTL, not the service's default).
-FEATURES = ("keep_place", "new_only", "lease_ttl")
+#: ``lease_ttl`` (an extend without ``ttl`` renews by the lease's own TTL, not the service's default);
+#: ``request_id`` (an acquire's field: a ``new_only`` request's retries know its lease as their own).
+FEATURES = ("keep_place", "new_only", "lease_ttl", "request_id")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorOut} for status in (401, 403, 404, 409, 410, 413, 422, 429, 503)
 }
@@ -206,10 +207,18 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
         if wait > 0:
             with state.instance_stats.waiting(names):
                 lease = await state.client.acquire(
-                    pairs, key=key, owner=owner, ttl=body.ttl, timeout=wait, new_only=body.new_only
+                    pairs,
+                    key=key,
+                    owner=owner,
+                    ttl=body.ttl,
+                    timeout=wait,
+                    new_only=body.new_only,
+                    request_id=body.request_id,
                 )
         else:
-            found = await state.client.try_acquire(pairs, key=key, owner=owner, ttl=body.ttl, new_only=body.new_only)
+            found = await state.client.try_acquire(
+                pairs, key=key, owner=owner, ttl=body.ttl, new_only=body.new_only, request_id=body.request_id
+            )
             if found is None:
                 outcome = "refused"
                 described = ", ".join(f"{n}:{c}" for n, c in sorted(pairs))

@@ -50,6 +50,9 @@ Name = Annotated[
 ]
 Key = Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_KEY_LENGTH), documented(pattern=NO_NUL)]
 Owner = Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_OWNER_LENGTH), documented(pattern=NO_NUL)]
+RequestId = Annotated[
+    StrictStr, Field(min_length=1, max_length=_validate.MAX_REQUEST_ID_LENGTH), documented(pattern=NO_NUL)
+]
 Count = Annotated[StrictInt, Field(ge=1, le=_validate.MAX_CAPACITY), BeforeValidator(_whole_number)]
 Reason = Annotated[StrictStr, Field(max_length=_validate.MAX_REASON_LENGTH), documented(pattern=NO_NUL)]
 Ttl = Annotated[
@@ -103,7 +106,15 @@ class AcquireIn(_Strict):
         description=(
             "grant a new lease only: a key that names a lease already, held or ended, is refused (409 key_in_use)"
             " instead of answered with that lease, so two callers that chose the same key (and owner) cannot both"
-            " hold it; a request that may have been granted is then not to be sent again"
+            " hold it. Send a request_id with it, so that a retry of a request whose reply was lost gets its own"
+            " lease back; without one, a request that may have been granted is not to be sent again"
+        ),
+    )
+    request_id: RequestId | None = Field(
+        default=None,
+        description=(
+            "with new_only: an id of your making (a uuid) for this request, the same in each of its retries; the"
+            " lease records it, and a retry that finds it is answered with that lease (ignored without new_only)"
         ),
     )
 

@@ -50,12 +50,14 @@ class AsyncStore(Protocol):
         recheck: bool = True,
         in_line: bool = False,
         new_only: bool = False,
+        request_id: str | None = None,
     ) -> Lease | None:
         """One attempt: a lease, or ``None`` for no room. The store answers within about ``wait`` seconds
         (the SQL store never waits for room, and stops retrying lock conflicts at ``wait``; a store that
         can wait for room on the server side, such as the HTTP store, may wait up to ``wait``).
         ``recheck=False``: a waiter asking again; a store may answer no room without finding out why.
-        ``new_only``: a lease under the key already is ``KeyInUse``, never this request's answer.
+        ``new_only``: a lease under the key already is ``KeyInUse``, never this request's answer, unless it
+        records ``request_id`` (this request's tries all send the same one: see ``flows.Request``).
         ``in_line``: a waiter asking again at once, which waits for its turn in the server's lock queue
         first where the store has one (``queues_in_line``)."""
         ...
@@ -144,6 +146,7 @@ class Store(Protocol):
         recheck: bool = True,
         in_line: bool = False,
         new_only: bool = False,
+        request_id: str | None = None,
     ) -> Lease | None: ...
     def queues_in_line(self, wants: Sequence[Want]) -> bool: ...
     def wake_calls(self, names: Sequence[str]) -> int | None: ...
