@@ -420,8 +420,8 @@ def test_a_queued_grant_over_several_semaphores_waiting_at_the_head_holds_no_row
                 with psycopg.connect(plain, autocommit=True) as conn:
                     started = time.monotonic()
                     out["rows"] = conn.execute(
-                        f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s)",
-                        ("w", "k", [a, b], [1, 1], 60_000, 5_000, 1_500),
+                        f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s, %s)",
+                        ("w", "k", [a, b], [1, 1], 60_000, None, 5_000, 1_500),  # no request id
                     ).fetchall()
                     out["took"] = time.monotonic() - started
 
@@ -450,11 +450,12 @@ def test_a_queued_grant_whose_turn_came_with_no_time_left_still_asks(ns: str) ->
         one, several = server_functions(PostgreSQL(), ["ACQUIRE_ONE_QUEUED", "ACQUIRE_MANY_QUEUED"])
         with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
             granted = conn.execute(
-                f"SELECT * FROM {one.name}(%s, %s, %s, %s, %s, %s, %s)", ("o", "k1", a, 1, 30_000, 0, 50)
+                f"SELECT * FROM {one.name}(%s, %s, %s, %s, %s, %s, %s, %s)", ("o", "k1", a, 1, 30_000, None, 0, 50)
             ).fetchall()
             assert len(granted) == 1
             granted = conn.execute(
-                f"SELECT * FROM {several.name}(%s, %s, %s, %s, %s, %s, %s)", ("o", "k2", [a, b], [1, 1], 30_000, 0, 50)
+                f"SELECT * FROM {several.name}(%s, %s, %s, %s, %s, %s, %s, %s)",
+                ("o", "k2", [a, b], [1, 1], 30_000, None, 0, 50),
             ).fetchall()
             assert sorted(row[3] for row in granted) == [a, b]
         assert client.get_semaphore(a).used == 2 and client.get_semaphore(b).used == 1

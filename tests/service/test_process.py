@@ -283,6 +283,12 @@ def test_no_expiry_the_service_sets_is_beyond_its_max_ttl(db_url: str, ns: str) 
         with pytest.raises(permits.InvalidArgument, match="ttl is at most 30 s"):
             web.extend(long_lived.key, 31, owner=f"{ns}lib")
         assert 590 < lib.extend(long_lived).expires_in <= 600  # the library is not bound by the service
+        with web.lease(name) as held:
+            assert held.ttl == 30
+        with web.mutex(name, max_hold=10) as held:
+            assert held.ttl == 10
+        run = [sys.executable, "-m", "permits", "run", "--db", service.url, name, "--", sys.executable, "-c", "pass"]
+        assert subprocess.run(run, capture_output=True, text=True, timeout=60).returncode == 0
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)

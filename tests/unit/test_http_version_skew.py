@@ -34,3 +34,93 @@ def test_an_older_instance_that_refuses_keep_place_is_asked_without_it(monkeypat
         client.acquire("s", key="k", ttl=30, timeout=0.3)
     assert "keep_place" in asked[0]
     assert all("keep_place" not in body for body in asked[1:]) and len(asked) >= 2
+
+
+def _serving(features: list[str], answer: Any) -> tuple[list[dict[str, Any]], Any]:
+    """A transport that answers ``whoami`` as an instance with ``features``, and each acquire with
+    ``answer(body, tries_so_far)``: a response, or an exception to raise (the connection dropped)."""
+    asked: list[dict[str, Any]] = []
+
+    def instance(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/whoami":
+            about = {"identity": "x", "admin": False, "version": "v", "limits": {"max_wait": 5.0}}
+            return httpx.Response(200, json={**about, "features": features})
+        body = json.loads(request.content)
+        asked.append(body)
+        result = answer(body, len(asked))
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    return asked, instance
+
+
+def _granted(body: dict[str, Any]) -> httpx.Response:
+    lease = {
+        "key": body["key"],
+        "owner": body["owner"],
+        "counts": {"s": 1},
+        "tokens": {"s": 1},
+        "acquired_at": "2026-11-29T00:00:00Z",
+        "expires_at": "2026-11-29T00:01:00Z",
+        "expires_in": 60.0,
+        "held": True,
+        "ttl": 60.0,
+    }
+    return httpx.Response(201, json=lease)
+
+
+def _refused_field(field: str) -> httpx.Response:
+    error = {"code": "invalid_argument", "message": f"{field}: Extra inputs are not permitted"}
+    return httpx.Response(422, json={"error": {**error, "details": {"field": field}}})
+
+
+_REAL_CLIENT = httpx.Client
+
+
+def _connect_through(monkeypatch: pytest.MonkeyPatch, instance: Any) -> permits.Client:
+    monkeypatch.setattr(httpx, "Client", lambda **kw: _REAL_CLIENT(transport=httpx.MockTransport(instance), **kw))
+    return permits.connect("http://127.0.0.1:9", owner="o", retries=3)
+
+
+def test_a_new_only_acquire_to_a_service_without_request_ids_is_not_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service that does not list ``request_id`` cannot tell a retry's lease from another's: the client sends
+    no id, and does not send the request again after a dropped reply; the outcome is unknown."""
+    asked, instance = _serving(["keep_place", "new_only", "lease_ttl"], lambda body, n: httpx.ReadError("reset"))
+    with _connect_through(monkeypatch, instance) as client, pytest.raises(permits.StorageUnavailable):
+        client.acquire("s", key="k", new_only=True, timeout=0)
+    assert len(asked) == 1 and "request_id" not in asked[0] and asked[0]["new_only"] is True
+
+
+def test_a_new_only_acquire_is_sent_again_with_its_request_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked, instance = _serving(
+        ["new_only", "request_id"], lambda body, n: httpx.ReadError("reset") if n == 1 else _granted(body)
+    )
+    with _connect_through(monkeypatch, instance) as client:
+        lease = client.acquire("s", key="k", new_only=True, timeout=0)
+    assert lease.key == "k" and len(asked) == 2
+    assert asked[0]["request_id"] == asked[1]["request_id"] and len(asked[0]["request_id"]) == 32
+
+
+def test_an_older_instance_that_refuses_request_id_is_asked_without_it_unless_a_try_may_have_been_granted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rolling upgrade: the newer instance listed ``request_id``, the older one behind the same address
+    refuses it. A first try that it refused is asked again without the id (and later ones are sent without
+    it); but when that refusal answers a resend, the try before may have been granted: unknown outcome."""
+    asked, instance = _serving(
+        ["new_only", "request_id"],
+        lambda body, n: _refused_field("request_id") if "request_id" in body else _granted(body),
+    )
+    with _connect_through(monkeypatch, instance) as client:
+        assert client.acquire("s", key="k", new_only=True, timeout=0).key == "k"
+        assert client.acquire("s", key="k2", new_only=True, timeout=0).key == "k2"
+    assert ["request_id" in body for body in asked] == [True, False, False]
+
+    asked, instance = _serving(
+        ["new_only", "request_id"],
+        lambda body, n: httpx.ReadError("reset") if n == 1 else _refused_field("request_id"),
+    )
+    with _connect_through(monkeypatch, instance) as client, pytest.raises(permits.StorageUnavailable, match="unknown"):
+        client.acquire("s", key="k", new_only=True, timeout=0)
+    assert len(asked) == 2

@@ -146,12 +146,13 @@ class AsyncClient:
         answered with that lease: two callers that chose the same key cannot both hold it (see docs/api.md).
         ``request_id`` names the request for that, the same across its retries (default: one made up per call).
         """
-        if ttl is None and not self._settings.ttl_chosen:
-            await self._store.open()  # a service's default TTL is known once it is open
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
         # A key made up here names no other request: it only costs a lost reply its answer (docs/api.md).
         new_only = _validate.flag(new_only, "new_only") and key is not None
         request_id = _request_id(new_only, request_id)
+        if ttl is None and not self._settings.ttl_chosen:
+            await self._store.open()  # a service's default TTL is known once it is open
+            ttl_ms = self._default_ttl_ms()
         try:
             return await self._store.try_acquire(owner_, key_, wants_, ttl_ms, new_only=new_only, request_id=request_id)
         except BaseException as exc:
@@ -198,15 +199,17 @@ class AsyncClient:
     ) -> tuple[Lease, float]:
         """``acquire``, and when the attempt that got the lease was sent (monotonic). ``ttl_at_most_ms``: a
         bound on the TTL, whichever default it comes from (``lease``'s ``max_hold``)."""
-        # What the store can do (queues_in_line), and a service's default TTL, are known once it is open.
-        await self._store.open()
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
-        if ttl_at_most_ms is not None:
-            ttl_ms = min(ttl_ms, ttl_at_most_ms)
         new_only = _validate.flag(new_only, "new_only") and key is not None
         request_id = _request_id(new_only, request_id)
         limit = _validate.timeout(timeout)
         deadline = None if limit is None else monotonic() + limit
+        # What the store can do (queues_in_line), and a service's default TTL, are known once it is open.
+        await self._store.open()
+        if ttl is None:
+            ttl_ms = self._default_ttl_ms()
+        if ttl_at_most_ms is not None:
+            ttl_ms = min(ttl_ms, ttl_at_most_ms)
         names = [w.name for w in wants_]
         contended = tuple(names)
         lost_races, quiet_until = self._contention.get(contended, (0, 0.0))

@@ -16,6 +16,7 @@ A request that is not idempotent is sent again only after an answer that says it
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -133,7 +134,7 @@ class HTTPStore:
             # A lease without a TTL of its caller's gets the service's default, within its max_ttl (an older
             # service, which does not say its default, has the library's, and then refused it above max_ttl).
             default_ttl = limits.get("default_ttl", min(DEFAULT_TTL, float(limits.get("max_ttl", DEFAULT_TTL))))
-            self._default_ttl_ms = round(float(default_ttl) * 1000)
+            self._default_ttl_ms = max(1, math.floor(float(default_ttl) * 1000))  # never past max_ttl
             self._features = frozenset(about.get("features", ()))
             self._keeps_places = "keep_place" in self._features
             self._opened = True
@@ -180,12 +181,16 @@ class HTTPStore:
             # (``dequeue``): a wait longer than the service's max_wait keeps its place in a fair queue.
             body["keep_place"] = self._kept_places = True
         deadline = monotonic() + wait
+        sends = 0  # of the call under way
 
         def asked_now() -> dict[str, Any]:
+            nonlocal sends
+            sends += 1
             # A resend (after a dropped connection, a 503) waits only for what is left of the wait.
             return {**body, "wait": round(max(0.0, deadline - monotonic()), 3) if wait > 0 else 0.0}
 
         while True:
+            sends = 0
             try:
                 # A request for a new lease only without a request id is not sent again once it may have
                 # been granted: its own lease, granted with the reply lost, would come back as another's.
@@ -201,12 +206,28 @@ class HTTPStore:
                         self._placeless.discard((owner, key))
                 return None
             except InvalidArgument as exc:
-                if not (body.pop("keep_place", False) and exc.details.get("field") == "keep_place"):
-                    raise
                 # An instance of an older version, behind the same address as a newer one (a rolling
-                # upgrade): it knows no keep_place. Ask again without it, and from now on.
-                self._keeps_places = False
-                continue
+                # upgrade), refuses a field it does not know. Ask again without it, and from now on.
+                field = exc.details.get("field")
+                if field == "keep_place" and body.pop("keep_place", False):
+                    self._keeps_places = False
+                    continue
+                if field == "request_id" and body.pop("request_id", None) is not None:
+                    self._features -= {"request_id"}
+                    if sends > 1:
+                        # A try before this one got no answer, and may have been granted: without the request
+                        # id, this instance would answer its lease as another's.
+                        raise StorageUnavailable(
+                            f"the permits service at {self.url} did not answer a request for a new lease under key"
+                            f" {key!r}, and the instance that got it again knows no request ids: whether it was"
+                            " granted is unknown (if it was, the lease runs out at its TTL)",
+                            url=self.url,
+                            key=key,
+                            owner=owner,
+                        ) from exc
+                    resendable = False
+                    continue
+                raise
             self._placeless.discard((owner, key))
             return _wire.lease_in(data)
 
@@ -240,7 +261,10 @@ class HTTPStore:
     def extend(self, owner: str, key: str, ttl_ms: int | None) -> Lease:
         self.open()
         if ttl_ms is None and "lease_ttl" not in self._features:
-            ttl_ms = self._settings.ttl_ms  # an older service would apply its own default: this client's, as before
+            # An older service would apply its own default: this client's, as before (or the service's, as
+            # for a lease acquired without a TTL, where the caller chose none).
+            chosen = self._settings.ttl_chosen or self._default_ttl_ms is None
+            ttl_ms = self._settings.ttl_ms if chosen else self._default_ttl_ms
         body: dict[str, Any] = {"key": key, "owner": owner}
         if ttl_ms is not None:  # else the lease's own TTL, as the service keeps it
             body["ttl"] = ttl_ms / 1000

@@ -634,11 +634,12 @@ class SQLStore:
             finally:
                 if in_line:
                     self._leave_line_seat()
+            if isinstance(result, flows.Queued):
+                # Only a full attempt records (or refreshes) the place, and with it the wake channel. Remembered
+                # before anything else is awaited: a waiter interrupted from here on gives it up.
+                called = wake is not None if full else place is not None and place[1]
+                self._remember_place(owner, key, result.short, called)
         if isinstance(result, flows.Queued):
-            # Only a full attempt records (or refreshes) the place, and with it the wake channel.
-            called = wake is not None if full else place is not None and place[1]
-            # Remembered before anything else is awaited: a waiter interrupted from here on gives it up.
-            self._remember_place(owner, key, result.short, called)
             if self._listener is not None:
                 # Listen for calls (from now on, if not yet), so that an attempt can record where to call
                 # this waiter.
@@ -802,7 +803,10 @@ class SQLStore:
         # Only a request this store put in a queue has a place to give up: a timeout on any other costs
         # nothing (behind a frozen lock holder, a write here would wait on that lock once more).
         if self._queued.pop((owner, key), False) is not False:
-            self._run(lambda: flows.dequeue(owner, key))
+            # Within a lock wait: a place not given up lapses anyway (PLACE_MS), and a caller that stops waiting
+            # (a timeout, Ctrl-C, a database that hangs) is not to wait through every retry for it.
+            deadline = monotonic() + self._settings.lock_wait_timeout
+            self._run(lambda: flows.dequeue(owner, key), deadline=deadline)
 
     def waiters(self, name: str) -> list[Waiter]:
         return self._run(lambda: flows.waiters(name), readonly=True)

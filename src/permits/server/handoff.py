@@ -206,7 +206,9 @@ class HandOff:
         fresh: bool = False,
     ) -> Lease | None:
         """Wait in ``want.name``'s line for up to ``seconds``: the lease, or ``None`` when the time is up.
-        ``fresh``: the request has not asked yet; one that finds nobody waiting is asked for at once."""
+        ``fresh``: the request has not asked yet; one that finds nobody waiting is asked for at once.
+        Never a request for a new lease only (``new_only``; prelock.py keeps those out): a line answers a key
+        that has a lease with that lease, and its batch grant (``HAND_OVER``) records no request id."""
         # A fresh request that finds nobody waiting is not refused for the number of waiters: it is likely to
         # be granted in the turn that follows at once, as it would have been asking alone.
         existing = self._lines.get(want.name)

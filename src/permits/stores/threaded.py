@@ -25,6 +25,7 @@ class ThreadedSQLStore:
 
     def __init__(self, settings: Settings) -> None:
         self._inner = SQLStore(settings)
+        self._lock_wait_timeout = settings.lock_wait_timeout
 
     @property
     def url(self) -> str:
@@ -65,6 +66,20 @@ class ThreadedSQLStore:
         await asyncio.sleep(seconds)  # never hold a worker thread just to wait
         return False
 
+    async def try_acquire(self, *args: Any, **kwargs: Any) -> Any:
+        # Cancelled, the attempt goes on, on its thread (see __getattr__); the cancellation waits for it to end,
+        # within a lock wait, so that what the caller does next (give its place in a fair queue up, release
+        # a lease under a key it made up) sees what it did: a place committed after the caller's give-up held
+        # the queue up until it lapsed. An attempt that still waits for the write lock then has committed
+        # nothing yet, and the caller does not wait for it longer.
+        running = asyncio.ensure_future(asyncio.to_thread(self._inner.try_acquire, *args, **kwargs))
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(running), self._lock_wait_timeout)
+            raise
+
     def queues_in_line(self, wants: Any) -> bool:
         return False  # SQLite: no lock queue to wait in
 
@@ -86,15 +101,7 @@ class ThreadedSQLStore:
         @functools.wraps(method)
         async def on_a_thread(*args: Any, **kwargs: Any) -> Any:
             # A cancelled caller does not stop the thread: the operation commits or rolls back whole,
-            # and its key (or the lease's state) makes a retry safe either way. The cancellation waits
-            # for it to end, so that what the caller does next (give its place in a queue up, release)
-            # sees what it did: a place committed after its give-up held the queue up until it lapsed.
-            running = asyncio.ensure_future(asyncio.to_thread(method, *args, **kwargs))
-            try:
-                return await asyncio.shield(running)
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await running
-                raise
+            # and its key (or the lease's state) makes a retry safe either way.
+            return await asyncio.to_thread(method, *args, **kwargs)
 
         return on_a_thread
