@@ -134,3 +134,16 @@ def test_the_get_lock_line_experiment_runs(system: str) -> None:
     """get_lock_line (docs/benchmarks.md, a line for MariaDB's waiters) sets up, cycles with waiters queued
     in GET_LOCK, and leaves no permit in use and no drift."""
     _cycles_without_errors(f"get_lock_line:{system}", "mariadb", "1,16")
+
+
+@pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
+def test_the_new_only_wait_measurement_runs(db_url: str) -> None:
+    """benchmarks/new_only_wait.py, behind "A new_only waiter through the service" in docs/benchmarks.md,
+    in a short run against a real service."""
+    from tests._service import running
+
+    with running(db_url) as service:
+        out = _run_script(
+            "new_only_wait.py", service.url, "--workers", "2", "--capacity", "1", "--seconds", "4", "--timeout", "1"
+        )
+    assert [line.split()[0] for line in out.splitlines()] == ["probe", "plain", "new_only"], out
