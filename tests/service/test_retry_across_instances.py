@@ -81,8 +81,9 @@ def test_a_retry_on_another_instance_gets_its_lease_back_without_waiting_out_the
 def test_a_request_for_a_new_lease_only_is_refused_on_another_instance_with_a_line(
     instances: tuple[Service, Service], ns: str
 ) -> None:
-    """The same scene, with the second request asking for a new lease only: it never joins b's line, whose
-    lookup would answer it with x's lease as a retry's; it is refused at once, and x is left as it was."""
+    """The same scene, with the second request asking for a new lease only: it asks at once, before it would
+    join b's line (whose turn would then answer it alone, never with x's lease as a retry's), and is refused
+    at once; x is left as it was."""
     with _x_held_and_y_waiting(instances, ns) as scene:
         started = time.monotonic()
         refused = scene.via_b.post("/v1/leases", json={**scene.asked, "wait": 10, "new_only": True})
@@ -92,3 +93,34 @@ def test_a_request_for_a_new_lease_only_is_refused_on_another_instance_with_a_li
         assert took < 3.0, took
         lease = scene.via_a.get(f"/v1/leases/{ns}x", params={"owner": "x"}).json()
         assert lease["end_reason"] is None and lease["tokens"] == scene.granted.json()["tokens"]
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"], indirect=True)
+def test_a_request_for_a_new_lease_only_takes_its_turn_in_a_busy_line(db_url: str, ns: str) -> None:
+    """A mutex kept busy through the service by threads that wait in its line: a ``new_only`` request is
+    granted in its turn, as a plain one is. When it asked outside the line, the line's turns took every
+    permit that came back and it timed out (docs/benchmarks.md, benchmarks/new_only_wait.py)."""
+    name = f"{ns}busy"
+    stop = threading.Event()
+
+    def keep_busy(i: int) -> None:
+        with permits.connect(service.url, owner=f"{ns}w{i}") as client:
+            while not stop.is_set():
+                lease = client.acquire(name, ttl=30, timeout=30)
+                time.sleep(0.005)
+                client.release(lease)
+
+    with running(db_url) as service, permits.connect(service.url, owner=f"{ns}probe") as probe:
+        probe.create_semaphore(name, 1)
+        workers = [threading.Thread(target=keep_busy, args=(i,)) for i in range(6)]
+        for worker in workers:
+            worker.start()
+        try:
+            time.sleep(1)  # the line has formed
+            for i in range(5):
+                lease = probe.acquire(name, key=f"{ns}job-{i}", ttl=30, timeout=5, new_only=True)
+                probe.release(lease)
+        finally:
+            stop.set()
+            for worker in workers:
+                worker.join(30)

@@ -94,6 +94,11 @@ class _Ticket:
     joined: float = field(default_factory=monotonic)
     #: whether its key was looked up while it waited behind the head (``HandOff._answer_retries``)
     looked_up: bool = False
+    #: a request for a new lease only (``flows.Request.new_only``), with its id: it takes its turn in the
+    #: line, but asks alone, never in a turn's batch, whose grant would answer a key that has a lease with
+    #: that lease, and records no request id
+    new_only: bool = False
+    request_id: str | None = None
 
 
 @dataclass(eq=False)
@@ -204,11 +209,15 @@ class HandOff:
         seconds: float,
         rechecked_at: float | None,
         fresh: bool = False,
+        new_only: bool = False,
+        request_id: str | None = None,
     ) -> Lease | None:
         """Wait in ``want.name``'s line for up to ``seconds``: the lease, or ``None`` when the time is up.
         ``fresh``: the request has not asked yet; one that finds nobody waiting is asked for at once.
-        Never a request for a new lease only (``new_only``; prelock.py keeps those out): a line answers a key
-        that has a lease with that lease, and its batch grant (``HAND_OVER``) records no request id."""
+        A request for a new lease only (``new_only``) waits its turn in the line like any other, and then asks
+        alone: a turn's batch grant (``HAND_OVER``) would answer a key that has a lease with that lease, and
+        records no request id. Outside the line it starved: the turns took every permit that came back
+        (docs/benchmarks.md)."""
         # A fresh request that finds nobody waiting is not refused for the number of waiters: it is likely to
         # be granted in the turn that follows at once, as it would have been asking alone.
         existing = self._lines.get(want.name)
@@ -220,11 +229,15 @@ class HandOff:
             # under the same key) takes that request's place and answer, rather than queue behind it. Not one
             # whose waiter was cancelled (its future with it) as the line has yet to drop it: that has no answer
             # to share, and the retry would be told "no room" at once, each time, until the line moved.
+            # A request for a new lease only shares only its own request's place (the same request id).
             twin = next(
                 (
                     t
                     for t in line.tickets
-                    if (t.owner, t.key) == (owner, key) and not t.abandoned and not t.future.done()
+                    if (t.owner, t.key) == (owner, key)
+                    and not t.abandoned
+                    and not t.future.done()
+                    and (not new_only or (t.new_only and t.request_id == request_id))
                 ),
                 None,
             )
@@ -241,7 +254,9 @@ class HandOff:
                     raise_if_gone()
                     lease = await self._ask_last(twin)
                 return lease
-            ticket = _Ticket(owner, key, want, ttl_ms, monotonic() + seconds, rechecked_at)
+            ticket = _Ticket(
+                owner, key, want, ttl_ms, monotonic() + seconds, rechecked_at, new_only=new_only, request_id=request_id
+            )
             if first:
                 line.room.set()  # nobody waits for room: there may be some
             line.tickets.append(ticket)
@@ -276,7 +291,14 @@ class HandOff:
         (the lease's own permit may be the room it lacks). It is found here, or the answer is a checked one."""
         async with self._prelock.hold([ticket.want.name]):
             return await self._inner.try_acquire(
-                ticket.owner, ticket.key, [ticket.want], ticket.ttl_ms, 0.0, recheck=True
+                ticket.owner,
+                ticket.key,
+                [ticket.want],
+                ticket.ttl_ms,
+                0.0,
+                recheck=True,
+                new_only=ticket.new_only,
+                request_id=ticket.request_id,
             )
 
     async def _serve(self, name: str, line: _Line) -> None:
@@ -338,6 +360,8 @@ class HandOff:
                             ticket.ttl_ms,
                             max(0.0, ticket.deadline - now),
                             recheck=recheck,
+                            new_only=ticket.new_only,
+                            request_id=ticket.request_id,
                         )
                 except Exception as exc:  # the request's own error (a conflict, an outage): it answers with it
                     line.tickets.popleft()
@@ -407,6 +431,8 @@ class HandOff:
                 return  # nor any behind it: the line is in the order they joined
             if ticket.looked_up or ticket.future.done() or ticket.abandoned or ticket.attempting:
                 continue
+            if ticket.new_only:
+                continue  # a lease under its key is its answer only if its own request got it: its turn says
             if ticket.rechecked_at is not None:
                 continue  # it has asked with its full recheck already: a lease under its key was not there
             ticket.looked_up = True
@@ -441,7 +467,7 @@ class HandOff:
         for ticket in line.tickets:
             if ticket.abandoned or ticket.future.done():
                 continue
-            if ticket.alone or len(batch) >= most:
+            if ticket.alone or ticket.new_only or len(batch) >= most:
                 break
             batch.append(ticket)
         return batch

@@ -221,8 +221,8 @@ class InstanceStore:
         # semaphore's waiters keep their places in the database's queue (the store knows them) and pace
         # themselves by them; larger requests wait as before, so none holds up a line's smaller ones.
         handoff = self.handoff if self.handoff is not None and self.handoff.enabled else None
-        # A request for a new lease only asks alone: a line answers a retry with the lease under its key.
-        lined = handoff is not None and wait > 0 and len(wants) == 1 and wants[0].count == 1 and not new_only
+        # A request for a new lease only waits in the line too, and asks alone at its turn (handoff.py).
+        lined = handoff is not None and wait > 0 and len(wants) == 1 and wants[0].count == 1
         lease = None
         rechecked_at = None
         # Where a line has formed, a new request goes to its back rather than ask ahead of it; unless it is
@@ -232,10 +232,11 @@ class InstanceStore:
         # requests at its head together (group commit; handoff.py). A request that holds a place in a fair
         # queue never goes to the line: the database orders it, and it does not wait in the line below either,
         # so behind a line it would not ask at all, and its place (at the head of the queue, perhaps, holding
-        # up every request behind it) would lapse unasked.
+        # up every request behind it) would lapse unasked. A request for a new lease only asks at once too, and
+        # then waits in the line: a key that names another request's lease is refused now, not at its turn.
         to_line = fresh = False
         placed = self._inner.queue_short(owner, key) is not None
-        if lined and handoff is not None and (owner, key) not in self._granted and not placed:
+        if lined and handoff is not None and (owner, key) not in self._granted and not placed and not new_only:
             fresh = handoff.batches(names[0])
             to_line = fresh or handoff.queued(names[0]) > 0
         if not to_line:
@@ -247,7 +248,9 @@ class InstanceStore:
         remaining = wait - (monotonic() - started)
         fair = self._inner.queue_short(owner, key) is not None
         if lease is None and lined and handoff is not None and remaining > 0 and not fair:
-            lease = await handoff.wait(owner, key, wants[0], ttl_ms, remaining, rechecked_at, fresh)
+            lease = await handoff.wait(
+                owner, key, wants[0], ttl_ms, remaining, rechecked_at, fresh, new_only=new_only, request_id=request_id
+            )
         if lease is not None and (owner, key) not in self._granted:
             self._granted[(owner, key)] = (names, monotonic())
             if len(self._granted) > self.REMEMBERED_LEASES:
