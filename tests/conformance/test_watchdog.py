@@ -54,7 +54,10 @@ def test_max_hold_caps_how_long_the_lease_is_kept(client_url: str, ns: str) -> N
         with held as lease:
             wait_until(lambda: lost, timeout=5, interval=0.01)
             assert lost == ["max_hold"]
-            assert 0.8 <= time.monotonic() - started < 2.0
+            # Not lost at its first TTL (0.4 s), but at max_hold: the last extend asks for what is left of it in
+            # whole milliseconds, and the database's clock counts whole milliseconds too, so the lease's end can
+            # come up to a millisecond or so early (CI saw 0.7993 s).
+            assert 0.79 <= time.monotonic() - started < 2.0
             # The watchdog counts max_hold from before it sent the granting request, so it reports the
             # loss up to a round trip before the database's clock lets the lease go (CI saw 1 ms left,
             # through the service): the lease must end then, not be kept.

@@ -124,3 +124,36 @@ def test_a_request_for_a_new_lease_only_takes_its_turn_in_a_busy_line(db_url: st
             stop.set()
             for worker in workers:
                 worker.join(30)
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "mysql"], indirect=True)
+def test_a_request_for_a_new_lease_only_behind_a_plain_one_under_its_key_is_refused_at_its_turn(
+    db_url: str, ns: str
+) -> None:
+    """In one instance's line, a plain request under key K, then a ``new_only`` one under K (another
+    request): they keep separate places, the turn that grants the plain one stops before the other, which
+    then asks alone and is refused (key_in_use), never answered with the plain request's lease."""
+    name, key = f"{ns}mutex", f"{ns}K"
+    answers: dict[str, httpx.Response] = {}
+    with running(db_url) as service, httpx.Client(base_url=service.url, timeout=30) as http:
+        assert http.post("/v1/semaphores", json={"name": name, "capacity": 1}).status_code == 201
+        held = http.post("/v1/leases", json={"wants": {name: 1}, "key": f"{ns}holder", "owner": "o"})
+        assert held.status_code == 201
+
+        def ask(label: str, **extra: Any) -> None:
+            body = {"wants": {name: 1}, "key": key, "owner": "o", "wait": 10, **extra}
+            with httpx.Client(base_url=service.url, timeout=30) as own:
+                answers[label] = own.post("/v1/leases", json=body)
+
+        plain = threading.Thread(target=ask, args=("plain",))
+        plain.start()
+        time.sleep(0.5)  # in the line
+        claim = threading.Thread(target=ask, args=("new_only",), kwargs={"new_only": True, "request_id": "claim"})
+        claim.start()
+        time.sleep(0.5)  # in the line, behind it
+        assert http.post("/v1/leases/release", json={"key": f"{ns}holder", "owner": "o"}).status_code == 200
+        plain.join(20)
+        claim.join(20)
+    assert answers["plain"].status_code == 201, answers["plain"].text
+    assert answers["new_only"].status_code == 409, answers["new_only"].text
+    assert answers["new_only"].json()["error"]["code"] == "key_in_use"

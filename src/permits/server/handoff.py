@@ -21,9 +21,11 @@ Where the store can (PostgreSQL's ``HAND_OVER``), a line works in turns, one sta
 (group commit): a turn releases the leases over that semaphore alone that were released through this
 instance since the last turn, and grants the requests at the head of the line, in their order, as many as
 the room then allows. A request for one permit of a plain semaphore then goes to the line at once, without
-asking alone first. On a hot semaphore every release and every grant would otherwise write the
-semaphore's row and wait for its own commit, one after another behind the row's lock; a turn writes it
-once for all of them, with its count checked by the database as it does for one.
+asking alone first (but for a request for a new lease only, which asks once first, and then waits in the
+line, never in a turn's batch: it asks alone at its turn). On a hot semaphore every release and every
+grant would otherwise write the semaphore's row and wait for its own commit, one after another behind the
+row's lock; a turn writes it once for all of them, with its count checked by the database as it does for
+one.
 
 A request that a turn could not say anything about (the semaphore is fair, or gone, or a key among them has
 a lease already), and the head of a line that found no room when its full recheck is due (the key's
@@ -229,7 +231,8 @@ class HandOff:
             # under the same key) takes that request's place and answer, rather than queue behind it. Not one
             # whose waiter was cancelled (its future with it) as the line has yet to drop it: that has no answer
             # to share, and the retry would be told "no room" at once, each time, until the line moved.
-            # A request for a new lease only shares only its own request's place (the same request id).
+            # A request for a new lease only shares only its own request's place (the same request id), and a
+            # plain request never shares one's: their answers to a key that names a lease differ.
             twin = next(
                 (
                     t
@@ -237,7 +240,8 @@ class HandOff:
                     if (t.owner, t.key) == (owner, key)
                     and not t.abandoned
                     and not t.future.done()
-                    and (not new_only or (t.new_only and t.request_id == request_id))
+                    and t.new_only == new_only
+                    and (not new_only or (request_id is not None and t.request_id == request_id))
                 ),
                 None,
             )
