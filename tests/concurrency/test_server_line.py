@@ -55,14 +55,17 @@ def _jain(turns: list[int]) -> float:
     return sum(turns) ** 2 / (len(turns) * sum(t * t for t in turns))
 
 
+@pytest.mark.parametrize("fair", [False, True], ids=["plain", "fair"])
 @pytest.mark.parametrize(("capacity", "hold"), [(1, 0.02), (2, 0.0)], ids=["mutex-held-20ms", "hot"])
-def test_processes_take_even_turns_through_the_servers_line(ns: str, capacity: int, hold: float) -> None:
+def test_processes_take_even_turns_through_the_servers_line(ns: str, capacity: int, hold: float, fair: bool) -> None:
     """Without the line both cases starved processes: one of six took 162 of 168 turns on the mutex, and
-    twelve processes on the hot semaphore had a Jain index of 0.77."""
+    twelve processes on the hot semaphore had a Jain index of 0.77. On a fair semaphore the line serves the
+    waiters too while its fair queue is empty: when the head of the line left it at its first refusal, the
+    waiters went to the fair queue, and most attempts were made outside the line."""
     with own_database("postgresql", "permits_line") as url:
         count_function_calls(url)
         with permits.connect(url, auto_upgrade=True) as admin:
-            admin.create_semaphore(f"{ns}m", capacity)
+            admin.create_semaphore(f"{ns}m", capacity, fair=fair)
             processes = 6 if capacity == 1 else 12
             args = {"url": url, "name": f"{ns}m", "seconds": 4, "hold": hold, "timeout": 5}
             results = run_take_turns(processes, args)
@@ -102,6 +105,51 @@ def test_a_waiter_for_a_permit_held_all_along_asks_only_a_few_times(ns: str) -> 
         assert result["attempts"] <= 2 * (IN_LINE_TRIES + 8), results
     # (The acquire that took the permit found the line free, and was granted outside it.)
     assert calls.get("acquire_one_queued", 0) == 4 * 2 * IN_LINE_TRIES, calls
+
+
+def test_on_a_fair_semaphore_the_head_of_the_line_waits_for_room_until_a_place_is_ahead_of_it(ns: str) -> None:
+    """The queued grant at the head of a fair semaphore's line waits for room as on a plain one while the fair
+    queue is empty, and stops as soon as a live place is ahead of it: the fair gate keeps the room for that
+    waiter, so waiting on would only hold up the line."""
+    name = f"{ns}fair"
+    (queued,) = server_functions(PostgreSQL(), ["ACQUIRE_ONE_QUEUED"])
+    call = f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s, %s)"
+    with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as holder:
+        holder.create_semaphore(name, 2, fair=True)
+        with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+            # No room and nobody queued: it waits at the head for all of head_ms, then is refused.
+            held = holder.acquire({name: 2}, ttl=30)
+            started = time.monotonic()
+            assert conn.execute(call, ("o", "k1", name, 1, 30_000, None, 5_000, 400)).fetchall() == []
+            assert 0.35 <= time.monotonic() - started < 3
+            # Room that comes while it waits there is its own.
+            threading.Timer(0.2, holder.release, args=(held,)).start()
+            started = time.monotonic()
+            assert len(conn.execute(call, ("o", "k2", name, 1, 30_000, None, 5_000, 3_000)).fetchall()) == 1
+            assert time.monotonic() - started < 2
+            held = holder.acquire(name, ttl=30)  # full again
+            # A request for both permits asks outside the line and takes a place in the fair queue while the
+            # head waits: the head stops then, and a new head is refused at once.
+            got: list[permits.Lease] = []
+            with permits.connect(url, owner=f"{ns}big") as big:
+                waiter = threading.Thread(target=lambda: got.append(big.acquire({name: 2}, ttl=30, timeout=20)))
+                threading.Timer(0.3, waiter.start).start()
+                started = time.monotonic()
+                assert conn.execute(call, ("o", "k3", name, 1, 30_000, None, 5_000, 10_000)).fetchall() == []
+                assert time.monotonic() - started < 5
+                assert [w.owner for w in holder.waiters(name)] == [f"{ns}big"]
+                started = time.monotonic()
+                assert conn.execute(call, ("o", "k4", name, 1, 30_000, None, 5_000, 10_000)).fetchall() == []
+                assert time.monotonic() - started < 1
+                # The room that comes back is the queued waiter's.
+                holder.release(held)
+                holder.release("k2", owner="o")
+                waiter.join(10)
+                assert got, "the queued waiter was not granted the room made for it"
+                big.release(got[0])
+            assert holder.get_semaphore(name).used == 0
+            assert holder.waiters(name) == []
+            assert holder.reconcile() == []
 
 
 @pytest.mark.parametrize("several", [False, True], ids=["one-semaphore", "two-semaphores"])

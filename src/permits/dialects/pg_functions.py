@@ -84,9 +84,16 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
 #: a caller whose time runs out in the line is refused, not failed; one whose turn came asks at least once,
 #: even with no time left (a caller with none at all is not sent to the line). Under a ``statement_timeout`` (a role's
 #: or a pooler's) the call keeps to half of it, so that waiting is never cancelled into an error.
-#: It stops at the first refusal where waiting at the head cannot help: a fair semaphore (its waiters wait
-#: in their own queue, whose head may be behind this one in the line), a deleted or missing one, or more
-#: permits than its capacity. Outside READ COMMITTED (a role's ``default_transaction_isolation``) the
+#: It stops at the first refusal where waiting at the head cannot help: a deleted or missing semaphore, or
+#: more permits than its capacity. On a fair semaphore it also stops, at any refusal, once a live place in
+#: the fair queue is ahead of the caller: the fair gate keeps the room for that waiter, who waits in its own
+#: queue and is called by the release that makes room for it (an arrival in the line has no place, so
+#: every place is ahead of it). While that queue is empty, the line alone keeps the order, and the head
+#: waits for room as on a plain semaphore. (It once stopped at the first refusal on every fair semaphore:
+#: then the first refusal put a waiter in the queue, and every later arrival followed it there, so that each
+#: grant took a refused call, a place, a wake-up call and another attempt, and 64 processes did 0.2-0.45x of
+#: what they did on a plain semaphore: docs/benchmarks.md, "The head of the line on a fair semaphore".)
+#: Outside READ COMMITTED (a role's ``default_transaction_isolation``) the
 #: statement's snapshot would be older than the wait, so it grants once, without the line.
 #:
 #: The lock is the two-key form of the advisory lock: PostgreSQL keeps it apart from the one-key (bigint)
@@ -130,6 +137,7 @@ QUEUED_STATEMENTS = {
         (("wait_ms", "bigint"), ("head_ms", "bigint")),
         f"""{_LINE_DECLARED}
     until timestamptz;
+    fair_semaphore boolean;
     checked boolean := false;{_LINE_BUDGET}
 BEGIN
     PERFORM pg_advisory_xact_lock({LINE_LOCK_KEY}, hashtext(arg_name));
@@ -143,11 +151,22 @@ LOOP
         RETURN;
     END IF;
     IF NOT checked THEN
-        IF NOT EXISTS (
-            SELECT 1 FROM permits_semaphore
-            WHERE name = arg_name AND fair = 0 AND deleted = 0 AND arg_count <= capacity) THEN
+        SELECT fair = 1 INTO fair_semaphore FROM permits_semaphore
+        WHERE name = arg_name AND deleted = 0 AND arg_count <= capacity;
+        IF NOT FOUND THEN
             RETURN;
         END IF;
+    END IF;
+    IF fair_semaphore AND EXISTS (
+        SELECT 1 FROM permits_waiter w JOIN permits_semaphore s ON s.id = w.semaphore_id
+        WHERE s.name = arg_name AND w.expires_at_ms > {{clock_now}}
+          AND w.ticket < COALESCE(
+              (SELECT m.ticket FROM permits_waiter m
+               WHERE m.semaphore_id = s.id AND m.owner = arg_owner AND m.lease_key = arg_key),
+              9223372036854775807)) THEN
+        RETURN;
+    END IF;
+    IF NOT checked THEN
 {_HEAD_PACE}""",
     ),
     # The same for several semaphores: it waits in the line of the first of them, in the order of the lock
@@ -342,7 +361,7 @@ def _function(dialect: Dialect, name: str) -> ServerFunction:
     params = (*params, *extra)
     arguments = ", ".join(f"arg_{param} {sql_type}" for param, sql_type in params)
     returns = ", ".join(f"out_{column} {sql_type}" for column, sql_type in columns)
-    source = around.replace("{grant}", body)
+    source = around.replace("{grant}", body).replace("{clock_now}", dialect.clock_now)
     shape = f"({arguments}) RETURNS TABLE ({returns}) LANGUAGE plpgsql AS $permits${source}$permits$"
     digest = hashlib.sha256(shape.encode()).hexdigest()[:16]
     function = f"permits_{name.lower()}_{digest}"
