@@ -120,3 +120,62 @@ def test_a_cancelled_acquire_releases_what_its_last_attempt_was_granted(
             return used_when_granted, (await client.get_semaphore(f"{ns}s")).used
 
     assert asyncio.run(scenario()) == (1, 0)
+
+
+@pytest.mark.parametrize("how", ["acquire", "lease"])
+def test_a_cancelled_request_for_a_new_lease_only_releases_its_own_grant_and_no_other(
+    client_url: str, ns: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled after its grant committed and before it returned, a ``new_only`` acquire under the caller's
+    key releases the lease its request got (its request id tells it from any other), so that the key's
+    permits do not wait for the TTL; cancelled before any grant, it leaves alone a lease that another
+    request took under that key meanwhile."""
+
+    async def scenario() -> tuple[int, int, int]:
+        async with permits.connect_async(client_url, owner=f"{ns}o") as client:
+            name = f"{ns}s"
+            await client.create_semaphore(name, 2)
+            store: Any = client._store  # type: ignore[attr-defined]
+            asked = asyncio.Event()
+            real = store.try_acquire
+            grants = [True]
+
+            async def then_linger(*args: Any, **kwargs: Any) -> Any:
+                lease = await real(*args, **kwargs) if grants[0] else None
+                asked.set()
+                await asyncio.sleep(30)  # the window between the commit and the return, held open
+                return lease
+
+            async def cancelled(key: str) -> None:
+                asked.clear()
+                if how == "acquire":
+                    request = client.acquire(name, key=key, ttl=60, timeout=10, new_only=True)
+                else:
+
+                    async def hold() -> None:
+                        async with client.lease(name, key=key, ttl=60, timeout=10, new_only=True):
+                            pass
+
+                    request = hold()
+                task = asyncio.create_task(request)
+                await asyncio.wait_for(asked.wait(), 20)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+            monkeypatch.setattr(store, "try_acquire", then_linger)
+            await cancelled(f"{ns}k1")
+            after_own = (await client.get_semaphore(name)).used
+            ended = await client.get_lease(f"{ns}k1")
+            assert str(ended.end_reason) == "released", ended
+            # Refused, as far as the request knew, while another request took the key's lease: that one stays.
+            grants[0] = False
+            monkeypatch.setattr(store, "try_acquire", real)
+            other = await client.acquire(name, key=f"{ns}k2", ttl=60)
+            monkeypatch.setattr(store, "try_acquire", then_linger)
+            await cancelled(f"{ns}k2")
+            after_other = (await client.get_semaphore(name)).used
+            assert (await client.release(other)) is permits.ReleaseOutcome.RELEASED
+            return after_own, after_other, (await client.get_semaphore(name)).used
+
+    assert asyncio.run(scenario()) == (0, 1, 0)

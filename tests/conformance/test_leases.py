@@ -163,6 +163,28 @@ def test_a_retry_of_a_request_for_a_new_lease_only_gets_its_own_lease_back(clien
     assert client.get_semaphore(a).used == 1
 
 
+def test_a_release_by_request_id_releases_only_the_lease_that_request_got(client: Any, ns: str) -> None:
+    """``release(key, request_id=...)`` ends the lease under the key only if that request got it: a lease
+    that records another request's id, or none, is left alone and the answer is ``NOT_FOUND``."""
+    a, b = f"{ns}a", f"{ns}b"
+    client.create_semaphore(a, 2)
+    client.create_semaphore(b, 2)
+    own = client.acquire({a: 1, b: 1}, key=f"{ns}own", new_only=True, request_id="r-1")
+    plain = client.acquire(a, key=f"{ns}plain")
+    assert client.release(f"{ns}own", request_id="r-2") is permits.ReleaseOutcome.NOT_FOUND
+    assert client.release(f"{ns}plain", request_id="r-1") is permits.ReleaseOutcome.NOT_FOUND
+    assert client.release(f"{ns}none", request_id="r-1") is permits.ReleaseOutcome.NOT_FOUND
+    assert client.get_semaphore(a).used == 2 and client.get_semaphore(b).used == 1
+    assert client.release(f"{ns}own", request_id="r-1") is permits.ReleaseOutcome.RELEASED
+    assert client.release(own, request_id="r-1") is permits.ReleaseOutcome.ALREADY_RELEASED
+    assert client.get_semaphore(a).used == 1 and client.get_semaphore(b).used == 0
+    for bad in ("", "x" * 65, 7):
+        with pytest.raises(permits.InvalidArgument):
+            client.release(plain, request_id=bad)
+    assert client.release(plain) is permits.ReleaseOutcome.RELEASED
+    assert client.reconcile() == []
+
+
 def test_released_key_is_not_granted_again(client: Any, ns: str) -> None:
     client.create_semaphore(f"{ns}s", 1)
     lease = client.try_acquire(f"{ns}s", key=f"{ns}once")

@@ -197,6 +197,10 @@ CASES: dict[str, Case] = {
     "key-reused": _acquire({"{s}": 2}, key="{job}"),
     "request-id-too-long": _acquire({"{s}": 1}, new_only=True, request_id="r" * 65),
     "request-id-not-text": _acquire({"{s}": 1}, new_only=True, request_id=7),
+    "release-request-id-too-long": Case(
+        lambda ctx: ctx.client.release(ctx.job, owner=ctx.owner, request_id="r" * 65),
+        lambda ctx: ("POST", "/v1/leases/release", {"key": ctx.job, "request_id": "r" * 65}),
+    ),
     "owner-too-long": _acquire({"{s}": 1}, owner="o" * 256),
     "owner-too-long-scoped": Case(
         None, lambda ctx: ("POST", "/v1/leases", {"wants": {ctx.s: 1}, "key": ctx.probe, "owner": "o" * 191})

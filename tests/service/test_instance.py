@@ -188,6 +188,46 @@ def test_a_retry_of_a_granted_key_does_not_wait_behind_the_line(db_url: str, ns:
     _run(scenario())
 
 
+def test_in_the_line_a_new_only_request_shares_its_place_only_with_its_own_retries(db_url: str, ns: str) -> None:
+    """Under one key, a retry of a ``new_only`` request (the same request id) takes that request's place and
+    answer; another ``new_only`` request (another id) and a plain request under the key each wait in a place
+    of their own, since their answers differ: ``KeyInUse`` for the one, the key's lease for the other."""
+
+    async def scenario() -> None:
+        state = _state(db_url)
+        async with state.client as client:
+            name = f"{ns}m"
+            await client.create_semaphore(name, 1)
+            held = await client.acquire(name, key="holder", ttl=30)
+            handoff = state.instance_store.handoff
+            assert handoff is not None
+
+            async def in_line(queued: int, **options: Any) -> asyncio.Task[permits.Lease]:
+                task = asyncio.create_task(client.acquire(name, key="k", ttl=30, timeout=20, **options))
+                for _ in range(200):
+                    await asyncio.sleep(0.01)
+                    if handoff.queued(name) == queued:
+                        break
+                await asyncio.sleep(0.1)  # and no more places than that
+                assert handoff.queued(name) == queued
+                return task
+
+            first = await in_line(1, new_only=True, request_id="r-1")
+            retry = await in_line(1, new_only=True, request_id="r-1")
+            other = await in_line(2, new_only=True, request_id="r-2")
+            plain = await in_line(3)
+            await client.release(held)
+            lease = await first
+            assert (await retry).token == lease.token
+            with pytest.raises(permits.KeyInUse):
+                await other
+            assert (await plain).token == lease.token
+            assert await client.release(lease) is permits.ReleaseOutcome.RELEASED
+            assert (await client.get_semaphore(name)).used == 0
+
+    _run(scenario())
+
+
 def test_a_waiter_in_line_leaves_it_at_its_deadline(db_url: str, ns: str) -> None:
     async def scenario() -> None:
         state = _state(db_url)

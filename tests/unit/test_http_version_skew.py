@@ -124,3 +124,24 @@ def test_an_older_instance_that_refuses_request_id_is_asked_without_it_unless_a_
     with _connect_through(monkeypatch, instance) as client, pytest.raises(permits.StorageUnavailable, match="unknown"):
         client.acquire("s", key="k", new_only=True, timeout=0)
     assert len(asked) == 2
+
+
+def test_a_release_by_request_id_is_refused_by_the_client_before_an_instance_without_release_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An older instance would release by key alone, whoever's lease it is: the client refuses at once and
+    sends nothing. With the feature listed, the field is sent."""
+    real_client = httpx.Client
+    for features in (["keep_place", "new_only", "lease_ttl", "request_id"], ["request_id", "release_own"]):
+        asked, instance = _serving(features, lambda body, n: httpx.Response(200, json={"outcome": "not_found"}))
+        transport = httpx.MockTransport(instance)
+        monkeypatch.setattr(httpx, "Client", lambda transport=transport, **kw: real_client(transport=transport, **kw))
+        with permits.connect("http://127.0.0.1:9", owner="o") as client:
+            if "release_own" in features:
+                assert client.release("k", request_id="r-1") is permits.ReleaseOutcome.NOT_FOUND
+                assert asked == [{"key": "k", "owner": "o", "request_id": "r-1"}]
+            else:
+                with pytest.raises(permits.UsageError, match="too old"):
+                    client.release("k", request_id="r-1")
+                assert asked == []
+        monkeypatch.undo()

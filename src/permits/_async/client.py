@@ -291,6 +291,12 @@ class AsyncClient:
                     # the caller gave may name a lease it holds already: that one is its to release.)
                     with contextlib.suppress(Exception):
                         await async_shield(self._store.release(owner_, key_))
+                elif request_id is not None:
+                    # A request for a new lease only, under the caller's key: its lease, if it got one, records
+                    # its request id, and a lease under the key that records another (the caller's, taken
+                    # before) stays as it is.
+                    with contextlib.suppress(Exception):
+                        await async_shield(self._store.release(owner_, key_, request_id=request_id))
             raise
 
     def _remember_contention(self, contended: tuple[str, ...], pacer: WaitPacer) -> None:
@@ -386,13 +392,21 @@ class AsyncClient:
         hold = None if max_hold is None else _validate.timeout(max_hold, "max_hold")
         return AsyncWatchdog(self, lease, ttl=ttl_, max_hold=hold, on_lost=on_lost)
 
-    async def release(self, lease: Lease | str, *, owner: str | None = None) -> ReleaseOutcome:
+    async def release(
+        self, lease: Lease | str, *, owner: str | None = None, request_id: str | None = None
+    ) -> ReleaseOutcome:
         """Give a lease's permits back. Idempotent: ``RELEASED``, ``ALREADY_RELEASED``, ``LOST`` (it had
-        ended by expiry or revocation before this call) or ``NOT_FOUND``."""
+        ended by expiry or revocation before this call) or ``NOT_FOUND``. With ``request_id`` (the one an
+        acquire with ``new_only`` was given), only the lease that request got: a lease under the key that
+        records another request's id, or none, is left alone, and the answer is ``NOT_FOUND``. For a caller
+        that gave up on such an acquire without learning whether it was granted."""
         owner_, key_ = self._lease_ref(lease, owner)
+        own = None if request_id is None else _validate.request_id(request_id)
         # A Lease says which semaphores it holds; a key alone does not.
         one_semaphore = isinstance(lease, Lease) and len(lease.counts) == 1
-        return await self._store.release(owner_, key_, one_semaphore)
+        if own is None:  # as before request ids: a store of another package's may not know them
+            return await self._store.release(owner_, key_, one_semaphore)
+        return await self._store.release(owner_, key_, one_semaphore, request_id=own)
 
     async def extend(self, lease: Lease | str, ttl: Seconds | None = None, *, owner: str | None = None) -> Lease:
         """Set a held lease to expire ``ttl`` seconds from now, on the database's clock. Without ``ttl``,
@@ -641,7 +655,8 @@ class AsyncHeld:
                 elif not isinstance(exc, Exception) and not self._new_only:
                     # Interrupted (cancelled, Ctrl-C) while the grant may have committed: release by key so
                     # the permits do not wait for the TTL. Releasing a key never granted changes nothing. Not
-                    # for a request for a new lease only: the lease under its key may be another caller's.
+                    # for a request for a new lease only: the lease under its key may be another caller's (the
+                    # acquire itself released the one its request got, known by its request id).
                     with contextlib.suppress(Exception):
                         await async_shield(self._client.release(self._key, owner=self._owner))
             finally:

@@ -253,8 +253,16 @@ class AsyncHTTPStore:
     def place_called(self, owner: str, key: str) -> bool:
         return False
 
-    async def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
-        data = await self._call("POST", "/v1/leases/release", json={"key": key, "owner": owner})
+    async def release(
+        self, owner: str, key: str, one_semaphore: bool = False, request_id: str | None = None
+    ) -> ReleaseOutcome:
+        body = {"key": key, "owner": owner}
+        if request_id is not None:
+            await self.open()
+            if "release_own" not in self._features:
+                raise UsageError(f"the permits service at {self.url} is too old to release by request_id: upgrade it")
+            body["request_id"] = request_id
+        data = await self._call("POST", "/v1/leases/release", json=body)
         return ReleaseOutcome(data["outcome"])
 
     async def extend(self, owner: str, key: str, ttl_ms: int | None) -> Lease:

@@ -821,7 +821,11 @@ class AsyncSQLStore:
         await async_sleep(seconds)
         return False
 
-    async def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
+    async def release(
+        self, owner: str, key: str, one_semaphore: bool = False, request_id: str | None = None
+    ) -> ReleaseOutcome:
+        if request_id is not None:
+            return await self._run(lambda: flows.release_own(self._dialect, owner, key, request_id), persist=True)
         return await self._run(lambda: flows.release(self._dialect, owner, key, one_semaphore), persist=True)
 
     async def extend(self, owner: str, key: str, ttl_ms: int | None) -> Lease:

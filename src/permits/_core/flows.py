@@ -600,6 +600,18 @@ def release(d: Dialect, owner: str, key: str, one_semaphore: bool = False) -> Fl
     return (yield from _release_cold(d, owner, key))
 
 
+def release_own(d: Dialect, owner: str, key: str, request_id: str) -> Flow[ReleaseOutcome]:
+    """``release``, only if the lease under the key records ``request_id`` (``Request.request_id``): the
+    lease that request got. Any other, or none, is left alone: ``NOT_FOUND``. The lease is read first, then
+    released as ``release`` does, in a transaction of its own; in between nothing else can come under the
+    key, which names one lease for good (a request that gives the same key later gets that lease back, or
+    ``KeyInUse``)."""
+    found = yield from find_lease(owner, key)
+    if found is None or found[1] != request_id:
+        return ReleaseOutcome.NOT_FOUND
+    raise Restart(lambda: release(d, owner, key))
+
+
 def _release_cold(d: Dialect, owner: str, key: str) -> Flow[ReleaseOutcome]:
     """Nothing was held and unexpired under this key: find out what there is."""
     existing = yield from _find_lease(owner, key)

@@ -822,7 +822,11 @@ class SQLStore:
         sync_sleep(seconds)
         return False
 
-    def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
+    def release(
+        self, owner: str, key: str, one_semaphore: bool = False, request_id: str | None = None
+    ) -> ReleaseOutcome:
+        if request_id is not None:
+            return self._run(lambda: flows.release_own(self._dialect, owner, key, request_id), persist=True)
         return self._run(lambda: flows.release(self._dialect, owner, key, one_semaphore), persist=True)
 
     def extend(self, owner: str, key: str, ttl_ms: int | None) -> Lease:

@@ -67,7 +67,7 @@ class HotRoutes:
             path: _HotRoute(model, handler, status, path, watches)
             for path, model, handler, status, watches in (
                 ("/v1/leases", schemas.AcquireIn, routes.acquire_lease, 201, True),
-                ("/v1/leases/release", schemas.LeaseRefIn, routes.release_lease, 200, False),
+                ("/v1/leases/release", schemas.ReleaseIn, routes.release_lease, 200, False),
             )
         }
         assert set(self._routes) <= found, "the hot routes must be the framework's routes too"

@@ -283,18 +283,26 @@ class InstanceStore:
         """Nothing here: the service's wait ended, not necessarily the client's. The route gives the place
         up unless the request asked to keep it for a retry (``keep_place``, routes.acquire_lease)."""
 
-    async def release(self, owner: str, key: str, one_semaphore: bool = False) -> ReleaseOutcome:
+    async def release(
+        self, owner: str, key: str, one_semaphore: bool = False, request_id: str | None = None
+    ) -> ReleaseOutcome:
         # A remote client releases by key; a lease granted here is known to be over one semaphore or not.
         known = self._granted.get((owner, key))
         one_semaphore = one_semaphore or (known is not None and len(known[0]) == 1)
         # A lease over one semaphore granted here goes in the next turn of that semaphore's line, with the other
         # releases that came meanwhile and the grants they make room for (group commit, handoff.py). One the
-        # turn did not release was not held: released alone, it says what it is.
+        # turn did not release was not held: released alone, it says what it is. A release of one request's
+        # lease only checks whose it is first, which a turn does not: it goes alone.
         handoff = self.handoff
         handed = None
-        if known is not None and len(known[0]) == 1 and handoff is not None and handoff.turns:
+        if request_id is None and known is not None and len(known[0]) == 1 and handoff is not None and handoff.turns:
             handed = await handoff.release(known[0][0], owner, key)
-        outcome = handed if handed is not None else await self._inner.release(owner, key, one_semaphore)
+        if handed is not None:
+            outcome = handed
+        else:
+            outcome = await self._inner.release(owner, key, one_semaphore, request_id)
+            if request_id is not None and outcome is ReleaseOutcome.NOT_FOUND:
+                return outcome  # another request's lease, perhaps, which this instance may still know as held
         granted = self._granted.pop((owner, key), None)
         names = None if granted is None else granted[0]
         if outcome is ReleaseOutcome.RELEASED and granted is not None and self._on_hold is not None:

@@ -48,8 +48,9 @@ router = APIRouter(prefix="/v1", route_class=body.Route)
 #: What this service supports beyond the first API (``GET /v1/whoami``), for clients of another version:
 #: ``keep_place`` (an acquire's field, and ``POST /v1/leases/give-up``); ``new_only`` (an acquire's field);
 #: ``lease_ttl`` (an extend without ``ttl`` renews by the lease's own TTL, not the service's default);
-#: ``request_id`` (an acquire's field: a ``new_only`` request's retries know its lease as their own).
-FEATURES = ("keep_place", "new_only", "lease_ttl", "request_id")
+#: ``request_id`` (an acquire's field: a ``new_only`` request's retries know its lease as their own);
+#: ``release_own`` (a release's ``request_id``: only the lease that request got).
+FEATURES = ("keep_place", "new_only", "lease_ttl", "request_id", "release_own")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": schemas.ErrorOut} for status in (401, 403, 404, 409, 410, 413, 422, 429, 503)
 }
@@ -258,16 +259,16 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
 
 
 @router.post("/leases/release", response_model=schemas.ReleaseOut, responses=_ERRORS, tags=["leases"])
-async def release(body: schemas.LeaseRefIn, identity: Caller, state: State) -> dict[str, Any]:
+async def release(body: schemas.ReleaseIn, identity: Caller, state: State) -> dict[str, Any]:
     """Give a lease's permits back: ``released``, ``already_released``, ``lost`` (it had ended by expiry or
-    revocation before) or ``not_found``. Idempotent."""
+    revocation before) or ``not_found``. Idempotent. With ``request_id``, only the lease that request got."""
     return await release_lease(body, identity, state)
 
 
-async def release_lease(body: schemas.LeaseRefIn, identity: Identity, state: ServiceState) -> dict[str, Any]:
+async def release_lease(body: schemas.ReleaseIn, identity: Identity, state: ServiceState) -> dict[str, Any]:
     """What ``POST /v1/leases/release`` does once its caller and body are checked (status 200). Shared with
     the hot routes (``permits.server.hot``)."""
-    outcome = await state.client.release(body.key, owner=identity.db_owner(body.owner))
+    outcome = await state.client.release(body.key, owner=identity.db_owner(body.owner), request_id=body.request_id)
     state.metrics.releases.labels(str(outcome)).inc()
     return {"outcome": str(outcome)}
 

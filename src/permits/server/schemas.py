@@ -129,6 +129,17 @@ class LeaseRefIn(_Strict):
     owner: Owner | None = None
 
 
+class ReleaseIn(LeaseRefIn):
+    request_id: RequestId | None = Field(
+        default=None,
+        description=(
+            "release only the lease that this request got (the request_id an acquire with new_only sent): a lease"
+            " under the key that records another request's id, or none, is left alone and not_found is answered"
+            " (for a client that gave up on an acquire whose outcome it never learned)"
+        ),
+    )
+
+
 class ExtendIn(LeaseRefIn):
     ttl: Ttl | None = Field(
         default=None,
@@ -331,7 +342,7 @@ def state_limits(
     bodies = document["components"]["schemas"]
     if max_owner is not None:
         # Every owner or who a client names is stored under its identity; a revoke's owner is as stored.
-        named = [("AcquireIn", "owner"), ("LeaseRefIn", "owner"), ("ExtendIn", "owner")]
+        named = [("AcquireIn", "owner"), ("LeaseRefIn", "owner"), ("ReleaseIn", "owner"), ("ExtendIn", "owner")]
         for body, field in [*named, ("CreateSemaphoreIn", "who"), ("SetCapacityIn", "who")]:
             for branch in bodies[body]["properties"][field]["anyOf"]:
                 if branch.get("type") == "string":
