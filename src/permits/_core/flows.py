@@ -602,13 +602,16 @@ def release(d: Dialect, owner: str, key: str, one_semaphore: bool = False) -> Fl
 
 def release_own(d: Dialect, owner: str, key: str, request_id: str) -> Flow[ReleaseOutcome]:
     """``release``, only if the lease under the key records ``request_id`` (``Request.request_id``): the
-    lease that request got. Any other, or none, is left alone: ``NOT_FOUND``. The lease is read first, then
-    released as ``release`` does, in a transaction of its own; in between nothing else can come under the
-    key, which names one lease for good (a request that gives the same key later gets that lease back, or
-    ``KeyInUse``)."""
+    lease that request got. Any other, or none, is left alone: ``NOT_FOUND``. One that has ended is
+    answered from what it is. A held one is released as ``release`` does, by key, in a transaction of its
+    own; in between, the key still names that lease, since a key names one lease until the history's purge
+    deletes it, a while after it ended (``keep_ended_leases``: a week by default)."""
     found = yield from find_lease(owner, key)
     if found is None or found[1] != request_id:
         return ReleaseOutcome.NOT_FOUND
+    lease, _ = found
+    if lease.end_reason is not None:
+        return decide.release_outcome(lease)
     raise Restart(lambda: release(d, owner, key))
 
 

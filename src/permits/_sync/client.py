@@ -150,6 +150,7 @@ class Client:
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
         # A key made up here names no other request: it only costs a lost reply its answer (docs/api.md).
         new_only = _validate.flag(new_only, "new_only") and key is not None
+        made_up = request_id is None  # only then is every try of this request this call's own
         request_id = _request_id(new_only, request_id)
         if ttl is None and not self._settings.ttl_chosen:
             self._store.open()  # a service's default TTL is known once it is open
@@ -157,10 +158,10 @@ class Client:
         try:
             return self._store.try_acquire(owner_, key_, wants_, ttl_ms, new_only=new_only, request_id=request_id)
         except BaseException as exc:
-            if key is None and not isinstance(exc, Exception):
-                # As acquire does: a grant under a key the caller never saw would be held until its TTL.
+            if not isinstance(exc, Exception):
+                # As acquire does: a grant that came as the call was interrupted is released.
                 with contextlib.suppress(Exception):
-                    sync_shield(self._store.release(owner_, key_))
+                    sync_shield(self._release_interrupted(owner_, key_, key is None, made_up, request_id))
             raise
 
     def acquire(
@@ -202,6 +203,7 @@ class Client:
         bound on the TTL, whichever default it comes from (``lease``'s ``max_hold``)."""
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
         new_only = _validate.flag(new_only, "new_only") and key is not None
+        made_up = request_id is None  # only then is every try of this request this call's own
         request_id = _request_id(new_only, request_id)
         limit = _validate.timeout(timeout)
         deadline = None if limit is None else monotonic() + limit
@@ -286,19 +288,26 @@ class Client:
                 # does, not when they lapse (5 s, holding up every waiter behind them meanwhile).
                 with contextlib.suppress(Exception):
                     self._store.dequeue(owner_, key_)
-                if key is None:
-                    # The attempt under way may have been granted, under a key the caller never saw and so
-                    # could never release: release it now rather than leave it held until its TTL. (A key
-                    # the caller gave may name a lease it holds already: that one is its to release.)
-                    with contextlib.suppress(Exception):
-                        sync_shield(self._store.release(owner_, key_))
-                elif request_id is not None:
-                    # A request for a new lease only, under the caller's key: its lease, if it got one, records
-                    # its request id, and a lease under the key that records another (the caller's, taken
-                    # before) stays as it is.
-                    with contextlib.suppress(Exception):
-                        sync_shield(self._store.release(owner_, key_, request_id=request_id))
+                with contextlib.suppress(Exception):
+                    sync_shield(self._release_interrupted(owner_, key_, key is None, made_up, request_id))
             raise
+
+    def _release_interrupted(
+        self, owner: str, key: str, key_made_up: bool, id_made_up: bool, request_id: str | None
+    ) -> ReleaseOutcome | None:
+        """After an acquire was interrupted (cancelled, Ctrl-C) with a try under way, which may have been
+        granted: release what it got, rather than leave it held until its TTL, if it can be told apart.
+        - Under a key made up for the call, which the caller never saw and so could never release: by key.
+          (A key the caller gave may name a lease it holds already: that one is its to release.)
+        - A request for a new lease only, under the caller's key, with a request id made up for the call:
+          the lease that records that id; a lease under the key that another request got stays. Not with
+          an id the caller gave: another try of the same request, elsewhere (a retry through another
+          service instance), may have been answered with that lease, which is then its holder's."""
+        if key_made_up:
+            return self._store.release(owner, key)
+        if request_id is not None and id_made_up:
+            return self._store.release(owner, key, request_id=request_id)
+        return None
 
     def _remember_contention(self, contended: tuple[str, ...], pacer: WaitPacer) -> None:
         """Keep how contended a set of semaphores is across acquires, so each new waiter does not learn it

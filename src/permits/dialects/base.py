@@ -437,8 +437,8 @@ class Dialect:
             name for name, template in self._sql.items() if any(_expands(template, p) for p in _EXPANDING)
         }
         now, clock_now = self._clock_sql()
-        #: ``{clock_now}`` as this dialect renders it, for SQL built around its statements (pg_functions.py)
-        self.clock_now = clock_now
+        #: ``{now}`` as this dialect renders it, for SQL built around its statements (pg_functions.py)
+        self.now = now
         gate = FAIR_GATE.format(now=now)
         for name, template in self._sql.items():
             filled = template.format(

@@ -87,12 +87,13 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
 #: It stops at the first refusal where waiting at the head cannot help: a deleted or missing semaphore, or
 #: more permits than its capacity. On a fair semaphore it also stops, at any refusal, once a live place in
 #: the fair queue is ahead of the caller: the fair gate keeps the room for that waiter, who waits in its own
-#: queue and is called by the release that makes room for it (an arrival in the line has no place, so
-#: every place is ahead of it). While that queue is empty, the line alone keeps the order, and the head
+#: queue and is called by the release that makes room for it (an arrival in the line usually has no place
+#: yet, and then every place is ahead of it). While that queue is empty, the line alone keeps the order, and the head
 #: waits for room as on a plain semaphore. (It once stopped at the first refusal on every fair semaphore:
 #: then the first refusal put a waiter in the queue, and every later arrival followed it there, so that each
-#: grant took a refused call, a place, a wake-up call and another attempt, and 64 processes did 0.2-0.45x of
-#: what they did on a plain semaphore: docs/benchmarks.md, "The head of the line on a fair semaphore".)
+#: grant took a refused call, a place, a wake-up call and another attempt, and 64 processes did about half
+#: of what they did with the head waiting: docs/benchmarks.md, "The head of the line on a fair semaphore".)
+#: It counts live places by ``{now}``, the call's start, as the fair gate of its grant does.
 #: Outside READ COMMITTED (a role's ``default_transaction_isolation``) the
 #: statement's snapshot would be older than the wait, so it grants once, without the line.
 #:
@@ -159,7 +160,7 @@ LOOP
     END IF;
     IF fair_semaphore AND EXISTS (
         SELECT 1 FROM permits_waiter w JOIN permits_semaphore s ON s.id = w.semaphore_id
-        WHERE s.name = arg_name AND w.expires_at_ms > {{clock_now}}
+        WHERE s.name = arg_name AND w.expires_at_ms > {{now}}
           AND w.ticket < COALESCE(
               (SELECT m.ticket FROM permits_waiter m
                WHERE m.semaphore_id = s.id AND m.owner = arg_owner AND m.lease_key = arg_key),
@@ -361,7 +362,7 @@ def _function(dialect: Dialect, name: str) -> ServerFunction:
     params = (*params, *extra)
     arguments = ", ".join(f"arg_{param} {sql_type}" for param, sql_type in params)
     returns = ", ".join(f"out_{column} {sql_type}" for column, sql_type in columns)
-    source = around.replace("{grant}", body).replace("{clock_now}", dialect.clock_now)
+    source = around.replace("{grant}", body).replace("{now}", dialect.now)
     shape = f"({arguments}) RETURNS TABLE ({returns}) LANGUAGE plpgsql AS $permits${source}$permits$"
     digest = hashlib.sha256(shape.encode()).hexdigest()[:16]
     function = f"permits_{name.lower()}_{digest}"
