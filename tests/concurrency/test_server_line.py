@@ -107,25 +107,32 @@ def test_a_waiter_for_a_permit_held_all_along_asks_only_a_few_times(ns: str) -> 
     assert calls.get("acquire_one_queued", 0) == 4 * 2 * IN_LINE_TRIES, calls
 
 
-def test_on_a_fair_semaphore_the_head_of_the_line_waits_for_room_until_a_place_is_ahead_of_it(ns: str) -> None:
+@pytest.mark.parametrize("several", [False, True], ids=["one-semaphore", "with-a-plain-one"])
+def test_on_a_fair_semaphore_the_head_of_the_line_waits_for_room_until_a_place_is_ahead_of_it(
+    ns: str, several: bool
+) -> None:
     """The queued grant at the head of a fair semaphore's line waits for room as on a plain one while the fair
     queue is empty, and stops as soon as a live place is ahead of it: the fair gate keeps the room for that
-    waiter, so waiting on would only hold up the line."""
-    name = f"{ns}fair"
-    (queued,) = server_functions(PostgreSQL(), ["ACQUIRE_ONE_QUEUED"])
+    waiter, so waiting on would only hold up the line. So does the grant over several semaphores, one of
+    them fair."""
+    name, plain = f"{ns}fair", f"{ns}plain"
+    (queued,) = server_functions(PostgreSQL(), ["ACQUIRE_MANY_QUEUED" if several else "ACQUIRE_ONE_QUEUED"])
     call = f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s, %s)"
+    wants = ([name, plain], [1, 1]) if several else (name, 1)
+    rows = 2 if several else 1
     with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as holder:
         holder.create_semaphore(name, 2, fair=True)
+        holder.create_semaphore(plain, 5)
         with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
             # No room and nobody queued: it waits at the head for all of head_ms, then is refused.
             held = holder.acquire({name: 2}, ttl=30)
             started = time.monotonic()
-            assert conn.execute(call, ("o", "k1", name, 1, 30_000, None, 5_000, 400)).fetchall() == []
+            assert conn.execute(call, ("o", "k1", *wants, 30_000, None, 5_000, 400)).fetchall() == []
             assert 0.35 <= time.monotonic() - started < 3
             # Room that comes while it waits there is its own.
             threading.Timer(0.2, holder.release, args=(held,)).start()
             started = time.monotonic()
-            assert len(conn.execute(call, ("o", "k2", name, 1, 30_000, None, 5_000, 3_000)).fetchall()) == 1
+            assert len(conn.execute(call, ("o", "k2", *wants, 30_000, None, 5_000, 3_000)).fetchall()) == rows
             assert time.monotonic() - started < 2
             held = holder.acquire(name, ttl=30)  # full again
             # A request for both permits asks outside the line and takes a place in the fair queue while the
@@ -135,11 +142,11 @@ def test_on_a_fair_semaphore_the_head_of_the_line_waits_for_room_until_a_place_i
                 waiter = threading.Thread(target=lambda: got.append(big.acquire({name: 2}, ttl=30, timeout=20)))
                 threading.Timer(0.3, waiter.start).start()
                 started = time.monotonic()
-                assert conn.execute(call, ("o", "k3", name, 1, 30_000, None, 5_000, 10_000)).fetchall() == []
+                assert conn.execute(call, ("o", "k3", *wants, 30_000, None, 5_000, 10_000)).fetchall() == []
                 assert time.monotonic() - started < 5
                 assert [w.owner for w in holder.waiters(name)] == [f"{ns}big"]
                 started = time.monotonic()
-                assert conn.execute(call, ("o", "k4", name, 1, 30_000, None, 5_000, 10_000)).fetchall() == []
+                assert conn.execute(call, ("o", "k4", *wants, 30_000, None, 5_000, 10_000)).fetchall() == []
                 assert time.monotonic() - started < 1
                 # The room that comes back is the queued waiter's.
                 holder.release(held)
@@ -147,7 +154,7 @@ def test_on_a_fair_semaphore_the_head_of_the_line_waits_for_room_until_a_place_i
                 waiter.join(10)
                 assert got, "the queued waiter was not granted the room made for it"
                 big.release(got[0])
-            assert holder.get_semaphore(name).used == 0
+            assert holder.get_semaphore(name).used == 0 and holder.get_semaphore(plain).used == 0
             assert holder.waiters(name) == []
             assert holder.reconcile() == []
 

@@ -137,6 +137,16 @@ _HEAD_PACE = """        checked := true;
 END LOOP;
 END
 """
+#: Whether a live place in the fair queue of one of the semaphores ``names_match`` picks (``s``) is ahead of
+#: the caller's own (a caller without one is behind them all), counted by the call's start as the fair gate
+#: of its grant counts them (``FAIR_GATE``, dialects/base.py).
+_FAIR_PLACE_AHEAD = """EXISTS (
+        SELECT 1 FROM permits_waiter w JOIN permits_semaphore s ON s.id = w.semaphore_id
+        WHERE {names_match} AND s.fair = 1 AND w.expires_at_ms > {{now}}
+          AND w.ticket < COALESCE(
+              (SELECT m.ticket FROM permits_waiter m
+               WHERE m.semaphore_id = s.id AND m.owner = arg_owner AND m.lease_key = arg_key),
+              9223372036854775807))"""
 QUEUED_STATEMENTS = {
     "ACQUIRE_ONE_QUEUED": (
         "ACQUIRE_ONE",
@@ -171,13 +181,7 @@ LOOP
             RETURN;
         END IF;
     END IF;
-    IF fair_semaphore AND EXISTS (
-        SELECT 1 FROM permits_waiter w JOIN permits_semaphore s ON s.id = w.semaphore_id
-        WHERE s.name = arg_name AND w.expires_at_ms > {{now}}
-          AND w.ticket < COALESCE(
-              (SELECT m.ticket FROM permits_waiter m
-               WHERE m.semaphore_id = s.id AND m.owner = arg_owner AND m.lease_key = arg_key),
-              9223372036854775807)) THEN
+    IF fair_semaphore AND {_FAIR_PLACE_AHEAD.format(names_match="s.name = arg_name")} THEN
         RETURN;
     END IF;
     IF NOT checked THEN
@@ -186,8 +190,9 @@ LOOP
     # The same for several semaphores: it waits in the line of the first of them, in the order of the lock
     # keys, and takes the others' lines only if they are free (as LINES_ENTER does, dialects/postgresql.py),
     # so that it waits in one line only and holds none while it waits. At the head it waits for room as
-    # above, while every semaphore is plain: without that, a refused head left the line, and a process that
-    # had just released took the next turn (Jain 0.75-0.84 for 8 processes, test_server_line.py). Each
+    # above, until a live place in the fair queue of any of them is ahead of it: without that, a refused head
+    # left the line, and a process that had just released took the next turn (Jain 0.75-0.84 for 8
+    # processes, test_server_line.py). Each
     # attempt runs in a block of its own, rolled back when refused, so that the row locks a refused attempt
     # may have taken (it saw room, then found none under the locks) are not held while it waits.
     "ACQUIRE_MANY_QUEUED": (
@@ -196,6 +201,8 @@ LOOP
         f"""{_LINE_DECLARED}
     until timestamptz;
     checked boolean := false;
+    fitting integer;
+    any_fair boolean;
     first_line integer;{_LINE_BUDGET}
 SELECT MIN(hashtext(n)) INTO first_line FROM unnest(arg_names) AS n;
 BEGIN
@@ -221,11 +228,17 @@ LOOP
         RETURN;
     END IF;
     IF NOT checked THEN
-        IF (SELECT COUNT(*) FROM permits_semaphore s
+        SELECT COUNT(*), COALESCE(bool_or(s.fair = 1), false) INTO fitting, any_fair FROM permits_semaphore s
             JOIN unnest(arg_names, arg_counts) AS w (name, count) ON w.name = s.name
-            WHERE s.fair = 0 AND s.deleted = 0 AND w.count <= s.capacity) < cardinality(arg_names) THEN
+            WHERE s.deleted = 0 AND w.count <= s.capacity;
+        IF fitting < cardinality(arg_names) THEN
             RETURN;
         END IF;
+    END IF;
+    IF any_fair AND {_FAIR_PLACE_AHEAD.format(names_match="s.name = ANY(arg_names)")} THEN
+        RETURN;
+    END IF;
+    IF NOT checked THEN
 {_HEAD_PACE}""",
     ),
 }
