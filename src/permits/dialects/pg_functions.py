@@ -147,6 +147,23 @@ _FAIR_PLACE_AHEAD = """EXISTS (
               (SELECT m.ticket FROM permits_waiter m
                WHERE m.semaphore_id = s.id AND m.owner = arg_owner AND m.lease_key = arg_key),
               9223372036854775807))"""
+#: The turn in the line has come: ask until granted or ``head_ms`` is over, each attempt in a block of its
+#: own, rolled back when refused, so that a refused attempt keeps no row lock while the head waits (see
+#: QUEUED_STATEMENTS); what follows a refusal, and the pace, are each grant's own.
+_HEAD_ATTEMPTS = """until := LEAST(clock_timestamp() + arg_head_ms * interval '1 millisecond', ends);
+LOOP
+    BEGIN
+        RETURN QUERY {grant};
+        IF FOUND THEN
+            RETURN;
+        END IF;
+        RAISE EXCEPTION USING ERRCODE = 'raise_exception';
+    EXCEPTION WHEN raise_exception THEN
+        NULL;
+    END;
+    IF clock_timestamp() >= until THEN
+        RETURN;
+    END IF;"""
 QUEUED_STATEMENTS = {
     "ACQUIRE_ONE_QUEUED": (
         "ACQUIRE_ONE",
@@ -160,20 +177,7 @@ BEGIN
 EXCEPTION WHEN lock_not_available THEN
     RETURN;
 END;{_LINE_REST}
-until := LEAST(clock_timestamp() + arg_head_ms * interval '1 millisecond', ends);
-LOOP
-    BEGIN
-        RETURN QUERY {{grant}};
-        IF FOUND THEN
-            RETURN;
-        END IF;
-        RAISE EXCEPTION USING ERRCODE = 'raise_exception';
-    EXCEPTION WHEN raise_exception THEN
-        NULL;
-    END;
-    IF clock_timestamp() >= until THEN
-        RETURN;
-    END IF;
+{_HEAD_ATTEMPTS}
     IF NOT checked THEN
         SELECT fair = 1 INTO fair_semaphore FROM permits_semaphore
         WHERE name = arg_name AND deleted = 0 AND arg_count <= capacity;
@@ -213,20 +217,7 @@ END;
 PERFORM pg_try_advisory_xact_lock({LINE_LOCK_KEY}, h)
 FROM (SELECT DISTINCT hashtext(n) AS h FROM unnest(arg_names) AS n) AS lines
 WHERE h <> first_line;{_LINE_REST}
-until := LEAST(clock_timestamp() + arg_head_ms * interval '1 millisecond', ends);
-LOOP
-    BEGIN
-        RETURN QUERY {{grant}};
-        IF FOUND THEN
-            RETURN;
-        END IF;
-        RAISE EXCEPTION USING ERRCODE = 'raise_exception';
-    EXCEPTION WHEN raise_exception THEN
-        NULL;
-    END;
-    IF clock_timestamp() >= until THEN
-        RETURN;
-    END IF;
+{_HEAD_ATTEMPTS}
     IF NOT checked THEN
         SELECT COUNT(*), COALESCE(bool_or(s.fair = 1), false) INTO fitting, any_fair FROM permits_semaphore s
             JOIN unnest(arg_names, arg_counts) AS w (name, count) ON w.name = s.name
