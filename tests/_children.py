@@ -190,12 +190,15 @@ def take_turns(args: dict[str, Any]) -> None:
     and again for ``seconds``; then say how many grants and how many timeouts this process had, how many
     attempts its acquires made (on a database: the statements that try to take room, one per attempt and
     semaphore, whether or not it waits in the server's line), how many of them waited in the lines of
-    several semaphores (LINES_ENTER, or the queued grant that takes its line), and how many asked outside
-    a line while it was free (ACQUIRE_ONE_LINE_FREE), as one JSON line."""
+    several semaphores (LINES_ENTER, or the queued grant that takes its line), how many asked outside a
+    line first (ACQUIRE_ONE_LINE_FREE), and how many of those were refused there and then asked in the line
+    (ACQUIRE_ONE_QUEUED right after it), as one JSON line."""
     granted = timed_out = 0
     attempts = [0]
     lines = [0]
     line_free = [0]
+    line_refused = [0]
+    last = [""]
     # ``names`` instead of ``name``: one permit of each, in one acquire
     wants: Any = dict.fromkeys(args["names"], 1) if "names" in args else args["name"]
     with permits.connect(args["url"], owner=args["owner"]) as client:
@@ -207,6 +210,8 @@ def take_turns(args: dict[str, Any]) -> None:
                 if statement in ("ACQUIRE_MANY", "ACQUIRE_MANY_QUEUED"):  # one statement for all the semaphores
                     attempts[0] += len(wants)
                 lines[0] += statement in ("LINES_ENTER", "ACQUIRE_MANY_QUEUED")
+                line_refused[0] += last[0] == "ACQUIRE_ONE_LINE_FREE" and statement == "ACQUIRE_ONE_QUEUED"
+                last[0] = statement
 
             client._store.after_statement = count
         client.get_semaphore(args["names"][0] if "names" in args else args["name"])  # connected before the start
@@ -224,7 +229,7 @@ def take_turns(args: dict[str, Any]) -> None:
             client.release(lease)
             granted += 1
     report = {"granted": granted, "timed_out": timed_out, "attempts": attempts[0], "lines": lines[0]}
-    _say(json.dumps({**report, "line_free": line_free[0]}))
+    _say(json.dumps({**report, "line_free": line_free[0], "line_refused": line_refused[0]}))
 
 
 def run_take_turns(processes: int, args: dict[str, Any]) -> list[dict[str, int]]:

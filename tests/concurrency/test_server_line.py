@@ -76,13 +76,15 @@ def test_processes_take_even_turns_through_the_servers_line(ns: str, capacity: i
     assert all(r["timed_out"] == 0 for r in results), results
     assert _jain(turns) >= 0.9, (_jain(turns), results)
     # Every attempt of a waiting acquire of one semaphore went through the line (the children count the
-    # statements they send, the server the calls of the queued grant), but for the few that asked outside
-    # it first: about one per LINE_BUSY_SECONDS per process, since each found the line busy. And the line
-    # paced them: most turns found room, at once or at the head of the line.
+    # statements they send, the server the calls of the queued grant), but for those that asked outside it
+    # first. Those are granted there while nobody is in the line, as often as that happens (on a slow
+    # machine, with the clients' CPU the bottleneck, most turns of the hot semaphore may find it empty);
+    # the ones refused there are few: about one per LINE_BUSY_SECONDS per process, since each found the line
+    # busy. And the line paced them: most turns found room, at once or at the head of the line.
     attempts = sum(r["attempts"] for r in results)
     line_free = sum(r["line_free"] for r in results)
     assert calls.get("acquire_one_queued", 0) >= 0.9 * (attempts - line_free), (calls, results)
-    assert all(r["line_free"] <= args["seconds"] / LINE_BUSY_SECONDS + 2 for r in results), results
+    assert all(r["line_refused"] <= args["seconds"] / LINE_BUSY_SECONDS + 2 for r in results), results
     assert attempts / sum(turns) <= 1.5, (attempts / sum(turns), results)
 
 
