@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -232,9 +233,12 @@ def take_turns(args: dict[str, Any]) -> None:
     _say(json.dumps({**report, "line_free": line_free[0], "line_refused": line_refused[0]}))
 
 
-def run_take_turns(processes: int, args: dict[str, Any]) -> list[dict[str, int]]:
+def run_take_turns(
+    processes: int, args: dict[str, Any], meanwhile: Callable[[list[subprocess.Popen[str]]], None] | None = None
+) -> list[dict[str, int]]:
     """Parent side: start ``processes`` children of ``take_turns`` (owners p0, p1, ...), start them together,
-    and return what each reported."""
+    and return what each reported. ``meanwhile`` is called with the children once they have started (to
+    stop them for a while, say)."""
     children = [
         spawn("take_turns", {**args, "owner": f"p{i}"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         for i in range(processes)
@@ -246,6 +250,8 @@ def run_take_turns(processes: int, args: dict[str, Any]) -> list[dict[str, int]]
             assert child.stdin is not None
             child.stdin.write("go\n")
             child.stdin.flush()
+        if meanwhile is not None:
+            meanwhile(children)
         results = []
         for child in children:
             out, _ = child.communicate(timeout=60)

@@ -19,8 +19,8 @@ grant behind it); one that asks too rarely leaves returned permits idle. Three s
   permit of one semaphore asks through the queued grant: it sleeps in the
   server's lock queue, the semaphore's line, until the waiters ahead of it have been served, then asks
   with the count as their commits left it, and at the head of the line waits up to
-  ``LINE_HEAD_WAIT_SECONDS`` for room (dialects/pg_functions.py); on a fair semaphore, only until a place
-  in its fair queue is ahead of it. The line hands the turn on in order and
+  ``LINE_HEAD_WAIT_SECONDS`` for room (dialects/pg_functions.py); on a fair semaphore, that wait starts
+  again each time a place in its fair queue ahead of it is served. The line hands the turn on in order and
   with no wake-up message, so on a hot semaphore nobody sleeps while permits come back, and a process
   that releases and asks again queues behind those already waiting. A waiter refused ``IN_LINE_TRIES``
   times in a row at the head (the permits are held for longer than that) leaves the line and waits as

@@ -85,14 +85,20 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
 #: even with no time left (a caller with none at all is not sent to the line). Under a ``statement_timeout`` (a role's
 #: or a pooler's) the call keeps to half of it, so that waiting is never cancelled into an error.
 #: It stops at the first refusal where waiting at the head cannot help: a deleted or missing semaphore, or
-#: more permits than its capacity. On a fair semaphore it also stops, at any refusal, once a live place in
-#: the fair queue is ahead of the caller: the fair gate keeps the room for that waiter, who waits in its own
-#: queue and is called by the release that makes room for it (an arrival in the line usually has no place
-#: yet, and then every place is ahead of it). While that queue is empty, the line alone keeps the order, and the head
-#: waits for room as on a plain semaphore. (It once stopped at the first refusal on every fair semaphore:
-#: then the first refusal put a waiter in the queue, and every later arrival followed it there, so that each
-#: grant took a refused call, a place, a wake-up call and another attempt, and 64 processes did about half
-#: of what they did with the head waiting: docs/benchmarks.md, "The head of the line on a fair semaphore".)
+#: more permits than its capacity. On a fair semaphore a live place in the fair queue ahead of the caller
+#: (an arrival in the line usually has no place yet, and then every place is ahead of it) keeps the room
+#: for that waiter, who waits in its own queue and is called by the release that makes room for it; the
+#: head waits on meanwhile, and each time fewer places are ahead of it than at its last refusal (one was
+#: served, or given up), its ``head_ms`` starts again, within the call's time. So the line drains the queue
+#: ahead of it and then takes over again; the head leaves only when the queue does not move for ``head_ms``
+#: (a larger request that waits for permits held long). Two earlier designs made the fair queue, once it
+#: had a waiter, take in every later arrival for as long as arrivals came: each grant then took a refused
+#: call, a place, a wake-up call and another attempt. The head stopped at the first refusal on every fair
+#: semaphore (64 processes did about half of what they did with the head waiting: docs/benchmarks.md,
+#: "The head of the line on a fair semaphore"); then it stopped as soon as a place was ahead of it, so that
+#: one head whose ``head_ms`` ran out behind a slow holder started the same cascade (six processes on a
+#: fair mutex held 20 ms: 1.7 attempts per grant, a third of them outside the line). While the fair queue
+#: is empty the line alone keeps the order, and the head waits for room as on a plain semaphore.
 #: It counts live places by ``{now}``, the call's start, as the fair gate of its grant does.
 #: Each attempt runs in a block of its own, rolled back when refused: an attempt that waited for the
 #: semaphore row's lock behind another grant and then found no room keeps that lock (PostgreSQL re-checks
@@ -137,16 +143,21 @@ _HEAD_PACE = """        checked := true;
 END LOOP;
 END
 """
-#: Whether a live place in the fair queue of one of the semaphores ``names_match`` picks (``s``) is ahead of
-#: the caller's own (a caller without one is behind them all), counted by the call's start as the fair gate
-#: of its grant counts them (``FAIR_GATE``, dialects/base.py).
-_FAIR_PLACE_AHEAD = """EXISTS (
-        SELECT 1 FROM permits_waiter w JOIN permits_semaphore s ON s.id = w.semaphore_id
+#: After a refusal on a fair semaphore: the live places in the fair queues of the semaphores ``names_match``
+#: picks (``s``) that are ahead of the caller's own (a caller without one is behind them all), counted by
+#: the call's start as the fair gate of its grant counts them (``FAIR_GATE``, dialects/base.py). Fewer than
+#: at the last refusal: the queue moved, and the wait at the head starts again (see QUEUED_STATEMENTS).
+_FAIR_QUEUE_MOVED = """SELECT COUNT(*) INTO places_ahead
+        FROM permits_waiter w JOIN permits_semaphore s ON s.id = w.semaphore_id
         WHERE {names_match} AND s.fair = 1 AND w.expires_at_ms > {{now}}
           AND w.ticket < COALESCE(
               (SELECT m.ticket FROM permits_waiter m
                WHERE m.semaphore_id = s.id AND m.owner = arg_owner AND m.lease_key = arg_key),
-              9223372036854775807))"""
+              9223372036854775807);
+        IF places_ahead < last_ahead THEN
+            until := LEAST(clock_timestamp() + arg_head_ms * interval '1 millisecond', ends);
+        END IF;
+        last_ahead := places_ahead;"""
 #: The turn in the line has come: ask until granted or ``head_ms`` is over, each attempt in a block of its
 #: own, rolled back when refused, so that a refused attempt keeps no row lock while the head waits (see
 #: QUEUED_STATEMENTS); what follows a refusal, and the pace, are each grant's own.
@@ -170,6 +181,8 @@ QUEUED_STATEMENTS = {
         (("wait_ms", "bigint"), ("head_ms", "bigint")),
         f"""{_LINE_DECLARED}
     until timestamptz;
+    places_ahead bigint;
+    last_ahead bigint;
     fair_semaphore boolean;
     checked boolean := false;{_LINE_BUDGET}
 BEGIN
@@ -185,8 +198,8 @@ END;{_LINE_REST}
             RETURN;
         END IF;
     END IF;
-    IF fair_semaphore AND {_FAIR_PLACE_AHEAD.format(names_match="s.name = arg_name")} THEN
-        RETURN;
+    IF fair_semaphore THEN
+        {_FAIR_QUEUE_MOVED.format(names_match="s.name = arg_name")}
     END IF;
     IF NOT checked THEN
 {_HEAD_PACE}""",
@@ -194,16 +207,18 @@ END;{_LINE_REST}
     # The same for several semaphores: it waits in the line of the first of them, in the order of the lock
     # keys, and takes the others' lines only if they are free (as LINES_ENTER does, dialects/postgresql.py),
     # so that it waits in one line only and holds none while it waits. At the head it waits for room as
-    # above, until a live place in the fair queue of any of them is ahead of it: without that, a refused head
-    # left the line, and a process that had just released took the next turn (Jain 0.75-0.84 for 8
-    # processes, test_server_line.py). Each
-    # attempt runs in a block of its own, rolled back when refused, so that the row locks a refused attempt
-    # may have taken (it saw room, then found none under the locks) are not held while it waits.
+    # above, and for the fair queues of those that are fair to move: without that, a refused head left the
+    # line, and a process that had just released took the next turn (Jain 0.75-0.84 for 8 processes,
+    # test_server_line.py). Each attempt runs in a block of its own, rolled back when refused, so that the
+    # row locks a refused attempt may have taken (it saw room, then found none under the locks) are not held
+    # while it waits.
     "ACQUIRE_MANY_QUEUED": (
         "ACQUIRE_MANY",
         (("wait_ms", "bigint"), ("head_ms", "bigint")),
         f"""{_LINE_DECLARED}
     until timestamptz;
+    places_ahead bigint;
+    last_ahead bigint;
     checked boolean := false;
     fitting integer;
     any_fair boolean;
@@ -226,8 +241,8 @@ WHERE h <> first_line;{_LINE_REST}
             RETURN;
         END IF;
     END IF;
-    IF any_fair AND {_FAIR_PLACE_AHEAD.format(names_match="s.name = ANY(arg_names)")} THEN
-        RETURN;
+    IF any_fair THEN
+        {_FAIR_QUEUE_MOVED.format(names_match="s.name = ANY(arg_names)")}
     END IF;
     IF NOT checked THEN
 {_HEAD_PACE}""",
