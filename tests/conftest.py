@@ -34,7 +34,8 @@ _SESSION_DB = f"permits_t_{os.getpid()}_{uuid.uuid4().hex[:6]}"
 #: Test directories whose tests need the machine to themselves: they start many processes and time them,
 #: kill servers, measure throughput, or change a shared server's global settings (the isolation level).
 #: They are marked ``alone``; scripts/test runs the other tests in parallel workers first, then these. A
-#: test elsewhere that needs the same is marked ``@pytest.mark.alone`` itself.
+#: test elsewhere that needs the same is marked ``@pytest.mark.alone`` itself; one in these directories
+#: that does not (its faults are its own, and its bounds wide) is marked ``beside_others``.
 ALONE = frozenset({"bench", "concurrency", "faults", "poolers", "scaleout"})
 
 
@@ -170,7 +171,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests_dir = config.rootpath / "tests"
     for item in items:
         parts = item.path.relative_to(tests_dir).parts if item.path.is_relative_to(tests_dir) else ()
-        if parts and parts[0] in ALONE:
+        if parts and parts[0] in ALONE and item.get_closest_marker("beside_others") is None:
             item.add_marker(alone)
 
 

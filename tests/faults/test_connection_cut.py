@@ -37,6 +37,10 @@ from tests.conftest import AsyncFacade
 
 T = TypeVar("T")
 
+#: Each test cuts or stalls only its own proxy's links, and its time bounds allow for a loaded machine
+#: (BOUND): they run beside the other tests, not alone as the rest of tests/faults does.
+pytestmark = pytest.mark.beside_others
+
 #: every STRIDE-th byte of the reply stream is a cut point, and every one of the first HEAD and last TAIL
 STRIDE = 11
 HEAD = 8
