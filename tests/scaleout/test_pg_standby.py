@@ -5,6 +5,8 @@
 - After the standby is promoted, clients pointed at it carry on: every acknowledged grant is still there
   (the pair runs with synchronous_commit = remote_apply), a retried request finds its lease, and fencing
   tokens keep increasing from where they were.
+- A client whose URL names both servers (``target_session_attrs=read-write``) follows the promotion with no
+  change: its calls fail during the outage, and afterwards go to the promoted server.
 
 A few seconds per pair: each test starts its own, since a promotion ends it.
 """
@@ -75,3 +77,31 @@ def test_after_a_promotion_clients_carry_on_with_larger_tokens(pair: PgPrimarySt
             promoted.release(lease)
         assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
         assert promoted.reconcile() == []
+
+
+def test_a_client_given_both_servers_follows_the_failover_on_its_own(pair: PgPrimaryStandby) -> None:
+    """One URL that names both servers, with ``target_session_attrs=read-write`` (libpq's, which psycopg
+    reads): each new connection goes to whichever of them takes writes. So the same client, left as it is,
+    carries on after the promotion; during the outage its calls fail at once with ``StorageUnavailable``,
+    and its retry with the same key after the failover is answered with the lease it got before."""
+    both = (
+        f"postgresql://postgres@/test?host=127.0.0.1:{pair.primary_port}&host=127.0.0.1:{pair.standby_port}"
+        "&target_session_attrs=read-write"
+    )
+    with permits.connect(both, owner="app") as client:
+        client.create_semaphore("deploys", 1)
+        kept = client.acquire("deploys", key="kept", ttl=60)
+        pair.stop_primary(mode="immediate")
+        began = time.monotonic()
+        with pytest.raises(permits.StorageUnavailable):
+            client.try_acquire("deploys", key="during")
+        assert time.monotonic() - began < 10
+        pair.promote()
+        again = client.acquire("deploys", key="kept", ttl=60, timeout=5)
+        assert again.tokens == kept.tokens
+        assert client.try_acquire("deploys", key="late") is None  # capacity still holds across it
+        client.release(again)
+        after = client.acquire("deploys", key="after", ttl=60, timeout=5)
+        assert after.token > kept.token
+        client.release(after)
+        assert client.reconcile() == []
