@@ -94,10 +94,11 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
 #: (a larger request that waits for permits held long). Two earlier designs made the fair queue, once it
 #: had a waiter, take in every later arrival for as long as arrivals came: each grant then took a refused
 #: call, a place, a wake-up call and another attempt. The head stopped at the first refusal on every fair
-#: semaphore (64 processes did about half of what they did with the head waiting: docs/benchmarks.md,
-#: "The head of the line on a fair semaphore"); then it stopped as soon as a place was ahead of it, so that
-#: one head whose ``head_ms`` ran out behind a slow holder started the same cascade (six processes on a
-#: fair mutex held 20 ms: 1.7 attempts per grant, a third of them outside the line). While the fair queue
+#: semaphore (64 processes did about half of what they did with the head waiting:
+#: docs/benchmarks/earlier-runs.md, "The head of the line on a fair semaphore"); then it stopped as soon as
+#: a place was ahead of it, so that one head whose ``head_ms`` ran out behind a slow holder started the same
+#: cascade (six processes on a fair mutex held 20 ms, all stopped for 0.2 s twice: 1.95 attempts per grant,
+#: half of them outside the line; test_server_line.py). While the fair queue
 #: is empty the line alone keeps the order, and the head waits for room as on a plain semaphore.
 #: It counts live places by ``{now}``, the call's start, as the fair gate of its grant does.
 #: Each attempt runs in a block of its own, rolled back when refused: an attempt that waited for the
