@@ -88,12 +88,14 @@ CALLED_STATEMENTS: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str,
 #: more permits than its capacity. On a fair semaphore a live place in the fair queue ahead of the caller
 #: (an arrival in the line usually has no place yet, and then every place is ahead of it) keeps the room
 #: for that waiter, who waits in its own queue and is called by the release that makes room for it; the
-#: head waits on meanwhile, and each time fewer places are ahead of it than at its last refusal (one was
-#: served, or given up), its ``head_ms`` starts again, within the call's time. So the line drains the queue
-#: ahead of it and then takes over again; the head leaves only when the queue does not move for ``head_ms``
-#: (a larger request that waits for permits held long). Two earlier designs made the fair queue, once it
-#: had a waiter, take in every later arrival for as long as arrivals came: each grant then took a refused
-#: call, a place, a wake-up call and another attempt. The head stopped at the first refusal on every fair
+#: head waits on meanwhile, and each time fewer of the places that were ahead of it at its first refusal
+#: remain (one was served, or given up), its ``head_ms`` starts again, within the call's time. So the line
+#: waits for the queue ahead of it to be served and then takes over again; the head leaves when that queue
+#: does not move for ``head_ms`` (a larger request that waits for permits held long), or when it has been
+#: served and places taken since, by requests that do not use the line, still hold the room (``head_ms``
+#: after the last of the places it found). Two earlier designs made the fair queue, once it had a waiter,
+#: take in every later arrival for as long as arrivals came: each grant then took a refused call, a place,
+#: a wake-up call and another attempt. The head stopped at the first refusal on every fair
 #: semaphore (64 processes did about half of what they did with the head waiting:
 #: docs/benchmarks/earlier-runs.md, "The head of the line on a fair semaphore"); then it stopped as soon as
 #: a place was ahead of it, so that one head whose ``head_ms`` ran out behind a slow holder started the same
@@ -144,21 +146,35 @@ _HEAD_PACE = """        checked := true;
 END LOOP;
 END
 """
-#: After a refusal on a fair semaphore: the live places in the fair queues of the semaphores ``names_match``
-#: picks (``s``) that are ahead of the caller's own (a caller without one is behind them all), counted by
-#: the call's start as the fair gate of its grant counts them (``FAIR_GATE``, dialects/base.py). Fewer than
-#: at the last refusal: the queue moved, and the wait at the head starts again (see QUEUED_STATEMENTS).
-_FAIR_QUEUE_MOVED = """SELECT COUNT(*) INTO places_ahead
-        FROM permits_waiter w JOIN permits_semaphore s ON s.id = w.semaphore_id
-        WHERE {names_match} AND s.fair = 1 AND w.expires_at_ms > {{now}}
-          AND w.ticket < COALESCE(
-              (SELECT m.ticket FROM permits_waiter m
-               WHERE m.semaphore_id = s.id AND m.owner = arg_owner AND m.lease_key = arg_key),
-              9223372036854775807);
+#: The live places in the fair queues of the semaphores ``names_match`` picks (``s``) that are ahead of the
+#: caller's own (a caller without one is behind them all), counted by the call's start as the fair gate of
+#: its grant counts them (``FAIR_GATE``, dialects/base.py).
+_PLACES_AHEAD = """FROM permits_waiter w JOIN permits_semaphore s ON s.id = w.semaphore_id
+            WHERE {names_match} AND s.fair = 1 AND w.expires_at_ms > {{now}}
+              AND w.ticket < COALESCE(
+                  (SELECT m.ticket FROM permits_waiter m
+                   WHERE m.semaphore_id = s.id AND m.owner = arg_owner AND m.lease_key = arg_key),
+                  9223372036854775807)"""
+#: After a refusal on a fair semaphore: has the queue ahead of the head moved since its last refusal? Only
+#: the places that were ahead at its first refusal count (``horizon``, their largest ticket): places taken
+#: since then are served after the head's turn runs out (the gate keeps the room for them, and the head
+#: then takes a place behind them), so that a queue that keeps getting new places, from requests that do
+#: not use the line, cannot hold the line for the whole call. Fewer than at the last refusal: one of them
+#: was served, or given up, and the wait at the head starts again (see QUEUED_STATEMENTS).
+_FAIR_QUEUE_MOVED = (
+    """IF last_ahead IS NULL THEN
+            SELECT COUNT(*), MAX(w.ticket) INTO places_ahead, horizon
+            PLACES_AHEAD;
+        ELSE
+            SELECT COUNT(*) INTO places_ahead
+            PLACES_AHEAD
+              AND w.ticket <= horizon;
+        END IF;
         IF places_ahead < last_ahead THEN
             until := LEAST(clock_timestamp() + arg_head_ms * interval '1 millisecond', ends);
         END IF;
         last_ahead := places_ahead;"""
+).replace("PLACES_AHEAD", _PLACES_AHEAD)
 #: The turn in the line has come: ask until granted or ``head_ms`` is over, each attempt in a block of its
 #: own, rolled back when refused, so that a refused attempt keeps no row lock while the head waits (see
 #: QUEUED_STATEMENTS); what follows a refusal, and the pace, are each grant's own.
@@ -184,6 +200,7 @@ QUEUED_STATEMENTS = {
     until timestamptz;
     places_ahead bigint;
     last_ahead bigint;
+    horizon bigint;
     fair_semaphore boolean;
     checked boolean := false;{_LINE_BUDGET}
 BEGIN
@@ -220,6 +237,7 @@ END;{_LINE_REST}
     until timestamptz;
     places_ahead bigint;
     last_ahead bigint;
+    horizon bigint;
     checked boolean := false;
     fitting integer;
     any_fair boolean;
