@@ -223,6 +223,48 @@ def test_on_a_fair_semaphore_the_head_of_the_line_waits_while_the_fair_queue_ahe
             assert holder.reconcile() == []
 
 
+def test_places_taken_after_the_head_came_do_not_restart_its_wait(ns: str) -> None:
+    """Only the places that were ahead of the head at its first refusal restart its wait when they go: a fair
+    queue that requests outside the line keep feeding could otherwise hold the line for the whole call. Here
+    the places are written directly (as ENQUEUE writes them), and taken away as a waiter that gives up takes
+    its own: the one that was there first restarts the head's 0.6 s; one taken after the head came, and
+    gone after that, does not (it would have kept the head until 1.3 s)."""
+    name = f"{ns}fair"
+    (queued,) = server_functions(PostgreSQL(), ["ACQUIRE_ONE_QUEUED"])
+    call = f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s, %s)"
+    with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as holder:
+        holder.create_semaphore(name, 1, fair=True)
+        held = holder.acquire(name, ttl=30)  # no room all along: only the places decide how long it waits
+        plain = url.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(plain, autocommit=True) as conn, psycopg.connect(plain, autocommit=True) as side:
+            (semaphore_id,) = side.execute("SELECT id FROM permits_semaphore WHERE name = %s", (name,)).fetchone()
+
+            def place(owner: str) -> None:
+                side.execute(
+                    "INSERT INTO permits_waiter (semaphore_id, ticket, owner, lease_key, count, enqueued_at_ms,"
+                    " expires_at_ms) SELECT %s, nextval('permits_ticket'), %s, 'k', 1, 0, 9000000000000000",
+                    (semaphore_id, owner),
+                )
+
+            def give_up(owner: str) -> None:
+                side.execute("DELETE FROM permits_waiter WHERE owner = %s", (owner,))
+
+            place("first")
+            started = time.monotonic()
+            steps = [(0.1, lambda: place("later")), (0.2, lambda: give_up("first")), (0.7, lambda: give_up("later"))]
+            timers = [threading.Timer(at, step) for at, step in steps]
+            for timer in timers:
+                timer.start()
+            assert conn.execute(call, ("o", "head", name, 1, 30_000, None, 5_000, 600)).fetchall() == []
+            took = time.monotonic() - started
+            for timer in timers:
+                timer.join()
+            # 0.2 s, when the first place went, and then 0.6 s more; not 0.7 + 0.6
+            assert 0.75 <= took < 1.2, took
+        holder.release(held)
+        assert holder.reconcile() == []
+
+
 @pytest.mark.parametrize("several", [False, True], ids=["one-semaphore", "two-semaphores"])
 def test_a_waiter_killed_in_the_line_is_not_granted_a_lease_after_it_died(ns: str, several: bool) -> None:
     """A waiter waits in the line inside a statement. Killed there, its server session would go on waiting
