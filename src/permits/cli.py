@@ -461,6 +461,8 @@ class _RunOptions:
 def _run_holding(client: Client, wants: list[Want], command: list[str], options: _RunOptions) -> tuple[int, bool]:
     """``permits run`` once its arguments are read: COMMAND's status, and whether the lease was lost."""
     child: subprocess.Popen[bytes] | None = None
+    starting = False  # COMMAND's process is being made: it may run before ``child`` is known
+    held_back: list[int] = []  # signals to pass on to COMMAND that came while it was being made
     stopping: list[float] = []  # when COMMAND was sent its signal for a lost lease
     stopped: list[int] = []  # the signal that stopped this run before COMMAND started
 
@@ -476,12 +478,17 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
     def on_signal(signum: int, _frame: object) -> None:
         # One handler from the first request to the end, so that no signal finds the default one (which
         # would end this process with the lease held) between waiting and COMMAND's start.
-        if child is not None:
+        if child is not None or starting:
             # A terminal's Ctrl-C (SIGINT) or hang-up (SIGHUP) reaches its whole foreground process group,
             # COMMAND included: sent again, many commands would take it for a second Ctrl-C and skip their
-            # clean shutdown. Anything else (a supervisor's SIGTERM to this process) is passed on.
+            # clean shutdown. Anything else (a supervisor's SIGTERM to this process) is passed on. While
+            # COMMAND's process is being made it is passed on once that is done: COMMAND may run already
+            # (Popen returns after its exec), and stopping the run there would leave it to die by SIGKILL.
             if not (signum != signal.SIGTERM and _in_the_terminals_foreground()):
-                child.send_signal(signum)
+                if child is None:
+                    held_back.append(signum)
+                else:
+                    child.send_signal(signum)
             return
         if not stopped:  # the first stops the run; the rest must not cut short the release that follows
             stopped.append(signum)
@@ -513,11 +520,16 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
         except _Stopped as stop:
             _exit_stopped(stop.signum)
         try:
+            starting = True
             try:
                 child = subprocess.Popen(command, env=_command_environment(lease), preexec_fn=_die_with_this_process())
             except OSError as exc:
                 click.echo(f"permits: cannot run {command[0]!r}: {exc}", err=True)
                 sys.exit(126 if isinstance(exc, PermissionError) else 127)
+            finally:
+                starting = False
+            for signum in held_back:
+                child.send_signal(signum)
             if held.lost and options.on_lost_signal != "NONE":  # lost before COMMAND started
                 child.send_signal(getattr(signal, f"SIG{options.on_lost_signal}"))
             status = _wait_for(child, stopping, options.kill_after)

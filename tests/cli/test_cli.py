@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -422,6 +423,45 @@ def test_run_from_python_splits_at_its_own_arguments(db_url: str, ns: str, tmp_p
     )
     assert done.exit_code == 4, done.output
     assert marker.read_text() == "--verbose"  # COMMAND's own options stay COMMAND's
+    with permits.connect(db_url) as client:
+        assert client.get_semaphore(name).used == 0
+
+
+def test_a_signal_while_the_command_starts_reaches_the_command(
+    db_url: str, ns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A supervisor's SIGTERM that comes as COMMAND's process is being made, after its exec and before
+    ``permits run`` knows its pid, is passed on to COMMAND once it knows it. It used to stop the run as
+    if COMMAND had not started, and the command, running already, died by SIGKILL with the run (likely
+    what failed the Ctrl-C test above once, under load). In process, so that the signal can be sent at
+    that very point."""
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    started = tmp_path / "started"
+    code = (
+        "import signal, sys, time\n"
+        f"open({str(started)!r}, 'w').close()\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n"
+        "time.sleep(30)\n"
+        "sys.exit(0)\n"
+    )
+    real_popen = subprocess.Popen
+
+    def popen_then_signal(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        made = real_popen(*args, **kwargs)
+        deadline = time.monotonic() + 30
+        while not started.exists():  # COMMAND runs, and has its handler
+            assert time.monotonic() < deadline, "the command never started"
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)  # before Popen has returned to the run
+        return made
+
+    monkeypatch.setattr(permits.cli.subprocess, "Popen", popen_then_signal)
+    began = time.monotonic()
+    done = CliRunner().invoke(permits.cli.main, ["run", name, "--db", db_url, "--", sys.executable, "-c", code])
+    assert done.exit_code == 3, done.output  # COMMAND's own status: it got the SIGTERM and ended on it
+    assert time.monotonic() - began < 20
     with permits.connect(db_url) as client:
         assert client.get_semaphore(name).used == 0
 
