@@ -462,6 +462,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
     """``permits run`` once its arguments are read: COMMAND's status, and whether the lease was lost."""
     child: subprocess.Popen[bytes] | None = None
     starting = False  # COMMAND's process is being made: it may run before ``child`` is known
+    releasing = False  # the lease is being given back: no signal may cut that short
     held_back: list[int] = []  # signals to pass on to COMMAND that came while it was being made
     stopping: list[float] = []  # when COMMAND was sent its signal for a lost lease
     stopped: list[int] = []  # the signal that stopped this run before COMMAND started
@@ -478,6 +479,8 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
     def on_signal(signum: int, _frame: object) -> None:
         # One handler from the first request to the end, so that no signal finds the default one (which
         # would end this process with the lease held) between waiting and COMMAND's start.
+        if releasing:
+            return
         if child is not None or starting:
             # A terminal's Ctrl-C (SIGINT) or hang-up (SIGHUP) reaches its whole foreground process group,
             # COMMAND included: sent again, many commands would take it for a second Ctrl-C and skip their
@@ -520,9 +523,12 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
         except _Stopped as stop:
             _exit_stopped(stop.signum)
         try:
+            environment, before_exec = _command_environment(lease), _die_with_this_process()
+            # From here a terminal's Ctrl-C that comes before the fork is lost (it is not passed on, and
+            # COMMAND did not exist to get it): a second one stops COMMAND. The window is Popen's own.
             starting = True
             try:
-                child = subprocess.Popen(command, env=_command_environment(lease), preexec_fn=_die_with_this_process())
+                child = subprocess.Popen(command, env=environment, preexec_fn=before_exec)
             except OSError as exc:
                 click.echo(f"permits: cannot run {command[0]!r}: {exc}", err=True)
                 sys.exit(126 if isinstance(exc, PermissionError) else 127)
@@ -536,6 +542,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
         except _Stopped as stop:  # granted, and stopped before COMMAND started: released below
             _exit_stopped(stop.signum)
         finally:
+            releasing = True
             try:
                 held.__exit__(None, None, None)
             except PermitsError as exc:

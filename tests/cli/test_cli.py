@@ -440,8 +440,8 @@ def test_a_signal_while_the_command_starts_reaches_the_command(
     started = tmp_path / "started"
     code = (
         "import signal, sys, time\n"
-        f"open({str(started)!r}, 'w').close()\n"
         "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n"
+        f"open({str(started)!r}, 'w').close()\n"
         "time.sleep(30)\n"
         "sys.exit(0)\n"
     )
@@ -449,12 +449,17 @@ def test_a_signal_while_the_command_starts_reaches_the_command(
 
     def popen_then_signal(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
         made = real_popen(*args, **kwargs)
-        deadline = time.monotonic() + 30
-        while not started.exists():  # COMMAND runs, and has its handler
-            assert time.monotonic() < deadline, "the command never started"
-            time.sleep(0.01)
-        time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGTERM)  # before Popen has returned to the run
+        try:
+            deadline = time.monotonic() + 30
+            while not started.exists():  # COMMAND runs, and has its handler
+                assert time.monotonic() < deadline, "the command never started"
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)  # before Popen has returned to the run
+            time.sleep(0.1)  # the handler runs here, in the main thread
+        except BaseException:  # the run stopped here (as it did before): COMMAND must not outlive the test
+            made.kill()
+            made.wait()
+            raise
         return made
 
     monkeypatch.setattr(permits.cli.subprocess, "Popen", popen_then_signal)
