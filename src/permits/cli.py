@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -34,7 +34,7 @@ from permits._exceptions import (
 )
 from permits._io import monotonic
 from permits._models import Want
-from permits._sync.client import Client
+from permits._sync.client import Client, Held
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -497,6 +497,18 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             stopped.append(signum)
             raise _Stopped(signum)
 
+    entered: Held | None = None  # the lease's context manager, once it is asked for the lease
+
+    def stop_run(signum: int) -> NoReturn:
+        """Stop before COMMAND started: give back the lease if its grant came back (a signal just after it
+        would otherwise leave it held until its TTL), and exit as stopped."""
+        nonlocal releasing
+        if entered is not None and entered.lease is not None and not releasing:
+            releasing = True
+            with suppress(PermitsError):
+                entered.__exit__(None, None, None)
+        _exit_stopped(signum)
+
     previous = {s: signal.signal(s, on_signal) for s in FORWARDED_SIGNALS}
     try:
         # The lease's own context manager: its watchdog counts the lease's deadline from the request that
@@ -513,6 +525,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             on_lost=on_lost,
             new_only=options.key is not None,
         )
+        entered = held
         try:
             lease = held.__enter__()
         except AcquireTimeout as exc:
@@ -520,8 +533,8 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             sys.exit(options.conflict_exit_code)
         except KeyInUse as exc:
             _refuse_a_used_key(exc, options.conflict_exit_code)
-        except _Stopped as stop:
-            _exit_stopped(stop.signum)
+        except _Stopped as stop:  # while waiting, or just as the grant came back
+            stop_run(stop.signum)
         try:
             environment, before_exec = _command_environment(lease), _die_with_this_process()
             # From here a terminal's Ctrl-C that comes before the fork is lost (it is not passed on, and
@@ -548,8 +561,8 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             except PermitsError as exc:
                 # COMMAND has run: its status is the outcome. The lease runs out at its TTL instead.
                 click.echo(f"permits: could not release the lease (it expires at its TTL): {exc.code}: {exc}", err=True)
-    except _Stopped as stop:  # before the lease was asked for (the check of --key)
-        _exit_stopped(stop.signum)
+    except _Stopped as stop:  # before the lease was asked for (the check of --key), or as its grant came back
+        stop_run(stop.signum)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

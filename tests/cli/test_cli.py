@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 import permits
 import permits.cli
+from permits._sync.client import Held
 
 
 def _permits(db_url: str, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -469,6 +470,33 @@ def test_a_signal_while_the_command_starts_reaches_the_command(
     assert time.monotonic() - began < 20
     with permits.connect(db_url) as client:
         assert client.get_semaphore(name).used == 0
+
+
+def test_a_signal_just_as_the_grant_comes_back_releases_it(
+    db_url: str, ns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM that comes after the lease's grant has come back, before the run is inside the block that
+    gives it back, stops the run and releases the lease (it used to leave it held until its TTL)."""
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    marker = tmp_path / "ran"
+    real_enter = Held.__enter__
+
+    def enter_then_signal(self: Held) -> permits.Lease:
+        lease = real_enter(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # the handler runs here, in the main thread
+        return lease
+
+    monkeypatch.setattr(Held, "__enter__", enter_then_signal)
+    done = CliRunner().invoke(
+        permits.cli.main,
+        ["run", name, "--db", db_url, "--ttl", "300", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
+    )
+    assert done.exit_code == 128 + signal.SIGTERM, done.output
+    assert not marker.exists()  # COMMAND never ran
+    with permits.connect(db_url) as client:
+        assert client.get_semaphore(name).used == 0  # released now, not at the TTL
 
 
 def test_a_killed_permits_run_takes_its_command_with_it(db_url: str, ns: str, tmp_path: Path) -> None:

@@ -659,8 +659,10 @@ class AsyncHeld:
             try:
                 if self.lease is not None:
                     # Granted, but its watchdog could not start: the block does not run, so nothing holds it.
+                    # (``lease`` is then None again: no lease is held, and nothing may release it twice.)
+                    granted, self.lease = self.lease, None
                     with contextlib.suppress(Exception):
-                        await async_shield(self._client.release(self.lease, owner=self._owner))
+                        await async_shield(self._client.release(granted, owner=self._owner))
                 elif not isinstance(exc, Exception) and not self._new_only:
                     # Interrupted (cancelled, Ctrl-C) while the grant may have committed: release by key so
                     # the permits do not wait for the TTL. Releasing a key never granted changes nothing. Not
