@@ -83,7 +83,12 @@ def test_a_fair_mutex_is_served_through_the_line_again_after_every_process_stall
             for child in children:
                 child.send_signal(signal.SIGCONT)
 
-    _turns_through_the_line(ns, 1, True, processes=6, seconds=5, hold=0.02, meanwhile=stall, per_grant=1.4)
+    # Each stall sends a few heads to the fair queue, whose attempts are made outside the line until they
+    # are served: so a smaller share through the line than without stalls (0.88 in a loaded CI run), but
+    # far from the cascade's (about 0.55).
+    _turns_through_the_line(
+        ns, 1, True, processes=6, seconds=5, hold=0.02, meanwhile=stall, per_grant=1.5, through_line=0.75
+    )
 
 
 def _turns_through_the_line(
@@ -95,10 +100,11 @@ def _turns_through_the_line(
     hold: float,
     meanwhile: Callable[[list[subprocess.Popen[str]]], None] | None = None,
     per_grant: float = 1.5,
+    through_line: float = 0.9,
 ) -> None:
     """``processes`` take turns on a semaphore of ``capacity`` for ``seconds``, each holding ``hold`` s: every
     one gets about as many turns, none times out, and the turns went through the line, at no more than
-    ``per_grant`` attempts a grant."""
+    ``per_grant`` attempts a grant, at least ``through_line`` of them in the line."""
     with own_database("postgresql", "permits_line") as url:
         count_function_calls(url)
         with permits.connect(url, auto_upgrade=True) as admin:
@@ -119,7 +125,7 @@ def _turns_through_the_line(
     # busy. And the line paced them: most turns found room, at once or at the head of the line.
     attempts = sum(r["attempts"] for r in results)
     line_free = sum(r["line_free"] for r in results)
-    assert calls.get("acquire_one_queued", 0) >= 0.9 * (attempts - line_free), (calls, results)
+    assert calls.get("acquire_one_queued", 0) >= through_line * (attempts - line_free), (calls, results)
     assert all(r["line_refused"] <= seconds / LINE_BUSY_SECONDS + 2 for r in results), results
     assert attempts / sum(turns) <= per_grant, (attempts / sum(turns), results)
 
