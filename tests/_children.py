@@ -195,6 +195,7 @@ def take_turns(args: dict[str, Any]) -> None:
     line first (ACQUIRE_ONE_LINE_FREE), and how many of those were refused there and then asked in the line
     (ACQUIRE_ONE_QUEUED right after it), as one JSON line."""
     granted = timed_out = 0
+    longest = 0.0  # the longest acquire or release that did not time out, in seconds
     attempts = [0]
     lines = [0]
     line_free = [0]
@@ -221,16 +222,22 @@ def take_turns(args: dict[str, Any]) -> None:
             raise SystemExit("no start signal")
         end = time.monotonic() + args["seconds"]
         while time.monotonic() < end:
+            asked = time.monotonic()
             try:
                 lease = client.acquire(wants, ttl=30, timeout=args["timeout"])
             except permits.AcquireTimeout:
                 timed_out += 1
                 continue
-            time.sleep(args["hold"])
+            held = time.monotonic()
+            if args["hold"] or not args.get("tight"):  # tight: not even sleep(0), which lets others run
+                time.sleep(args["hold"])
+            releasing = time.monotonic()
             client.release(lease)
+            longest = max(longest, held - asked, time.monotonic() - releasing)
             granted += 1
     report = {"granted": granted, "timed_out": timed_out, "attempts": attempts[0], "lines": lines[0]}
-    _say(json.dumps({**report, "line_free": line_free[0], "line_refused": line_refused[0]}))
+    longest_ms = round(longest * 1000)
+    _say(json.dumps({**report, "line_free": line_free[0], "line_refused": line_refused[0], "longest_ms": longest_ms}))
 
 
 def run_take_turns(

@@ -83,6 +83,7 @@ from permits.stores._engine import (
     translate,
 )
 from permits.stores.direct import DirectTransactions
+from permits.stores.host_lines import HostLines, semaphore_line
 
 if TYPE_CHECKING:
     from permits._sync.listener import RoomListener
@@ -104,6 +105,9 @@ PLACE_MS = 5000
 MAX_REMEMBERED_PLACES = 100_000
 #: At most this many semaphores whose line was busy are remembered; past that, the memory starts afresh.
 REMEMBERED_BUSY_LINES = 1_000
+#: At the head of a semaphore's line beside a SQLite database, a waiter reads the semaphore this often
+#: while it waits for room (a read takes no lock), and asks when it sees some.
+HOST_LINE_POLL_SECONDS = 0.0005
 #: SQLSTATE of a setting's value that the server refuses (``_server_takes``)
 INVALID_PARAMETER_VALUE = "22023"
 #: The warnings about server functions this process has given: each once, not at every open of a client.
@@ -184,7 +188,7 @@ class SQLStore:
         #: SQLite's transactions skip SQLAlchemy's Connection (stores/direct.py). The asyncio store runs SQLite
         #: through the sync one, on a worker thread (stores/threaded.py), so only the sync store needs this.
         self._direct = (
-            DirectTransactions(sync_engine(self._engine), self._dialect)
+            DirectTransactions(sync_engine(self._engine), self._dialect, settings.lock_wait_timeout)
             if self._dialect.name == "sqlite" and not IS_ASYNC
             else None
         )
@@ -290,6 +294,8 @@ class SQLStore:
         if self._listener is not None:
             self._listener.close()
         self._engine.dispose()
+        if self._direct is not None:
+            self._direct.close()
 
     def upgrade_schema(self) -> str:
         if self._closed:
@@ -536,6 +542,11 @@ class SQLStore:
         # This store never waits for room (the client's loop does); ``wait`` bounds how long it keeps
         # retrying lock conflicts, so a caller's timeout holds behind a frozen lock holder. An attempt
         # ``in_line`` waits for its turn in the server's lock queue first, where it can (queues_in_line).
+        lines = self._host_lines()
+        if in_line and wait > 0 and lines is not None:
+            return self._try_in_host_line(
+                lines, owner, key, wants, ttl_ms, wait, recheck, new_only=new_only, request_id=request_id
+            )
         deadline = monotonic() + wait if wait > 0 else None
         # A caller that waits keeps a place in the queue of each fair semaphore it asks for.
         queue_ms = PLACE_MS if wait > 0 else 0
@@ -653,6 +664,54 @@ class SQLStore:
             self._queued.pop((owner, key), None)  # its place lapsed: the next full recheck takes another
         lease: Lease | None = result
         return lease
+
+    def _host_lines(self) -> HostLines | None:
+        """The lines beside a SQLite database (stores/host_lines.py), where there are some."""
+        return None if self._direct is None else self._direct.lines
+
+    def _try_in_host_line(
+        self,
+        lines: HostLines,
+        owner: str,
+        key: str,
+        wants: Sequence[Want],
+        ttl_ms: int,
+        wait: float,
+        recheck: bool,
+        **options: Any,
+    ) -> Lease | None:
+        """``try_acquire`` in the semaphore's line beside a SQLite database, as PostgreSQL's queued grant in
+        the server's: the attempt waits for its turn (within ``wait`` and the lock wait bound), then asks;
+        refused, it stays at the head up to ``LINE_HEAD_WAIT_SECONDS``, reading the semaphore until it sees
+        room and asking again, then lets the next one have the turn. While nobody is in the line it asks
+        at once, and the turn is only taken when that is refused: asking outside a busy line would take the
+        room the line is owed."""
+        line, name, count = semaphore_line(wants[0].name), wants[0].name, wants[0].count
+        deadline = monotonic() + wait
+        if not lines.busy(line):
+            lease = self.try_acquire(owner, key, wants, ttl_ms, wait, recheck, **options)
+            if lease is not None:
+                return lease
+            recheck = False
+        patience = max(0.0, min(deadline - monotonic(), self._settings.lock_wait_timeout))
+        with lines.turn(line, patience) as had:
+            head_until = monotonic() + LINE_HEAD_WAIT_SECONDS
+            while True:
+                left = deadline - monotonic()
+                if left <= 0:
+                    return None
+                lease = self.try_acquire(owner, key, wants, ttl_ms, left, recheck, **options)
+                recheck = False
+                if lease is not None or not had:
+                    return lease
+                # At the head: wait for room, reading, until the head's time is up.
+                while True:
+                    sync_sleep(HOST_LINE_POLL_SECONDS)
+                    if monotonic() >= min(head_until, deadline):
+                        return None
+                    seen = self._run(lambda: flows.get_semaphore(name), readonly=True, deadline=deadline)
+                    if seen.capacity - seen.used >= count:
+                        break
 
     @contextlib.contextmanager
     def _kept_if_interrupted(self, owner: str, key: str, queue_ms: int) -> Iterator[None]:
@@ -776,6 +835,8 @@ class SQLStore:
         (``LINE_SEATS``; a waiter without one waits as elsewhere). Not one semaphore with a larger count: the
         queued grant waits at the head of the line, and would hold it while single permits came back behind
         it."""
+        if len(wants) == 1 and wants[0].count == 1 and self._host_lines() is not None:
+            return True  # the semaphore's line beside a SQLite database, where waiting holds no connection
         if len(wants) == 1:
             queues = wants[0].count == 1 and self._dialect.has("ACQUIRE_ONE_QUEUED")
         else:

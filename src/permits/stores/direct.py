@@ -24,6 +24,11 @@ from sqlalchemy.sql.compiler import Compiled
 from permits._core.flows import DuplicateKey, Flow, Result, Stmt
 from permits.dialects.base import Dialect, Fault
 from permits.stores._engine import driver_error
+from permits.stores.host_lines import WRITE_LINE, HostLines, supported
+
+#: How long a write transaction waits for its turn in the write line at most (stores/host_lines.py), and
+#: never longer than SQLite's own busy timeout. Past it, the writer asks for SQLite's lock unordered.
+WRITE_PATIENCE = 0.5
 
 T = TypeVar("T")
 
@@ -33,15 +38,33 @@ class DirectTransactions:
     sqlite3 cursor, COMMIT; on any error, ROLLBACK. Driver errors come out wrapped as SQLAlchemy wraps
     them, so the store's retry loop classifies them as it does every other engine's."""
 
-    def __init__(self, engine: Engine, dialect: Dialect) -> None:
+    def __init__(self, engine: Engine, dialect: Dialect, lock_wait_timeout: float) -> None:
         self._engine = engine
         self._dialect = dialect
         self._statements: dict[str, tuple[str, tuple[str, ...], Compiled | None]] = {}
+        database = engine.url.database
+        in_file = database not in (None, "", ":memory:") and not str(database).startswith("file:")
+        #: the lines beside the database (stores/host_lines.py); None where there are none
+        self.lines = HostLines(str(database)) if in_file and supported() else None
+        self._write_patience = min(WRITE_PATIENCE, lock_wait_timeout)
+
+    def close(self) -> None:
+        if self.lines is not None:
+            self.lines.close()
 
     def run(self, flow: Flow[T], first: Stmt, readonly: bool, after_statement: Callable[[str], None] | None) -> T:
         # Opening a connection can fail too (the file cannot be opened, or is locked while the new
         # connection sets WAL mode): wrapped like any other driver error, so that it is retried.
         pooled = self._call(self._engine.raw_connection)
+        if readonly or self.lines is None:
+            return self._run(pooled, flow, first, readonly, after_statement)
+        # Writers take the database's write lock in turn (stores/host_lines.py).
+        with self.lines.turn(WRITE_LINE, self._write_patience):
+            return self._run(pooled, flow, first, readonly, after_statement)
+
+    def _run(
+        self, pooled: Any, flow: Flow[T], first: Stmt, readonly: bool, after_statement: Callable[[str], None] | None
+    ) -> T:
         driver: Any = pooled.driver_connection
         dropped = False
         try:
