@@ -12,6 +12,7 @@ waiters. Real processes and threads, a real database file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -169,3 +170,75 @@ def test_without_the_lines_file_every_client_asks_unordered(tmp_path: Path, capl
     warnings = [r for r in caplog.records if "lines" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert os.path.isdir(tmp_path / "nofile.db-permits-lines")
+
+
+def test_a_client_interrupted_in_the_line_leaves_no_place_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while a client waits in the line: its place goes with it, so the client behind does not wait
+    out its patience on a place nobody will give up."""
+    lines = HostLines(str(tmp_path / "interrupted.db"))
+    record: list[tuple[str, bool, float]] = []
+    with lines.turn(WRITE_LINE, 1.0):
+
+        def interrupted(*args: object) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr("permits.stores.host_lines.select.select", interrupted)
+        with pytest.raises(KeyboardInterrupt), lines.turn(WRITE_LINE, 5.0):
+            pytest.fail("the interrupted client had a turn")
+        monkeypatch.undo()
+        waiter = _enter_in_thread(lines, 5.0, record, "next")
+        time.sleep(0.1)
+        left_at = time.monotonic()
+    waiter.join(10)
+    [(_, had, at)] = record
+    assert had and at - left_at < RECHECK + 1.0, at - left_at
+    lines.close()
+
+
+#: A client that takes a turn (so it keeps a spare open file of the lines), forks a child that lives on,
+#: then takes a turn again on that same open file and holds it.
+_FORKER = """
+import os, sys, time
+from permits.stores.host_lines import WRITE_LINE, HostLines
+lines = HostLines(sys.argv[1])
+with lines.turn(WRITE_LINE, 5.0):
+    pass
+child = os.fork()
+if child == 0:
+    time.sleep(30)
+    os._exit(0)
+print(child, flush=True)
+with lines.turn(WRITE_LINE, 5.0) as had:
+    print("had" if had else "not", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_client_killed_in_its_turn_hands_it_on_while_its_forked_child_lives(tmp_path: Path) -> None:
+    """A forked child holds copies of its parent's open files, and a lock lasts while any copy is open: the
+    child closes its copies, so the parent's death still ends its turn."""
+    database = tmp_path / "forked.db"
+    parent = subprocess.Popen([sys.executable, "-c", _FORKER, str(database)], stdout=subprocess.PIPE, text=True)
+    lines = HostLines(str(database))
+    child = None
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "had"
+        record: list[tuple[str, bool, float]] = []
+        waiter = _enter_in_thread(lines, 5.0, record, "next")
+        time.sleep(0.2)
+        killed_at = time.monotonic()
+        parent.kill()
+        parent.wait()
+        waiter.join(10)
+        [(_, had, at)] = record
+        assert had and at - killed_at < RECHECK + 1.0, at - killed_at
+    finally:
+        parent.kill()
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        lines.close()

@@ -684,13 +684,14 @@ class AsyncSQLStore:
         refused, it stays at the head up to ``LINE_HEAD_WAIT_SECONDS``, reading the semaphore until it sees
         room and asking again, then lets the next one have the turn. While nobody is in the line it asks
         at once, and the turn is only taken when that is refused: asking outside a busy line would take the
-        room the line is owed."""
+        room the line is owed. A request that a fair queue holds a place for leaves the line: that queue
+        orders it, and the client's loop waits by its place (``permits._pacing``)."""
         line, name, count = semaphore_line(wants[0].name), wants[0].name, wants[0].count
         deadline = monotonic() + wait
         if not lines.busy(line):
             lease = await self.try_acquire(owner, key, wants, ttl_ms, wait, recheck, **options)
-            if lease is not None:
-                return lease
+            if lease is not None or self.holds_place(owner, key):
+                return lease  # granted, or ordered by a fair queue now, which the client's loop waits in
             recheck = False
         patience = max(0.0, min(deadline - monotonic(), self._settings.lock_wait_timeout))
         with lines.turn(line, patience) as had:
@@ -701,7 +702,7 @@ class AsyncSQLStore:
                     return None
                 lease = await self.try_acquire(owner, key, wants, ttl_ms, left, recheck, **options)
                 recheck = False
-                if lease is not None or not had:
+                if lease is not None or not had or self.holds_place(owner, key):
                     return lease
                 # At the head: wait for room, reading, until the head's time is up.
                 while True:

@@ -53,18 +53,16 @@ class DirectTransactions:
             self.lines.close()
 
     def run(self, flow: Flow[T], first: Stmt, readonly: bool, after_statement: Callable[[str], None] | None) -> T:
+        if readonly or self.lines is None:
+            return self._run(flow, first, readonly, after_statement)
+        # Writers take the database's write lock in turn (stores/host_lines.py).
+        with self.lines.turn(WRITE_LINE, self._write_patience):
+            return self._run(flow, first, readonly, after_statement)
+
+    def _run(self, flow: Flow[T], first: Stmt, readonly: bool, after_statement: Callable[[str], None] | None) -> T:
         # Opening a connection can fail too (the file cannot be opened, or is locked while the new
         # connection sets WAL mode): wrapped like any other driver error, so that it is retried.
         pooled = self._call(self._engine.raw_connection)
-        if readonly or self.lines is None:
-            return self._run(pooled, flow, first, readonly, after_statement)
-        # Writers take the database's write lock in turn (stores/host_lines.py).
-        with self.lines.turn(WRITE_LINE, self._write_patience):
-            return self._run(pooled, flow, first, readonly, after_statement)
-
-    def _run(
-        self, pooled: Any, flow: Flow[T], first: Stmt, readonly: bool, after_statement: Callable[[str], None] | None
-    ) -> T:
         driver: Any = pooled.driver_connection
         dropped = False
         try:

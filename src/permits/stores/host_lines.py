@@ -3,7 +3,7 @@
 SQLite lets one writer in at a time and keeps no queue. A connection that finds the write lock taken
 sleeps in its busy handler (1 ms at first, then up to 100 ms) and tries again, and a process that commits
 and writes again at once takes the lock in those gaps while the others sleep. Four processes acquiring
-and releasing one semaphore saw single waits of 1.7-2.1 s; at 64, a few processes took most of the grants
+and releasing one semaphore saw single cycles of 1.1-2.2 s; at 64, a few processes took most of the grants
 (docs/benchmarks.md, "Lines for SQLite"). PostgreSQL has a line for this in the server's lock queue;
 SQLite has no server, but a WAL database is shared by the processes of one host only, so a line kept in a
 file beside it reaches every client that matters. Two kinds of line live in that file
@@ -13,21 +13,25 @@ file beside it reaches every client that matters. Two kinds of line live in that
   database's write lock goes round in order, and no writer sleeps while it is free.
 - **A semaphore's line.** A waiting acquire of one permit of one semaphore takes its turn in that
   semaphore's line, and at its head asks again until room comes back, as PostgreSQL's queued grant does.
-  An acquire asks outside the line only while nobody is in it, so it cannot take the room the line is
-  owed. Semaphores share ``SEMAPHORE_LINES`` lines by their name's hash: two that share one only share
-  an order.
+  A new acquire asks outside the line only while nobody is in it, so it cannot take the room the line
+  is owed. One refused at the head twice in a row (the permits are held for longer than it waits there)
+  then waits outside the line, polling with backoff, as before the lines. Semaphores share
+  ``SEMAPHORE_LINES`` lines by their name's hash: the waiters of two that share one take turns at its
+  head, where each waits for its own semaphore.
 
 Each line is a CLH queue lock made of open file description locks (``F_OFD_SETLK``, Linux):
 
 - The line's ticket counter is 8 bytes of the file. Under a lock on them, a client reads its ticket
   ``t``, locks the byte that is ticket ``t``'s place, writes ``t + 1``, and writes its ticket and the name
   of its wake socket (a Unix datagram socket in Linux's abstract namespace) in the slot of ``t``.
-- It waits until the place before, ``t - 1``, is unlocked: it tries that lock, and sleeps on its socket
-  between tries, at most ``RECHECK`` seconds at a time. The client ahead, at the end of its turn, unlocks
+- It waits until the place before, ``t - 1``, is unlocked: it looks (``F_OFD_GETLK``), and sleeps on its
+  socket between looks, at most ``RECHECK`` seconds at a time. The client ahead, at the end of its turn, unlocks
   its place and sends one datagram to the socket named in the next slot, so a hand-off wakes one process.
 - The locks belong to one open file, so two threads of a process queue like two processes, and the
   kernel drops them when their process dies: a client killed in the line, or in its turn, hands the turn
-  on (the next one finds out within ``RECHECK``).
+  on (the next one finds out within ``RECHECK``). A forked child closes its copies of its parent's files.
+- Abstract sockets belong to a network namespace: a client in another one (a container sharing the file)
+  is not woken, and finds its turn by ``RECHECK`` alone.
 
 The lines only order who asks. SQLite's own lock keeps writers apart and the semaphore row keeps the
 count, as without them, so a line that fails only loses the order: a client that waits past its patience
@@ -42,9 +46,11 @@ import errno
 import fcntl
 import logging
 import os
+import select
 import socket
 import struct
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from time import monotonic, sleep
@@ -88,13 +94,16 @@ def semaphore_line(name: str) -> int:
     return 1 + crc32(name.encode()) % SEMAPHORE_LINES
 
 
+def _flock(kind: int, start: int) -> bytes:
+    length = COUNTER_LEN if start < SLOTS_AT else 1  # a counter's 8 bytes, or a place's one
+    return struct.pack(_FLOCK, kind, os.SEEK_SET, start, length, 0)
+
+
 def _lock(fd: int, start: int) -> bool:
-    """Lock the byte at ``start`` (the counter's 8 bytes from a counter) for writing, on ``fd``'s open file
+    """Lock the byte at ``start`` (a counter's 8 bytes from a counter) for writing, on ``fd``'s open file
     description, without waiting. Returns whether it was taken."""
-    command = fcntl.F_OFD_SETLK
-    length = COUNTER_LEN if start < SLOTS_AT else 1
     try:
-        fcntl.fcntl(fd, command, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, start))
     except OSError as exc:
         if exc.errno in _BUSY:
             return False
@@ -103,9 +112,14 @@ def _lock(fd: int, start: int) -> bool:
 
 
 def _unlock(fd: int, start: int) -> None:
-    command = fcntl.F_OFD_SETLK
-    length = COUNTER_LEN if start < SLOTS_AT else 1
-    fcntl.fcntl(fd, command, struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, start, length, 0))
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, start))
+
+
+def _held(fd: int, start: int) -> bool:
+    """Whether another open file holds a lock on the byte at ``start``. Only looks (``F_OFD_GETLK``), so a
+    client that tests a place never gets in the way of the one that waits for it."""
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, start))
+    return bool(struct.unpack(_FLOCK, answer)[0] != fcntl.F_UNLCK)
 
 
 def _read_counter(fd: int, line: int) -> int:
@@ -120,7 +134,7 @@ def _slot(line: int, ticket: int) -> int:
     return SLOTS_AT + (line * SLOTS + ticket % SLOTS) * SLOT_LEN
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seat:
     """An open file of the lines, whose locks are its own, and the socket its client is woken on."""
 
@@ -142,8 +156,10 @@ class HostLines:
         self.path = f"{database}-permits-lines"
         self._mutex = threading.Lock()
         self._spare: list[_Seat] = []
-        self._pid = os.getpid()
-        self._broken = False
+        #: every seat of this process, spare or in a turn: a forked child closes them all (_after_fork)
+        self._seats: set[_Seat] = set()
+        self._broken = self._closed = False
+        _ALL.add(self)
 
     @contextlib.contextmanager
     def turn(self, line: int, patience: float) -> Iterator[bool]:
@@ -151,15 +167,27 @@ class HostLines:
         the turn was had (``False``: the block runs without the line)."""
         seat = self._seat()
         ticket = None
-        try:
-            if seat is not None:
+        if seat is not None:
+            try:
                 ticket = self._enter(seat, line, patience)
+            except BaseException:
+                # Interrupted (Ctrl-C) with a place perhaps taken: closing the file drops its locks, so the
+                # client behind is not left waiting on a place nobody will give up.
+                self._close(seat)
+                raise
+        try:
             yield ticket is not None
         finally:
             if seat is not None:
-                if ticket is not None:
-                    self._leave(seat, line, ticket)
-                self._give_back(seat)
+                if ticket is None:
+                    self._give_back(seat)
+                else:
+                    try:
+                        self._leave(seat, line, ticket)
+                    except BaseException:
+                        self._close(seat)
+                        raise
+                    self._give_back(seat)
 
     def busy(self, line: int) -> bool:
         """Whether somebody is in ``line`` or has its turn: the last ticket given is still held."""
@@ -167,11 +195,7 @@ class HostLines:
         if seat is None:
             return False
         try:
-            last = _place(line, _read_counter(seat.fd, line) - 1)
-            if _lock(seat.fd, last):
-                _unlock(seat.fd, last)
-                return False
-            return True
+            return _held(seat.fd, _place(line, _read_counter(seat.fd, line) - 1))
         except OSError as exc:
             self._give_up(exc)
             return False
@@ -180,9 +204,10 @@ class HostLines:
 
     def close(self) -> None:
         with self._mutex:
+            self._closed = True
             spare, self._spare = self._spare, []
         for seat in spare:
-            seat.close()
+            self._close(seat)
 
     # ------------------------------------------------------------------------------------------------
 
@@ -225,14 +250,13 @@ class HostLines:
     def _wait_for(self, seat: _Seat, before: int, patience: float) -> bool:
         """Wait, up to ``patience``, until the place ``before`` is unlocked."""
         given_up = monotonic() + patience
-        while not _lock(seat.fd, before):
+        while _held(seat.fd, before):
             left = given_up - monotonic()
             if left <= 0:
                 return False
-            seat.wake.settimeout(min(left, RECHECK))
-            with contextlib.suppress(TimeoutError):
-                seat.wake.recv(1)  # a wake-up, or one left from a turn that came without it
-        _unlock(seat.fd, before)
+            readable, _, _ = select.select([seat.wake], [], [], min(left, RECHECK))
+            if readable:
+                _drain(seat.wake)  # a wake-up, or one left from a turn that came without it
         return True
 
     def _leave(self, seat: _Seat, line: int, ticket: int) -> None:
@@ -244,16 +268,14 @@ class HostLines:
             self._give_up(exc)
             return
         if len(slot) >= 8 + NAME_LEN and int.from_bytes(slot[:8], "little") == ticket + 1:
+            # Never waits: a socket whose queue is full has a wake-up waiting already.
             with contextlib.suppress(OSError):
-                seat.wake.sendto(b"w", socket.MSG_DONTWAIT, _SOCKET_PREFIX + slot[8 : 8 + NAME_LEN])
+                seat.wake.sendto(b"w", _SOCKET_PREFIX + slot[8 : 8 + NAME_LEN])
 
     def _seat(self) -> _Seat | None:
-        if self._broken:
+        if self._broken or self._closed:
             return None
         with self._mutex:
-            if os.getpid() != self._pid:
-                # A forked child: the open files (and their locks) are its parent's; never use them here.
-                self._pid, self._spare = os.getpid(), []
             if self._spare:
                 return self._spare.pop()
         fd = wake = None
@@ -262,6 +284,7 @@ class HostLines:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
             wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             wake.bind(_SOCKET_PREFIX + name)
+            wake.setblocking(False)
         except OSError as exc:
             if fd is not None:
                 os.close(fd)
@@ -269,14 +292,30 @@ class HostLines:
                 wake.close()
             self._give_up(exc)
             return None
-        return _Seat(fd, wake, name)
+        seat = _Seat(fd, wake, name)
+        with self._mutex:
+            self._seats.add(seat)
+        return seat
 
     def _give_back(self, seat: _Seat) -> None:
         with self._mutex:
-            if not self._broken and os.getpid() == self._pid and len(self._spare) < SPARE_SEATS:
+            if not (self._broken or self._closed) and len(self._spare) < SPARE_SEATS:
                 self._spare.append(seat)
                 return
+        self._close(seat)
+
+    def _close(self, seat: _Seat) -> None:
+        with self._mutex:
+            self._seats.discard(seat)
         seat.close()
+
+    def _after_fork(self) -> None:
+        """In a forked child: the seats' open files are its parent's too, and their locks with them (a lock
+        of the parent's lasts while any copy is open). Close the child's copies and start afresh."""
+        self._mutex = threading.Lock()  # perhaps copied while another thread held it
+        for seat in self._seats:
+            seat.close()
+        self._seats, self._spare = set(), []
 
     def _give_up(self, exc: OSError) -> None:
         if not self._broken:
@@ -286,3 +325,22 @@ class HostLines:
                 self.path,
                 exc,
             )
+
+
+def _drain(wake: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        for _ in range(64):
+            wake.recv(16)
+
+
+#: every HostLines of this process, for _after_fork
+_ALL: weakref.WeakSet[HostLines] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lines in list(_ALL):
+        lines._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -81,7 +81,10 @@ class ThreadedSQLStore:
             raise
 
     def queues_in_line(self, wants: Any) -> bool:
-        return False  # SQLite: no lock queue to wait in
+        # A semaphore's line beside the database (stores/host_lines.py) would hold a worker thread for each
+        # waiter while it waits its turn: the asyncio client's waiters wait as before. Their writes still
+        # take turns in the write line, on the thread that runs them.
+        return False
 
     def queue_short(self, owner: str, key: str) -> int | None:
         result: int | None = self._inner.queue_short(owner, key)  # a memory lookup: no thread needed
