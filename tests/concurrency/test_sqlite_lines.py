@@ -61,6 +61,101 @@ def test_processes_take_even_turns_on_sqlite(
     assert (tmp_path / "lines.db-permits-lines").exists()
 
 
+# --------------------------------------------------------------------------- fair semaphores in the line
+
+
+def _acquire_in_thread(
+    client: permits.Client, name: str, count: int, got: list[tuple[str, float]], who: str
+) -> threading.Thread:
+    def run() -> None:
+        lease = client.acquire({name: count}, key=who, ttl=30, timeout=10)
+        got.append((who, time.monotonic()))
+        assert lease.key == who
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _watch_places(admin: permits.Client, name: str, seen: list[int], stop: threading.Event) -> threading.Thread:
+    def run() -> None:
+        while not stop.is_set():
+            seen.append(len(admin.waiters(name)))
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize(("held", "takes_place"), [(0.02, False), (0.4, True)], ids=["room-soon", "room-late"])
+def test_the_head_of_a_fair_semaphores_line_takes_a_place_only_when_its_wait_runs_out(
+    tmp_path: Path, held: float, takes_place: bool
+) -> None:
+    """The line orders its waiters, so on a fair semaphore they take no place in its fair queue while they
+    wait there: room that comes back within the head's wait goes to the head with no place taken. A head
+    whose wait runs out takes a place, and the fair queue orders it from then on."""
+    url = f"sqlite:///{tmp_path / 'fairhead.db'}"
+    with (
+        permits.connect(url, auto_upgrade=True, owner="admin") as admin,
+        permits.connect(url, owner="holder") as holder,
+        permits.connect(url, owner="waiter") as waiter,
+    ):
+        admin.create_semaphore("m", 1, fair=True)
+        lease = holder.acquire("m", ttl=30)
+        got: list[tuple[str, float]] = []
+        seen: list[int] = []
+        stop = threading.Event()
+        watcher = _watch_places(admin, "m", seen, stop)
+        thread = _acquire_in_thread(waiter, "m", 1, got, "w")
+        time.sleep(held)
+        holder.release(lease)
+        thread.join(10)
+        stop.set()
+        watcher.join(10)
+        assert [who for who, _ in got] == ["w"]
+        assert (max(seen) == 1) is takes_place, seen
+        assert admin.waiters("m") == []
+        waiter.release(waiter.get_lease("w"))
+        assert admin.reconcile() == []
+
+
+def test_a_waiter_in_the_line_does_not_pass_a_place_in_the_fair_queue(tmp_path: Path) -> None:
+    """A request that does not use the line (two permits) holds a place in the fair queue; a waiter for one
+    permit that comes after it, in the line with no place of its own, is not granted the permit that comes
+    back first: the place ahead wants two, and the room is kept for it."""
+    url = f"sqlite:///{tmp_path / 'fairpass.db'}"
+    with (
+        permits.connect(url, auto_upgrade=True, owner="admin") as admin,
+        permits.connect(url, owner="big") as big,
+        permits.connect(url, owner="small") as small,
+    ):
+        admin.create_semaphore("m", 2, fair=True)
+        held = [admin.acquire("m", key=f"h{i}", ttl=30) for i in range(2)]
+        got: list[tuple[str, float]] = []
+        big_thread = _acquire_in_thread(big, "m", 2, got, "big")
+        deadline = time.monotonic() + 5
+        while admin.waiters("m") == [] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [w.owner for w in admin.waiters("m")] == ["big"]
+        small_thread = _acquire_in_thread(small, "m", 1, got, "small")
+        time.sleep(0.2)
+        admin.release(held[0])
+        time.sleep(0.3)
+        assert got == []  # the permit back is kept for the place ahead, which wants two
+        admin.release(held[1])
+        big_thread.join(10)
+        assert [who for who, _ in got] == ["big"]
+        time.sleep(0.2)
+        assert [who for who, _ in got] == ["big"]
+        big.release(big.get_lease("big"))
+        small_thread.join(10)
+        assert [who for who, _ in got] == ["big", "small"]
+        small.release(small.get_lease("small"))
+        assert admin.waiters("m") == []
+        assert admin.reconcile() == []
+
+
 # ------------------------------------------------------------------------------------------ the line itself
 
 #: A child that takes a turn in the write line of the database named in argv[1], says so, and holds it.

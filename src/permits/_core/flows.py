@@ -290,6 +290,28 @@ def queue_place(owner: str, key: str, alone: bool = False) -> Flow[Queued | None
     return Queued(max(int(row[0]) for row in found.rows))
 
 
+@dataclass(frozen=True, slots=True)
+class OpenRoom:
+    """What a request holding no place in a semaphore's fair queue could take now: the free permits less
+    those the live places want (``free``; on a plain semaphore, just the free permits), and how many live
+    places there are (``places``; 0 on a plain semaphore). Exactly when ``free`` is at least its count, the
+    fair gate lets such a request through."""
+
+    free: int
+    places: int
+    fair: bool
+
+
+def open_room(name: str) -> Flow[OpenRoom]:
+    """``OpenRoom`` of one semaphore, in one read that takes no lock (the head of a line beside a SQLite
+    database reads it while it waits)."""
+    found = yield Stmt("SEM_OPEN_ROOM", {"name": name})
+    if not found.rows:
+        raise SemaphoreNotFound(f"no semaphore named {name!r}", name=name)
+    free, places, fair = found.rows[0]
+    return OpenRoom(int(free), int(places), bool(int(fair)))
+
+
 def dequeue(owner: str, key: str) -> Flow[int]:
     """Give up a request's places in the fair queues (its wait timed out)."""
     done = yield Stmt("WAITERS_DELETE", {"owner": owner, "key": key})

@@ -547,9 +547,28 @@ class SQLStore:
             return self._try_in_host_line(
                 lines, owner, key, wants, ttl_ms, wait, recheck, new_only=new_only, request_id=request_id
             )
+        return self._try_acquire(
+            owner, key, wants, ttl_ms, wait, recheck, in_line, new_only=new_only, request_id=request_id
+        )
+
+    def _try_acquire(
+        self,
+        owner: str,
+        key: str,
+        wants: Sequence[Want],
+        ttl_ms: int,
+        wait: float,
+        recheck: bool,
+        in_line: bool = False,
+        queue: bool = True,
+        new_only: bool = False,
+        request_id: str | None = None,
+    ) -> Lease | None:
+        """``try_acquire`` outside the lines beside a SQLite database. ``queue=False``: a refused request
+        takes no place in a fair queue even though it waits (it waits in such a line, which orders it)."""
         deadline = monotonic() + wait if wait > 0 else None
         # A caller that waits keeps a place in the queue of each fair semaphore it asks for.
-        queue_ms = PLACE_MS if wait > 0 else 0
+        queue_ms = PLACE_MS if wait > 0 and queue else 0
         tries = 0
         place = self._queued.get((owner, key))
         queued = place is not None
@@ -682,36 +701,65 @@ class SQLStore:
     ) -> Lease | None:
         """``try_acquire`` in the semaphore's line beside a SQLite database, as PostgreSQL's queued grant in
         the server's: the attempt waits for its turn (within ``wait`` and the lock wait bound), then asks;
-        refused, it stays at the head up to ``LINE_HEAD_WAIT_SECONDS``, reading the semaphore until it sees
-        room and asking again, then lets the next one have the turn. While nobody is in the line it asks
-        at once, and the turn is only taken when that is refused: asking outside a busy line would take the
-        room the line is owed. A request that a fair queue holds a place for leaves the line: that queue
-        orders it, and the client's loop waits by its place (``permits._pacing``)."""
+        refused, it stays at the head, reading the semaphore until it sees room and asking again, then lets
+        the next one have the turn. While nobody is in the line it asks at once (taking no place), and the
+        turn is only taken when that is refused: asking outside a busy line would take the room the line is
+        owed.
+
+        In the line, the line orders the waiters, so on a fair semaphore they take no place in its fair
+        queue: the room they see is what the live places leave (``flows.open_room``), and the gate lets them
+        through exactly then. The head waits for room up to ``LINE_HEAD_WAIT_SECONDS``, and that wait starts
+        again each time fewer places than it has seen are left (the queue ahead of it moves). When it runs
+        out on a fair semaphore, the head asks once more taking a place, and leaves the line: the fair queue
+        orders it from then on, and the client's loop waits by its place (``permits._pacing``). Requests
+        that do not use the line (larger counts, several semaphores, asyncio clients, the service) wait in
+        that queue all along."""
         line, name, count = semaphore_line(wants[0].name), wants[0].name, wants[0].count
         deadline = monotonic() + wait
-        if not lines.busy(line):
-            lease = self.try_acquire(owner, key, wants, ttl_ms, wait, recheck, **options)
+        asked = not lines.busy(line)
+        if asked:
+            lease = self._try_acquire(owner, key, wants, ttl_ms, wait, recheck, queue=False, **options)
             if lease is not None or self.holds_place(owner, key):
-                return lease  # granted, or ordered by a fair queue now, which the client's loop waits in
+                return lease  # granted, or ordered by a fair queue already, which the client's loop waits in
             recheck = False
         patience = max(0.0, min(deadline - monotonic(), self._settings.lock_wait_timeout))
         with lines.turn(line, patience) as had:
             head_until = monotonic() + LINE_HEAD_WAIT_SECONDS
+            fewest_places: int | None = None
+            # A waiter whose turn did not come waits in the fair queue instead. (Only a full recheck takes a
+            # place: the refusal of a quick attempt is a bare "no".)
+            queue = not had
+            recheck = recheck or queue
+            # Refused a moment ago, outside the line: with the turn, read before asking again (a read takes
+            # no write lock), as the head does.
+            ask = queue or not asked
             while True:
                 left = deadline - monotonic()
                 if left <= 0:
                     return None
-                lease = self.try_acquire(owner, key, wants, ttl_ms, left, recheck, **options)
-                recheck = False
-                if lease is not None or not had or self.holds_place(owner, key):
-                    return lease
+                if ask:
+                    lease = self._try_acquire(owner, key, wants, ttl_ms, left, recheck, queue=queue, **options)
+                    recheck = False
+                    if lease is not None or queue or self.holds_place(owner, key):
+                        return lease
+                ask = True
                 # At the head: wait for room, reading, until the head's time is up.
                 while True:
                     sync_sleep(HOST_LINE_POLL_SECONDS)
-                    if monotonic() >= min(head_until, deadline):
+                    now = monotonic()
+                    if now >= deadline:
                         return None
-                    seen = self._run(lambda: flows.get_semaphore(name), readonly=True, deadline=deadline)
-                    if seen.capacity - seen.used >= count:
+                    room = self._run(lambda: flows.open_room(name), readonly=True, deadline=deadline)
+                    if room.free >= count:
+                        break
+                    if fewest_places is None or room.places < fewest_places:
+                        if fewest_places is not None:
+                            head_until = now + LINE_HEAD_WAIT_SECONDS  # a place ahead was served (or left)
+                        fewest_places = room.places
+                    if now >= head_until:
+                        if not room.fair:
+                            return None
+                        queue = recheck = True  # one more try, which takes a place in the fair queue if refused
                         break
 
     @contextlib.contextmanager

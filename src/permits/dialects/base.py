@@ -186,6 +186,18 @@ PORTABLE_SQL: dict[str, str] = {
         FROM permits_waiter m JOIN permits_semaphore s ON s.id = m.semaphore_id
         WHERE m.owner = :owner AND m.lease_key = :key AND m.expires_at_ms > {now}
             AND s.fair = 1 AND s.deleted = 0""",
+    # What a request with no place in the fair queue could take now, and how many live places there are
+    # (flows.OpenRoom): the fair gate's sum over every live place, since such a request comes after them
+    # all. params: name -> free, places, fair
+    "SEM_OPEN_ROOM": """
+        SELECT s.capacity - s.used - CASE WHEN s.fair = 1 THEN COALESCE((
+                SELECT SUM(w.count) FROM permits_waiter w
+                WHERE w.semaphore_id = s.id AND w.expires_at_ms > {now}), 0) ELSE 0 END,
+            CASE WHEN s.fair = 1 THEN (
+                SELECT COUNT(*) FROM permits_waiter w
+                WHERE w.semaphore_id = s.id AND w.expires_at_ms > {now}) ELSE 0 END,
+            s.fair
+        FROM permits_semaphore s WHERE s.name = :name AND s.deleted = 0""",
     # A waiter keeps its place by asking again (and says where to call it now). params: owner, key,
     # place_ms, wake -> rowcount
     "WAITERS_REFRESH": """

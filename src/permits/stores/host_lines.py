@@ -11,12 +11,13 @@ file beside it reaches every client that matters. Two kinds of line live in that
 
 - **The write line.** Every write transaction takes its turn before its ``BEGIN IMMEDIATE``, so the
   database's write lock goes round in order, and no writer sleeps while it is free.
-- **A semaphore's line.** A waiting acquire of one permit of one semaphore takes its turn in that
-  semaphore's line, and at its head asks again until room comes back, as PostgreSQL's queued grant does.
-  A new acquire asks outside the line only while nobody is in it, so it cannot take the room the line
-  is owed. One refused at the head twice in a row (the permits are held for longer than it waits there)
-  then waits outside the line, polling with backoff, as before the lines. Semaphores share
-  ``SEMAPHORE_LINES`` lines by their name's hash: the waiters of two that share one take turns at its
+- **A semaphore's line.** A waiting acquire of one permit of one semaphore takes its turn in that semaphore's
+  line, and at its head asks again until room comes back, as PostgreSQL's queued grant does. A new acquire
+  asks outside the line only while nobody is in it, so it cannot take the room the line is owed. On a fair
+  semaphore the line's waiters take no place in its fair queue while the line, which orders them, serves them
+  (the store's ``_try_in_host_line``). One refused at the head twice in a row (the permits are held for longer
+  than it waits there) then waits outside the line, polling with backoff, as before the lines. Semaphores
+  share ``SEMAPHORE_LINES`` lines by their name's hash: the waiters of two that share one take turns at its
   head, where each waits for its own semaphore.
 
 Each line is a CLH queue lock made of open file description locks (``F_OFD_SETLK``, Linux):
