@@ -268,6 +268,29 @@ def test_without_the_lines_file_every_client_asks_unordered(tmp_path: Path, capl
     assert os.path.isdir(tmp_path / "nofile.db-permits-lines")
 
 
+def test_lines_that_could_not_be_had_are_tried_again_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failure that passes (no file descriptor left, say) costs the order for ``RETRY_AFTER`` seconds,
+    not for the rest of the process's life; it warns once."""
+    monkeypatch.setattr("permits.stores.host_lines.RETRY_AFTER", 0.3)
+    blocker = tmp_path / "again.db-permits-lines"
+    blocker.mkdir()  # the file cannot be opened
+    lines = HostLines(str(tmp_path / "again.db"))
+    with caplog.at_level(logging.DEBUG, logger="permits.store"):
+        with lines.turn(WRITE_LINE, 1.0) as had:
+            assert not had
+        blocker.rmdir()
+        with lines.turn(WRITE_LINE, 1.0) as had:
+            assert not had  # not tried again yet
+        time.sleep(0.4)
+        with lines.turn(WRITE_LINE, 1.0) as had:
+            assert had
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "lines" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    lines.close()
+
+
 def test_a_client_interrupted_in_the_line_leaves_no_place_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -37,7 +37,8 @@ Each line is a CLH queue lock made of open file description locks (``F_OFD_SETLK
 The lines only order who asks. SQLite's own lock keeps writers apart and the semaphore row keeps the
 count, as without them, so a line that fails only loses the order: a client that waits past its patience
 (the one ahead was stopped, by SIGSTOP or Ctrl-Z) leaves the line and asks unordered, and the one behind it
-moves up; where the file or its locks cannot be had, every client asks unordered, with one warning.
+moves up; where the file or its locks cannot be had, every client asks unordered, with one warning, and
+tries the lines again ``RETRY_AFTER`` seconds later.
 """
 
 from __future__ import annotations
@@ -72,13 +73,16 @@ SLOTS_AT, SLOTS, SLOT_LEN, NAME_LEN = 1 << 16, 256, 32, 16
 #: byte-range lock may lie past the end of a file, so the file stays small (about 8 MiB at most, sparse).
 TICKETS_AT = 1 << 30
 TICKET_SPAN = 1 << 40
-#: A counter's lock is held for a read and two writes; a client that cannot take it within this long (its
-#: holder was stopped just then) goes without the line.
+#: A counter's lock is held for a read and two writes; a client that cannot take it within this long, or
+#: within its turn's patience if that is shorter (the holder was stopped just then), goes without the line.
 COUNTER_PATIENCE = 0.05
 #: A waiter looks at the place before its own at least this often, in case its client died unheard.
 RECHECK = 0.05
 #: At most this many open files (each with its socket) are kept for the next turns.
 SPARE_SEATS = 8
+#: After the file or its locks failed (no file descriptor left, say), the lines are not used for this long,
+#: then tried again: a failure that passes must not cost the order for the rest of the process's life.
+RETRY_AFTER = 30.0
 #: ``struct flock`` on Linux: l_type, l_whence, l_start, l_len, l_pid (0 for open file description locks).
 _FLOCK = "hhqqi4x"
 _BUSY = (errno.EAGAIN, errno.EACCES)
@@ -159,7 +163,10 @@ class HostLines:
         self._spare: list[_Seat] = []
         #: every seat of this process, spare or in a turn: a forked child closes them all (_after_fork)
         self._seats: set[_Seat] = set()
-        self._broken = self._closed = False
+        self._closed = False
+        #: ``monotonic()`` time until which the lines are not used, after a failure (see ``_give_up``)
+        self._broken_until = 0.0
+        self._warned = False
         _ALL.add(self)
 
     @contextlib.contextmanager
@@ -216,7 +223,7 @@ class HostLines:
         """Take a ticket and wait for its turn: the ticket, or ``None`` if the turn did not come (its place
         is given up then)."""
         try:
-            ticket = self._take_ticket(seat, line)
+            ticket = self._take_ticket(seat, line, min(COUNTER_PATIENCE, patience))
             if ticket is None:
                 return None
             if self._wait_for(seat, _place(line, ticket - 1), patience):
@@ -227,11 +234,11 @@ class HostLines:
             self._give_up(exc)
         return None
 
-    def _take_ticket(self, seat: _Seat, line: int) -> int | None:
+    def _take_ticket(self, seat: _Seat, line: int, patience: float) -> int | None:
         """A ticket, its place locked and its socket named in its slot; ``None`` if the counter stayed
-        locked past its patience."""
+        locked past ``patience``."""
         fd, counter = seat.fd, line * COUNTER_LEN
-        given_up = monotonic() + COUNTER_PATIENCE
+        given_up = monotonic() + patience
         while not _lock(fd, counter):
             if monotonic() > given_up:
                 return None
@@ -274,7 +281,7 @@ class HostLines:
                 seat.wake.sendto(b"w", _SOCKET_PREFIX + slot[8 : 8 + NAME_LEN])
 
     def _seat(self) -> _Seat | None:
-        if self._broken or self._closed:
+        if self._closed or self._broken():
             return None
         with self._mutex:
             if self._spare:
@@ -300,7 +307,7 @@ class HostLines:
 
     def _give_back(self, seat: _Seat) -> None:
         with self._mutex:
-            if not (self._broken or self._closed) and len(self._spare) < SPARE_SEATS:
+            if not (self._closed or self._broken()) and len(self._spare) < SPARE_SEATS:
                 self._spare.append(seat)
                 return
         self._close(seat)
@@ -318,14 +325,25 @@ class HostLines:
             seat.close()
         self._seats, self._spare = set(), []
 
+    def _broken(self) -> bool:
+        return self._broken_until > 0.0 and monotonic() < self._broken_until
+
     def _give_up(self, exc: OSError) -> None:
-        if not self._broken:
-            self._broken = True
-            logger.warning(
-                "permits cannot keep its lines at %s (%s): SQLite's writers and waiters ask unordered",
-                self.path,
-                exc,
-            )
+        """Go without the lines for ``RETRY_AFTER`` seconds. Warns the first time; later failures (a file
+        that cannot be opened stays so) are logged at debug level."""
+        with self._mutex:
+            if self._broken():
+                return
+            self._broken_until = monotonic() + RETRY_AFTER
+            warn, self._warned = not self._warned, True
+        logger.log(
+            logging.WARNING if warn else logging.DEBUG,
+            "permits cannot keep its lines at %s (%s): SQLite's writers and waiters ask unordered, and the"
+            " lines are tried again in %g s",
+            self.path,
+            exc,
+            RETRY_AFTER,
+        )
 
 
 def _drain(wake: socket.socket) -> None:
