@@ -280,10 +280,12 @@ def test_lines_that_could_not_be_had_are_tried_again_later(
     with caplog.at_level(logging.DEBUG, logger="permits.store"):
         with lines.turn(WRITE_LINE, 1.0) as had:
             assert not had
+        assert not lines.usable()  # so a semaphore's waiters wait as without the lines meanwhile
         blocker.rmdir()
         with lines.turn(WRITE_LINE, 1.0) as had:
             assert not had  # not tried again yet
         time.sleep(0.4)
+        assert lines.usable()
         with lines.turn(WRITE_LINE, 1.0) as had:
             assert had
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "lines" in r.getMessage()]

@@ -714,6 +714,8 @@ class AsyncSQLStore:
         that do not use the line (larger counts, several semaphores, asyncio clients, the service) wait in
         that queue all along."""
         line, name, count = semaphore_line(wants[0].name), wants[0].name, wants[0].count
+        if not lines.usable():  # given up for a while after a failure: wait as without the lines
+            return await self._try_acquire(owner, key, wants, ttl_ms, wait, recheck, **options)
         deadline = monotonic() + wait
         asked = not lines.busy(line)
         if asked:
@@ -883,8 +885,11 @@ class AsyncSQLStore:
         (``LINE_SEATS``; a waiter without one waits as elsewhere). Not one semaphore with a larger count: the
         queued grant waits at the head of the line, and would hold it while single permits came back behind
         it."""
-        if len(wants) == 1 and wants[0].count == 1 and self._host_lines() is not None:
-            return True  # the semaphore's line beside a SQLite database, where waiting holds no connection
+        lines = self._host_lines()
+        if len(wants) == 1 and wants[0].count == 1 and lines is not None:
+            # the semaphore's line beside a SQLite database, where waiting holds no connection (while the lines
+            # are used: not after a failure to keep them, see host_lines.RETRY_AFTER)
+            return lines.usable()
         if len(wants) == 1:
             queues = wants[0].count == 1 and self._dialect.has("ACQUIRE_ONE_QUEUED")
         else:

@@ -15,8 +15,9 @@ file beside it reaches every client that matters. Two kinds of line live in that
   line, and at its head asks again until room comes back, as PostgreSQL's queued grant does. A new acquire
   asks outside the line only while nobody is in it, so it cannot take the room the line is owed. On a fair
   semaphore the line's waiters take no place in its fair queue while the line, which orders them, serves them
-  (the store's ``_try_in_host_line``). One refused at the head twice in a row (the permits are held for longer
-  than it waits there) then waits outside the line, polling with backoff, as before the lines. Semaphores
+  (the store's ``_try_in_host_line``). On a plain semaphore, one refused at the head twice in a row (the
+  permits are held for longer than it waits there) then waits outside the line, polling with backoff, as
+  before the lines; on a fair one the head takes a place instead, and waits by it. Semaphores
   share ``SEMAPHORE_LINES`` lines by their name's hash: the waiters of two that share one take turns at its
   head, where each waits for its own semaphore.
 
@@ -83,6 +84,8 @@ SPARE_SEATS = 8
 #: After the file or its locks failed (no file descriptor left, say), the lines are not used for this long,
 #: then tried again: a failure that passes must not cost the order for the rest of the process's life.
 RETRY_AFTER = 30.0
+#: A failure is warned of once in this many seconds; the others are logged at debug level.
+WARN_AGAIN_AFTER = 3600.0
 #: ``struct flock`` on Linux: l_type, l_whence, l_start, l_len, l_pid (0 for open file description locks).
 _FLOCK = "hhqqi4x"
 _BUSY = (errno.EAGAIN, errno.EACCES)
@@ -166,7 +169,8 @@ class HostLines:
         self._closed = False
         #: ``monotonic()`` time until which the lines are not used, after a failure (see ``_give_up``)
         self._broken_until = 0.0
-        self._warned = False
+        #: ``monotonic()`` time of the last warning about a failure (see ``_give_up``)
+        self._warned_at: float | None = None
         _ALL.add(self)
 
     @contextlib.contextmanager
@@ -288,22 +292,26 @@ class HostLines:
                 return self._spare.pop()
         fd = wake = None
         name = os.urandom(NAME_LEN // 2).hex().encode()
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-            wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            wake.bind(_SOCKET_PREFIX + name)
-            wake.setblocking(False)
-        except OSError as exc:
-            if fd is not None:
-                os.close(fd)
-            if wake is not None:
-                wake.close()
-            self._give_up(exc)
-            return None
-        seat = _Seat(fd, wake, name)
+        # Opened and recorded under the mutex, which a fork waits for (_before_fork): a child forked in
+        # between would keep a copy of the file that it does not know to close, and with it the locks.
         with self._mutex:
-            self._seats.add(seat)
-        return seat
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                wake.bind(_SOCKET_PREFIX + name)
+                wake.setblocking(False)
+            except OSError as exc:
+                if fd is not None:
+                    os.close(fd)
+                if wake is not None:
+                    wake.close()
+                failed = exc
+            else:
+                seat = _Seat(fd, wake, name)
+                self._seats.add(seat)
+                return seat
+        self._give_up(failed)
+        return None
 
     def _give_back(self, seat: _Seat) -> None:
         with self._mutex:
@@ -313,9 +321,9 @@ class HostLines:
         self._close(seat)
 
     def _close(self, seat: _Seat) -> None:
-        with self._mutex:
+        with self._mutex:  # see _seat
             self._seats.discard(seat)
-        seat.close()
+            seat.close()
 
     def _after_fork(self) -> None:
         """In a forked child: the seats' open files are its parent's too, and their locks with them (a lock
@@ -325,17 +333,28 @@ class HostLines:
             seat.close()
         self._seats, self._spare = set(), []
 
+    def usable(self) -> bool:
+        """Whether the lines are used now: not closed, nor given up for a while after a failure."""
+        return not (self._closed or self._broken())
+
     def _broken(self) -> bool:
         return self._broken_until > 0.0 and monotonic() < self._broken_until
 
     def _give_up(self, exc: OSError) -> None:
-        """Go without the lines for ``RETRY_AFTER`` seconds. Warns the first time; later failures (a file
-        that cannot be opened stays so) are logged at debug level."""
+        """Go without the lines for ``RETRY_AFTER`` seconds, and close the spare seats (the failure may be
+        a lack of file descriptors). Warns at most once in ``WARN_AGAIN_AFTER``; failures in between (a
+        file that cannot be opened stays so) are logged at debug level."""
         with self._mutex:
             if self._broken():
                 return
-            self._broken_until = monotonic() + RETRY_AFTER
-            warn, self._warned = not self._warned, True
+            now = monotonic()
+            self._broken_until = now + RETRY_AFTER
+            warn = self._warned_at is None or now - self._warned_at >= WARN_AGAIN_AFTER
+            if warn:
+                self._warned_at = now
+            spare, self._spare = self._spare, []
+        for seat in spare:
+            self._close(seat)
         logger.log(
             logging.WARNING if warn else logging.DEBUG,
             "permits cannot keep its lines at %s (%s): SQLite's writers and waiters ask unordered, and the"
@@ -354,12 +373,30 @@ def _drain(wake: socket.socket) -> None:
 
 #: every HostLines of this process, for _after_fork
 _ALL: weakref.WeakSet[HostLines] = weakref.WeakSet()
+#: the HostLines whose mutex a fork under way holds (_before_fork)
+_FORKING: list[HostLines] = []
+
+
+def _before_fork() -> None:
+    """Hold every HostLines' mutex across a fork, so that no seat is half opened or half closed in the
+    child (see ``_seat``)."""
+    held = list(_ALL)
+    for lines in held:
+        lines._mutex.acquire()
+    _FORKING[:] = held
+
+
+def _after_fork_in_parent() -> None:
+    held, _FORKING[:] = list(_FORKING), []
+    for lines in held:
+        lines._mutex.release()
 
 
 def _after_fork_in_child() -> None:
+    _FORKING.clear()
     for lines in list(_ALL):
         lines._after_fork()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
