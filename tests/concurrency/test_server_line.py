@@ -127,7 +127,11 @@ def _turns_through_the_line(
     line_free = sum(r["line_free"] for r in results)
     assert calls.get("acquire_one_queued", 0) >= through_line * (attempts - line_free), (calls, results)
     assert all(r["line_refused"] <= seconds / LINE_BUSY_SECONDS + 2 for r in results), results
-    assert attempts / sum(turns) <= per_grant, (attempts / sum(turns), results)
+    # Those refusals are bounded in time, above, not per grant: on a slow machine, with fewer turns in the same
+    # seconds, they weigh more on each turn (a CI run saw 1.52 attempts a grant with them, for 103 turns). The
+    # other attempts are the ones pacing must keep few per grant.
+    paced = attempts - sum(r["line_refused"] for r in results)
+    assert paced / sum(turns) <= per_grant, (paced / sum(turns), results)
 
 
 def test_a_waiter_for_a_permit_held_all_along_asks_only_a_few_times(ns: str) -> None:
