@@ -296,9 +296,19 @@ def test_a_refused_grant_reclaims_once_where_leases_keep_expiring(ns: str, url: 
         client.create_semaphore(a, 1)
         client.create_semaphore(b, 1000)
         held = client.acquire(a, timeout=5)
+        # The leases expire 4 ms apart from ``first_expiry``, set after the time their acquires take on this
+        # machine: a fixed 0.3 s gave a negative TTL where an acquire took over 6 ms (a slow disk's commit),
+        # and let them all expire before the asking began where it took 2 ms.
+        timed = time.monotonic()
+        for _ in range(5):
+            client.release(client.acquire(b, timeout=5))
+        per_acquire = (time.monotonic() - timed) / 5
         started = time.monotonic()
-        for i in range(150):  # expiring from 0.3 s after the first, 4 ms apart
-            client.acquire(b, ttl=0.3 + 0.004 * i - (time.monotonic() - started), timeout=5)
+        first_expiry = started + 0.3 + 2 * 150 * per_acquire
+        for i in range(150):
+            client.acquire(b, ttl=first_expiry + 0.004 * i - time.monotonic(), timeout=5)
+        assert time.monotonic() < first_expiry, "the leases were not all taken before the first expired"
+        time.sleep(max(0.0, first_expiry - 0.1 - time.monotonic()))
         asked = 0
         deadline = time.monotonic() + 0.6
         while time.monotonic() < deadline:

@@ -27,6 +27,10 @@ import permits
 from permits import EndReason, LeaseNotFound, ReleaseOutcome
 from tests._children import spawn
 
+#: Each child kills only itself, in its own namespace, and nothing here is timed but generous timeouts: these
+#: run beside the other tests, not alone as the rest of tests/faults does.
+pytestmark = pytest.mark.beside_others
+
 TTL = 60
 #: a lease that is meant to be expired by the time the child runs
 STALE_TTL = 0.05
