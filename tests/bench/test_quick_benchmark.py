@@ -147,3 +147,12 @@ def test_the_new_only_wait_measurement_runs(db_url: str) -> None:
             "new_only_wait.py", service.url, "--workers", "2", "--capacity", "1", "--seconds", "4", "--timeout", "1"
         )
     assert [line.split()[0] for line in out.splitlines()] == ["probe", "plain", "new_only"], out
+
+
+def test_the_sqlite_turn_measurement_runs() -> None:
+    """benchmarks/sqlite_turn.py, behind "The pool outside the write line's turn" in docs/benchmarks.md:
+    each step of a SQLite write transaction is timed, in every process, at one client and at two."""
+    out = _run_script("sqlite_turn.py", "--clients", "1,2", "--seconds", "0.5")
+    assert [line.split()[0] for line in out.splitlines() if "clients:" in line] == ["1", "2"], out
+    for step in ("turn", "transaction", "commit", "pool checkout", "BEGIN IMMEDIATE", "statement SEM_TAKE"):
+        assert f"  {step} " in out, out

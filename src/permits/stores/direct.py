@@ -53,41 +53,43 @@ class DirectTransactions:
             self.lines.close()
 
     def run(self, flow: Flow[T], first: Stmt, readonly: bool, after_statement: Callable[[str], None] | None) -> T:
-        if readonly or self.lines is None:
-            return self._run(flow, first, readonly, after_statement)
-        # Writers take the database's write lock in turn (stores/host_lines.py).
-        with self.lines.turn(WRITE_LINE, self._write_patience):
-            return self._run(flow, first, readonly, after_statement)
-
-    def _run(self, flow: Flow[T], first: Stmt, readonly: bool, after_statement: Callable[[str], None] | None) -> T:
         # Opening a connection can fail too (the file cannot be opened, or is locked while the new
-        # connection sets WAL mode): wrapped like any other driver error, so that it is retried.
+        # connection sets WAL mode): wrapped like any other driver error, so that it is retried. It is taken
+        # from the pool, and given back, outside the write line's turn: the pool's own work need not hold up
+        # the writers behind.
         pooled = self._call(self._engine.raw_connection)
-        driver: Any = pooled.driver_connection
-        dropped = False
         try:
-            cursor = driver.cursor()
-            try:
-                # Read-only: a deferred BEGIN takes no write lock, so readers never queue behind writers.
-                self._call(cursor.execute, "BEGIN" if readonly else "BEGIN IMMEDIATE")
-                value = self._drive(cursor, flow, first, after_statement)
-                self._call(driver.commit)
-            except BaseException as exc:
-                dropped = self._abandon(pooled, driver, cursor, exc)
-                raise
-            cursor.close()
-            return value
+            if readonly or self.lines is None:
+                return self._run(pooled, flow, first, readonly, after_statement)
+            # Writers take the database's write lock in turn (stores/host_lines.py).
+            with self.lines.turn(WRITE_LINE, self._write_patience):
+                return self._run(pooled, flow, first, readonly, after_statement)
         finally:
             # A connection left in a transaction would hold SQLite's write lock while it sits in the pool
             # (nothing resets it on return): if the rollback could not end it, it is dropped instead.
-            if not dropped and _left_open(driver):
+            if pooled.is_valid and _left_open(pooled.driver_connection):
                 pooled.invalidate()
             pooled.close()
 
-    def _abandon(self, pooled: Any, driver: Any, cursor: Any, exc: BaseException) -> bool:
+    def _run(
+        self, pooled: Any, flow: Flow[T], first: Stmt, readonly: bool, after_statement: Callable[[str], None] | None
+    ) -> T:
+        driver: Any = pooled.driver_connection
+        cursor = driver.cursor()
+        try:
+            # Read-only: a deferred BEGIN takes no write lock, so readers never queue behind writers.
+            self._call(cursor.execute, "BEGIN" if readonly else "BEGIN IMMEDIATE")
+            value = self._drive(cursor, flow, first, after_statement)
+            self._call(driver.commit)
+        except BaseException as exc:
+            self._abandon(pooled, driver, cursor, exc)
+            raise
+        cursor.close()
+        return value
+
+    def _abandon(self, pooled: Any, driver: Any, cursor: Any, exc: BaseException) -> None:
         """After a failure: roll back, or drop the connection if its state is unknown (the rollback failed,
-        or the database was unavailable) so that a retry starts on a fresh one. Returns whether it was
-        dropped."""
+        or the database was unavailable) so that a retry starts on a fresh one."""
         with contextlib.suppress(Exception):
             cursor.close()
         unavailable = isinstance(exc, DBAPIError) and self._dialect.classify(exc) is Fault.UNAVAILABLE
@@ -98,7 +100,6 @@ class DirectTransactions:
                 unavailable = True
         if unavailable:
             pooled.invalidate()
-        return unavailable
 
     def _drive(self, cursor: Any, flow: Flow[T], first: Stmt, after_statement: Callable[[str], None] | None) -> T:
         stmt = first
