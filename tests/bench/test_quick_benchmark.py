@@ -156,3 +156,10 @@ def test_the_sqlite_turn_measurement_runs() -> None:
     assert [line.split()[0] for line in out.splitlines() if "clients:" in line] == ["1", "2"], out
     for step in ("turn", "transaction", "commit", "pool checkout", "BEGIN IMMEDIATE", "statement SEM_TAKE"):
         assert f"  {step} " in out, out
+
+
+def test_the_driver_cost_measurement_runs() -> None:
+    """benchmarks/pg_driver_cost.py, behind "Through the service at one client" in docs/benchmarks.md: one
+    short round of psycopg's sync and asyncio connections."""
+    out = _run_script("pg_driver_cost.py", default_url("postgresql"), "--statements", "50", "--rounds", "1")
+    assert out.startswith("sync ") and " asyncio " in out, out
