@@ -297,8 +297,8 @@ def test_a_refused_grant_reclaims_once_where_leases_keep_expiring(ns: str, url: 
         client.create_semaphore(b, 1000)
         held = client.acquire(a, timeout=5)
         # The leases expire 4 ms apart from ``first_expiry``, set after the time their acquires take on this
-        # machine: a fixed 0.3 s gave a negative TTL where an acquire took over 6 ms (a slow disk's commit),
-        # and let them all expire before the asking began where it took 2 ms.
+        # machine: a fixed 0.3 s would give a negative TTL where an acquire takes over 6 ms (a slow disk's
+        # commit), and let most of them expire before the asking began where it takes 4 ms.
         timed = time.monotonic()
         for _ in range(5):
             client.release(client.acquire(b, timeout=5))

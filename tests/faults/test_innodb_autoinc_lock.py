@@ -50,7 +50,7 @@ def test_a_grant_that_times_out_on_the_autoinc_lock_is_retried(db_url: str, ns: 
 
     def on_retry(kind: str) -> None:
         # The AUTO-INC wait was lost: now let the stalled insert end, so that the retry gets the lock. (A
-        # timer for this, 3 s on, came before the lost wait where connecting took over 1.5 s.)
+        # timer for this, 3 s on, would come before the lost wait where connecting took over 1.5 s.)
         if kind == "conflict" and "conflict" not in retries:
             row_holder.rollback()
         retries.append(kind)
