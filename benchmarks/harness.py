@@ -39,6 +39,9 @@ Optional hooks, used when present:
         mean and the maximum of each figure.
     system.teardown(backend_url, scenario) -> None
         After the run and ``verify``: stop what ``setup`` started.
+    system.server_pids() -> Sequence[int]
+        The processes of a server the system started (a service in front of
+        the backend): their CPU time is counted apart (``RunResult.cpu``).
 
 ``backend_url`` is driver-less: ``sqlite:////abs/path.db``,
 ``mysql://user:pw@host:port/db`` or ``postgresql://user@host:port/db``.
@@ -505,6 +508,7 @@ class ClientReport:
     elapsed_s: float
     latencies: bytes  # array("d") of per-cycle seconds, granted and refused cycles
     stats: dict[str, int] = field(default_factory=dict)
+    cpu_s: float = 0.0  # the process's CPU time (all its threads) over the counted seconds
 
 
 def _child_main(
@@ -558,6 +562,7 @@ def _loop(client: Client, index: int, seconds: float, warmup: float = 0.0) -> Cl
     while perf() < warm_until:
         with contextlib.suppress(Exception):
             cycle()
+    cpu_began = time.process_time()
     began = now = perf()
     deadline = began + seconds
     while now < deadline:
@@ -583,7 +588,8 @@ def _loop(client: Client, index: int, seconds: float, warmup: float = 0.0) -> Cl
         now = end
     stats_hook = getattr(client, "stats", None)
     stats = {str(k): int(v) for k, v in stats_hook().items()} if stats_hook else {}
-    return ClientReport(index, granted, refused, errors, samples, now - began, latencies.tobytes(), stats)
+    cpu_s = time.process_time() - cpu_began
+    return ClientReport(index, granted, refused, errors, samples, now - began, latencies.tobytes(), stats, cpu_s)
 
 
 # --------------------------------------------------------------------------
@@ -616,6 +622,16 @@ class RunResult:
     load_before: float = 0.0
     # system.sample() figures over the run: {name: {"mean": ..., "max": ...}}
     samples: dict[str, dict[str, float]] = field(default_factory=dict)
+    # CPU time spent over the counted seconds, in cores (CPU seconds per second), by part: "clients",
+    # "server" (system.server_pids()), "stores" (every process of the database and peer servers on
+    # this machine), "all" (the whole machine, idle excluded). Empty where it cannot be read.
+    cpu: dict[str, float] = field(default_factory=dict)
+
+    def cpu_ms_per_cycle(self, part: str) -> float | None:
+        """CPU milliseconds ``part`` spent per granted cycle, or None when not measured."""
+        if part not in self.cpu or self.cycles_per_s <= 0:
+            return None
+        return self.cpu[part] / self.cycles_per_s * 1000
 
     @property
     def fairness(self) -> float:
@@ -758,7 +774,9 @@ def _run(
             abort.set()
         start.set()
         if not abort.is_set():
-            with _sampling(sys_obj, result):
+            server_pids = getattr(sys_obj, "server_pids", None)
+            counted = _counting_cpu(result, list(server_pids()) if server_pids else [], warmup, seconds)
+            with _sampling(sys_obj, result), counted:
                 _collect(procs, results, "result", reports, failures, time.perf_counter() + warmup + seconds + grace)
     finally:
         abort.set()
@@ -801,6 +819,67 @@ def _client_context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(CLIENT_PRELOAD))  # a module that fails to import is skipped
     return ctx
+
+
+#: Processes counted as the stores' (``RunResult.cpu["stores"]``), by name: the databases', and the peers'
+#: own servers (ZooKeeper runs in a JVM).
+STORE_PROCESSES = frozenset({"postgres", "mariadbd", "mysqld", "redis-server", "etcd", "java"})
+
+
+def _cpu_snapshot(servers: Sequence[int]) -> dict[str, float]:
+    """CPU seconds used so far: by the servers, the stores' processes, and the machine."""
+    import psutil
+
+    def used(pids: Iterable[int]) -> float:
+        total = 0.0
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                times = psutil.Process(pid).cpu_times()
+                total += times.user + times.system
+        return total
+
+    stores = [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in STORE_PROCESSES]
+    machine = psutil.cpu_times()
+    return {
+        "server": used(servers),
+        "stores": used(stores),
+        "all": sum(machine) - machine.idle - getattr(machine, "iowait", 0.0),
+    }
+
+
+@contextlib.contextmanager
+def _counting_cpu(result: RunResult, servers: Sequence[int], warmup: float, seconds: float) -> Iterator[None]:
+    """Fill ``result.cpu`` (but for the clients', which each client counts itself) with the CPU used from
+    the end of the warm-up for ``seconds``, the window the clients count (their start is the start event,
+    set just before this). A thread takes the two readings at those times; a run that ends early, or a
+    machine where they cannot be read, leaves it empty."""
+    import threading
+
+    done = threading.Event()
+
+    def count() -> None:
+        try:
+            if done.wait(warmup):
+                return
+            began, before = time.perf_counter(), _cpu_snapshot(servers)
+            if done.wait(seconds):
+                return
+            elapsed, after = time.perf_counter() - began, _cpu_snapshot(servers)
+        except Exception:  # no psutil, or no such figures here: the run goes on without them
+            return
+        result.cpu.update({part: (after[part] - before[part]) / elapsed for part in before})
+
+    thread = threading.Thread(target=count, name="bench-cpu", daemon=True)
+    thread.start()
+    try:
+        yield
+    except BaseException:
+        done.set()
+        raise
+    finally:
+        # The clients end their counted seconds about when the second reading is due: wait for it.
+        thread.join(warmup + seconds + 5)
+        done.set()
 
 
 SAMPLE_INTERVAL = 0.1
@@ -896,6 +975,8 @@ def _summarise(result: RunResult, reports: Mapping[int, ClientReport], failures:
         result.p50_ms = percentile(ordered, 50) * 1000
         result.p99_ms = percentile(ordered, 99) * 1000
         result.max_ms = ordered[-1] * 1000
+    if reports:
+        result.cpu["clients"] = sum(r.cpu_s / r.elapsed_s for r in reports.values() if r.elapsed_s > 0)
     result.error_count = sum(r.errors for r in reports.values()) + len(failures)
     result.errors = [failures[i] for i in sorted(failures)]
     for i in sorted(reports):
@@ -947,6 +1028,17 @@ def format_row(r: RunResult) -> str:
     return "  ".join(fmt.format(c) for (_, fmt), c in zip(_COLUMNS, cells, strict=True))
 
 
+def format_cpu(r: RunResult) -> str:
+    """The CPU a run used per granted cycle, by part, and the machine's cores in use."""
+    if not r.cpu:
+        return "cpu: not measured"
+    parts = ", ".join(
+        f"{part} {ms:.3f}" for part in ("clients", "server", "stores", "all") if (ms := r.cpu_ms_per_cycle(part))
+    )
+    machine = f"; cores in use {r.cpu['all']:.2f}" if "all" in r.cpu else ""
+    return f"cpu ms/cycle: {parts}{machine}"
+
+
 def format_header() -> str:
     return "  ".join(fmt.format(name) for name, fmt in _COLUMNS)
 
@@ -971,6 +1063,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="run the whole grid this many times (rounds interleave)")
     parser.add_argument("--json", metavar="PATH", help="append one JSON line per run to PATH")
     parser.add_argument("--no-machine", action="store_true", help="do not print the machine line")
+    parser.add_argument(
+        "--cpu", action="store_true", help="after each run, the CPU it used per granted cycle, by part (RunResult.cpu)"
+    )
     args = parser.parse_args(argv)
 
     backends = _csv(args.backend)
@@ -996,6 +1091,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 system, urls[backend], template, clients, args.seconds, history=args.history, warmup=args.warmup
             )
             print(format_row(result), flush=True)
+            if args.cpu:
+                print("    " + format_cpu(result), flush=True)
             for message in result.errors:
                 print("    " + message.rstrip().replace("\n", "\n    "), flush=True)
             failed = failed or bool(result.errors)

@@ -96,6 +96,9 @@ class HttpFloorSystem:
         url = _URL_FILE.read_text()
         return LeanHttpFloorClient(url) if self.lean else HttpFloorClient(url)
 
+    def server_pids(self) -> list[int]:
+        return [] if self._process is None else [self._process.pid]
+
     def teardown(self, backend_url: str, scenario: Scenario) -> None:
         stop_process(self._process)
         self._process = None

@@ -27,6 +27,7 @@ beside permits on each backend. ZooKeeper and etcd are started privately when no
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -396,6 +397,14 @@ def _targets_section(plan: Plan, results: dict[Key, RunResult]) -> list[str]:
             measured += f" (lean client: {lean.cycles_per_s:.0f})" if lean else ""
             bounds = [f"{r.cycles_per_s:.0f}{label}" for r, label in ((http, ""), (lean_http, " lean")) if r]
             bound = f"; the null HTTP service: {' / '.join(bounds)}" if bounds else ""
+            budget = _service_budget_ms(lua.cycles_per_s, lean)
+            if budget is not None and lean is not None:
+                spent = lean.cpu_ms_per_cycle("server")
+                bare = lean_http.cpu_ms_per_cycle("server") if lean_http else None
+                bound += (
+                    f"; at {lua.cycles_per_s:.0f} cycles/s the service's CPU budget is {budget:.2f} ms a cycle"
+                    f" (spent: {_ms(spent)}; a bare ASGI app: {_ms(bare)})"
+                )
             rows.append(
                 (
                     f"{backend}: service at {top} clients >= the Redis Lua semaphore",
@@ -433,6 +442,17 @@ def _targets_section(plan: Plan, results: dict[Key, RunResult]) -> list[str]:
     ]
     lines += [f"| {what} | {figure} | {'yes' if met else '**no**'} |" for what, figure, met in rows]
     return [*lines, ""]
+
+
+def _service_budget_ms(rate: float, lean: RunResult | None) -> float | None:
+    """The CPU a service process could spend per cycle at ``rate`` cycles/s, with every core of the machine
+    busy: what the cores give per cycle, less what the lean clients and the database spent per cycle
+    through the service (``lean``). At or below 0, no service could reach ``rate`` on this machine with
+    these clients and this database, whatever it did. None: not measured."""
+    clients, stores = (lean.cpu_ms_per_cycle(part) for part in ("clients", "stores")) if lean else (None, None)
+    if clients is None or stores is None or rate <= 0:
+        return None
+    return (os.cpu_count() or 1) * 1000 / rate - clients - stores
 
 
 def _labels(grids: tuple[Grid, ...]) -> list[str]:
@@ -524,14 +544,18 @@ def _service_section(plan: Plan, results: dict[Key, RunResult]) -> list[str]:
         "touch no database: no service on this stack can do more cycles per second on this machine.",
         "`null-http-lean` is the leanest pair (a bare ASGI function on the same uvicorn, `http.client` in",
         "the clients): a practical ceiling for one service process on this machine, with light clients.",
+        "`CPU ms/cycle` is the CPU time each part used per granted cycle over the counted seconds: the",
+        "clients (all of them, each counting its own), the server (the one service process) and the database",
+        "server's processes; `cores` is what the whole machine had in use then.",
         "",
     ]
     for backend in service_backends:
         lines += [
             f"### {backend}",
             "",
-            "| clients | system | cycles/s | p50 ms | p99 ms | jain | db conns mean / max | queued | RSS MB |",
-            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| clients | system | cycles/s | p50 ms | p99 ms | jain | db conns mean / max | queued | RSS MB "
+            "| CPU ms/cycle clients / server / database | cores |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for clients in plan.service_clients:
             for system in SERVICE_SYSTEMS:
@@ -541,7 +565,8 @@ def _service_section(plan: Plan, results: dict[Key, RunResult]) -> list[str]:
                 waiting = "-" if queued is None else f"{queued['mean']:.1f}"
                 lines.append(
                     f"| {clients} | {system} | {r.cycles_per_s:.0f} | {_ms(r.p50_ms)} | {_ms(r.p99_ms)} "
-                    f"| {_jain(r)} | {_pair(conns)} | {waiting} | {_pair(r.samples.get('rss_mb'))} |"
+                    f"| {_jain(r)} | {_pair(conns)} | {waiting} | {_pair(r.samples.get('rss_mb'))} "
+                    f"| {_cpu_parts(r)} | {_cores(r)} |"
                 )
         lines.append("")
     return lines
@@ -559,7 +584,8 @@ def _peer_section(plan: Plan, results: dict[Key, RunResult], charts: dict[tuple[
         "## Peers on their own stores",
         "",
         "Redis, ZooKeeper and etcd locks and semaphores, run once each (they do not use the SQL backend),",
-        "beside permits on each backend from the tables above (same run, same scenario).",
+        "beside permits on each backend from the tables above (same run, same scenario). `CPU ms/cycle`: as",
+        "in the service's tables, the clients' and the store's (its server's processes) per granted cycle.",
         "",
     ]
     for grid in plan.peer_grids:
@@ -568,8 +594,9 @@ def _peer_section(plan: Plan, results: dict[Key, RunResult], charts: dict[tuple[
         if ("peers", label) in charts:
             lines += [f"![peers, {label}: cycles/s against clients]({charts[('peers', label)]})", ""]
         lines += [
-            "| clients | system | store | durable | cycles/s | refused | p50 ms | p99 ms | jain | errors |",
-            "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| clients | system | store | durable | cycles/s | refused | p50 ms | p99 ms | jain | errors "
+            "| CPU ms/cycle clients / store |",
+            "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for clients in grid.clients:
             rows = [("permits", backend) for backend in plan.backends]
@@ -580,10 +607,17 @@ def _peer_section(plan: Plan, results: dict[Key, RunResult], charts: dict[tuple[
                     continue
                 lines.append(
                     f"| {clients} | {system} | {store} | {_yes_no(system)} | {r.cycles_per_s:.0f} | {_refused(r)} "
-                    f"| {_ms(r.p50_ms)} | {_ms(r.p99_ms)} | {_jain(r)} | {r.error_count} |"
+                    f"| {_ms(r.p50_ms)} | {_ms(r.p99_ms)} | {_jain(r)} | {r.error_count} | {_client_store_cpu(r)} |"
                 )
         lines.append("")
     return lines
+
+
+def _client_store_cpu(r: RunResult) -> str:
+    clients, store = r.cpu_ms_per_cycle("clients"), r.cpu_ms_per_cycle("stores")
+    if clients is None or store is None:
+        return "-"
+    return f"{clients:.2f} / {store:.2f}"
 
 
 def _store_versions() -> str:
@@ -674,6 +708,18 @@ def _keep_findings(path: Path, text: str) -> str:
 
 def _pair(sample: dict[str, float] | None) -> str:
     return "-" if sample is None else f"{sample['mean']:.1f} / {sample['max']:.0f}"
+
+
+def _cpu_parts(r: RunResult) -> str:
+    """CPU ms per granted cycle of the clients, the server and the stores' processes (``RunResult.cpu``)."""
+    parts = [r.cpu_ms_per_cycle(part) for part in ("clients", "server", "stores")]
+    if all(ms is None for ms in parts):
+        return "-"
+    return " / ".join("-" if ms is None else f"{ms:.2f}" for ms in parts)
+
+
+def _cores(r: RunResult) -> str:
+    return f"{r.cpu['all']:.2f}" if "all" in r.cpu else "-"
 
 
 def _ms(value: float | None) -> str:

@@ -82,6 +82,9 @@ class ServiceSystem:
             values["rss_mb"] = _resident_mb(self._process.pid)
         return values
 
+    def server_pids(self) -> list[int]:
+        return [] if self._process is None else [self._process.pid]
+
     def verify(self, backend_url: str, scenario: Scenario) -> list[str]:
         return PERMITS.verify(backend_url, scenario)
 

@@ -46,12 +46,39 @@ def test_quick_benchmark_runs_every_system() -> None:
         assert heading in done.stdout
     for system in ("service+prelock", "service-prelock", "service-lean", "null-http", "null-http-lean"):
         assert f"| {system} |" in done.stdout
+    # Where the CPU went, per part, in every cell through the service (the clients, the service process, the
+    # database's processes), and the clients' and the store's in every peer's. A server's time is read in
+    # clock ticks (10 ms), which a quick run's 0.3 s may not fill: only the clients' must be above 0.
+    rows = _table_rows(done.stdout)
+    for row in (r for r in rows if r.get("system") == "service-lean"):
+        clients, server, database = (float(ms) for ms in row["CPU ms/cycle clients / server / database"].split(" / "))
+        assert clients > 0 and server >= 0 and database >= 0, row
     for peer in PEERS:
-        rows = [line for line in done.stdout.splitlines() if f"| {peer} |" in line]
-        assert rows, f"{peer} is missing from the report"
-        for row in rows:
-            errors = row.rstrip(" |").rsplit("|", 1)[1].strip()
-            assert errors == "0", f"{peer} had errors: {row}"
+        mine = [r for r in rows if r.get("system") == peer]
+        assert mine, f"{peer} is missing from the report"
+        for row in mine:
+            assert row["errors"] == "0", f"{peer} had errors: {row}"
+            if "CPU ms/cycle clients / store" in row:
+                clients, store = (float(ms) for ms in row["CPU ms/cycle clients / store"].split(" / "))
+                assert clients > 0 and store >= 0, row
+        if PEERS[peer].backend is None:  # a peer on its own store: its table has the CPU column
+            assert any("CPU ms/cycle clients / store" in r for r in mine), f"{peer}: no CPU figures"
+
+
+def _table_rows(report: str) -> list[dict[str, str]]:
+    """Every row of every markdown table in ``report``, by its table's column names."""
+    rows: list[dict[str, str]] = []
+    header: list[str] | None = None
+    for line in report.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif not all(set(cell) <= set("-: ") for cell in cells):
+            rows.append(dict(zip(header, cells, strict=True)))
+    return rows
 
 
 def test_the_notify_cost_measurement_runs() -> None:
@@ -107,6 +134,21 @@ def _cycles_without_errors(system: str, backend: str, clients: str) -> None:
     assert len(rows) == len(clients.split(",")), out
     for row in rows:
         assert row[-3] == "0" and float(row[4]) > 0, out
+
+
+def test_the_harness_counts_the_cpu_of_each_part() -> None:
+    """``--cpu``: the CPU time of the clients, of the server a system started (here the service) and of the
+    database's processes, per granted cycle, over the counted seconds (docs/benchmarks.md)."""
+    out = _run_script(
+        "harness.py",
+        *("--system", "service_system:PRELOCK_ON_LEAN", "--backend", "postgresql", "--scenario", "hot"),
+        *("--clients", "2", "--seconds", "1", "--warmup", "0.2", "--no-machine", "--cpu"),
+    )
+    line = next((line.strip() for line in out.splitlines() if line.strip().startswith("cpu ms/cycle:")), None)
+    assert line is not None, out
+    figures = dict(part.rsplit(" ", 1) for part in line.removeprefix("cpu ms/cycle: ").split(";")[0].split(", "))
+    assert float(figures["clients"]) > 0 and float(figures["server"]) > 0 and float(figures["all"]) > 0, out
+    assert float(line.rsplit(" ", 1)[1]) > 0, out  # the cores the machine had in use
 
 
 @pytest.mark.parametrize("backend", ["mariadb", "postgresql"])
