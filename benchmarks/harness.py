@@ -826,48 +826,59 @@ def _client_context() -> multiprocessing.context.BaseContext:
 STORE_PROCESSES = frozenset({"postgres", "mariadbd", "mysqld", "redis-server", "etcd", "java"})
 
 
-def _cpu_snapshot(servers: Sequence[int]) -> dict[str, float]:
-    """CPU seconds used so far: by the servers, the stores' processes, and the machine."""
+def _cpu_snapshot(servers: Sequence[int]) -> dict[str, dict[int, float]]:
+    """CPU seconds used so far by each process of the servers and of the stores, and by the machine (as
+    process 0 of its own part)."""
     import psutil
 
-    def used(pids: Iterable[int]) -> float:
-        total = 0.0
+    def used(pids: Iterable[int]) -> dict[int, float]:
+        seconds = {}
         for pid in pids:
             with contextlib.suppress(psutil.Error):
                 times = psutil.Process(pid).cpu_times()
-                total += times.user + times.system
-        return total
+                seconds[pid] = times.user + times.system
+        return seconds
 
     stores = [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in STORE_PROCESSES]
     machine = psutil.cpu_times()
     return {
         "server": used(servers),
         "stores": used(stores),
-        "all": sum(machine) - machine.idle - getattr(machine, "iowait", 0.0),
+        "all": {0: sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)},
     }
+
+
+def _cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
+    """The CPU seconds used between two readings by the processes of one part: a process that has gone by
+    the second one (a database backend whose client closed) is left out; one that came after the first is
+    counted from its start."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
 
 
 @contextlib.contextmanager
 def _counting_cpu(result: RunResult, servers: Sequence[int], warmup: float, seconds: float) -> Iterator[None]:
-    """Fill ``result.cpu`` (but for the clients', which each client counts itself) with the CPU used from
-    the end of the warm-up for ``seconds``, the window the clients count (their start is the start event,
-    set just before this). A thread takes the two readings at those times; a run that ends early, or a
-    machine where they cannot be read, leaves it empty."""
+    """Fill ``result.cpu`` (but for the clients', which each client counts itself) with the CPU used per
+    second in the window the clients count, from the end of the warm-up for ``seconds`` after the start
+    event (set just before this). The readings are taken within that window, a twentieth of it in from
+    each end, so that clients ending their run (and the database sessions they close) are not in it; the
+    figures are rates, as the cycles per second they are divided by. A run that ends early, or a machine
+    where they cannot be read, leaves them out."""
     import threading
 
     done = threading.Event()
+    margin = seconds / 20
 
     def count() -> None:
         try:
-            if done.wait(warmup):
+            if done.wait(warmup + margin):
                 return
             began, before = time.perf_counter(), _cpu_snapshot(servers)
-            if done.wait(seconds):
+            if done.wait(max(0.0, seconds - 2 * margin - (time.perf_counter() - began))):
                 return
             elapsed, after = time.perf_counter() - began, _cpu_snapshot(servers)
         except Exception:  # no psutil, or no such figures here: the run goes on without them
             return
-        result.cpu.update({part: (after[part] - before[part]) / elapsed for part in before})
+        result.cpu.update({part: _cpu_between(before[part], after[part]) / elapsed for part in before})
 
     thread = threading.Thread(target=count, name="bench-cpu", daemon=True)
     thread.start()
@@ -877,7 +888,7 @@ def _counting_cpu(result: RunResult, servers: Sequence[int], warmup: float, seco
         done.set()
         raise
     finally:
-        # The clients end their counted seconds about when the second reading is due: wait for it.
+        # The clients end their counted seconds after the second reading is due: wait for it.
         thread.join(warmup + seconds + 5)
         done.set()
 

@@ -307,6 +307,12 @@ def _markdown(
         "- `jain`: Jain's fairness index over the clients' granted cycles: 1.00 when every client got the",
         "  same share, 1/clients when one got everything. `refused`: the share of tries that found no room.",
         "  `errors`: failed cycles, and clients that crashed.",
+        "- `CPU ms/cycle`: the CPU time used per granted cycle over the counted seconds (benchmarks/harness.py,",
+        "  `RunResult.cpu`): by all the clients, each counting its own process's, and by the database server's",
+        "  processes (for a peer on its own store, by that store's). SQLite runs inside the clients, so its",
+        "  work is theirs. `cores`: the CPU the whole machine had in use then, of its "
+        f"{os.cpu_count()}; where it is near that, the cell",
+        "  was bound by CPU, and a system's CPU per cycle bounds its throughput.",
         "",
     ]
     lines += _targets_section(plan, results)
@@ -484,8 +490,9 @@ def _scenario_table(
     if chart:
         lines += [f"![{backend}, {label}: cycles/s against clients]({chart})", ""]
     lines += [
-        "| clients | system | durable | cycles/s | / floor | refused | p50 ms | p99 ms | jain | errors |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| clients | system | durable | cycles/s | / floor | refused | p50 ms | p99 ms | jain | errors "
+        "| CPU ms/cycle clients / database | cores |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     systems = [*BASELINES, *(name for name, peer in PEERS.items() if peer.store == backend)]
     for clients in _clients(plan.grids + plan.peer_grids, label):
@@ -498,7 +505,7 @@ def _scenario_table(
             lines.append(
                 f"| {clients} | {system} | {_yes_no(system)} | {r.cycles_per_s:.0f} | {ratio} | {_refused(r)} "
                 f"| {_ms(r.p50_ms)} "
-                f"| {_ms(r.p99_ms)} | {_jain(r)} | {r.error_count} |"
+                f"| {_ms(r.p99_ms)} | {_jain(r)} | {r.error_count} | {_client_store_cpu(r)} | {_cores(r)} |"
             )
     return [*lines, ""]
 
