@@ -505,7 +505,7 @@ def _scenario_table(
             lines.append(
                 f"| {clients} | {system} | {_yes_no(system)} | {r.cycles_per_s:.0f} | {ratio} | {_refused(r)} "
                 f"| {_ms(r.p50_ms)} "
-                f"| {_ms(r.p99_ms)} | {_jain(r)} | {r.error_count} | {_client_store_cpu(r)} | {_cores(r)} |"
+                f"| {_ms(r.p99_ms)} | {_jain(r)} | {r.error_count} | {_cpu_parts(r, *BESIDE_STORE)} | {_cores(r)} |"
             )
     return [*lines, ""]
 
@@ -573,7 +573,7 @@ def _service_section(plan: Plan, results: dict[Key, RunResult]) -> list[str]:
                 lines.append(
                     f"| {clients} | {system} | {r.cycles_per_s:.0f} | {_ms(r.p50_ms)} | {_ms(r.p99_ms)} "
                     f"| {_jain(r)} | {_pair(conns)} | {waiting} | {_pair(r.samples.get('rss_mb'))} "
-                    f"| {_cpu_parts(r)} | {_cores(r)} |"
+                    f"| {_cpu_parts(r, *THROUGH_SERVICE)} | {_cores(r)} |"
                 )
         lines.append("")
     return lines
@@ -614,17 +614,11 @@ def _peer_section(plan: Plan, results: dict[Key, RunResult], charts: dict[tuple[
                     continue
                 lines.append(
                     f"| {clients} | {system} | {store} | {_yes_no(system)} | {r.cycles_per_s:.0f} | {_refused(r)} "
-                    f"| {_ms(r.p50_ms)} | {_ms(r.p99_ms)} | {_jain(r)} | {r.error_count} | {_client_store_cpu(r)} |"
+                    f"| {_ms(r.p50_ms)} | {_ms(r.p99_ms)} | {_jain(r)} | {r.error_count} "
+                    f"| {_cpu_parts(r, *BESIDE_STORE)} |"
                 )
         lines.append("")
     return lines
-
-
-def _client_store_cpu(r: RunResult) -> str:
-    clients, store = r.cpu_ms_per_cycle("clients"), r.cpu_ms_per_cycle("stores")
-    if clients is None or store is None:
-        return "-"
-    return f"{clients:.2f} / {store:.2f}"
 
 
 def _store_versions() -> str:
@@ -717,12 +711,17 @@ def _pair(sample: dict[str, float] | None) -> str:
     return "-" if sample is None else f"{sample['mean']:.1f} / {sample['max']:.0f}"
 
 
-def _cpu_parts(r: RunResult) -> str:
-    """CPU ms per granted cycle of the clients, the server and the stores' processes (``RunResult.cpu``)."""
-    parts = [r.cpu_ms_per_cycle(part) for part in ("clients", "server", "stores")]
-    if all(ms is None for ms in parts):
+#: The parts whose CPU per cycle a table shows: a system beside its store, and one through the service.
+BESIDE_STORE = ("clients", "stores")
+THROUGH_SERVICE = ("clients", "server", "stores")
+
+
+def _cpu_parts(r: RunResult, *parts: str) -> str:
+    """CPU ms per granted cycle of each of ``parts`` (``RunResult.cpu``), "-" where not measured."""
+    per_cycle = [r.cpu_ms_per_cycle(part) for part in parts]
+    if all(ms is None for ms in per_cycle):
         return "-"
-    return " / ".join("-" if ms is None else f"{ms:.2f}" for ms in parts)
+    return " / ".join("-" if ms is None else f"{ms:.2f}" for ms in per_cycle)
 
 
 def _cores(r: RunResult) -> str:
