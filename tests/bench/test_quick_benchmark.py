@@ -178,6 +178,12 @@ def test_the_get_lock_line_experiment_runs(system: str) -> None:
     _cycles_without_errors(f"get_lock_line:{system}", "mariadb", "1,16")
 
 
+def test_the_seed_in_turn_experiment_runs() -> None:
+    """seed_lined:SEED_LINED (docs/benchmarks.md, the seed on SQLite served in turn) sets up, cycles with
+    its writes in permits' write line, and leaves nothing acquired."""
+    _cycles_without_errors("seed_lined:SEED_LINED", "sqlite", "1,4")
+
+
 @pytest.mark.parametrize("backend", ["postgresql"], indirect=True)
 def test_the_new_only_wait_measurement_runs(db_url: str) -> None:
     """benchmarks/new_only_wait.py, behind "A new_only waiter through the service" in docs/benchmarks.md,
