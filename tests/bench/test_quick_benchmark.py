@@ -178,6 +178,12 @@ def test_the_get_lock_line_experiment_runs(system: str) -> None:
     _cycles_without_errors(f"get_lock_line:{system}", "mariadb", "1,16")
 
 
+def test_the_history_floor_runs() -> None:
+    """history_floor:HISTORY_FLOOR (docs/benchmarks.md, a floor that keeps the history) sets up, cycles on
+    PostgreSQL with its releases kept as history, and leaves no lease held."""
+    _cycles_without_errors("history_floor:HISTORY_FLOOR", "postgresql", "1,4")
+
+
 def test_the_seed_in_turn_experiment_runs() -> None:
     """seed_lined:SEED_LINED (docs/benchmarks.md, the seed on SQLite served in turn) sets up, cycles with
     its writes in permits' write line, and leaves nothing acquired."""
