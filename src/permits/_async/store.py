@@ -1500,7 +1500,8 @@ async def _send_autocommit(driver: Any, sql: str, params: Any, prepare: bool) ->
     with autocommit off, idle. psycopg switches autocommit on the client side, at no round trip."""
     await driver.set_autocommit(True)
     try:
-        cursor = await driver.execute(sql, params, prepare=prepare)
+        cursor = _kept_cursor(driver)
+        await cursor.execute(sql, params, prepare=prepare)
         # Whether rows came back, from the result's column count: psycopg builds ``description`` anew, a
         # Column object per column, on every read of it.
         if cursor.pgresult is None or not cursor.pgresult.nfields:
@@ -1510,6 +1511,23 @@ async def _send_autocommit(driver: Any, sql: str, params: Any, prepare: bool) ->
     finally:
         with contextlib.suppress(Exception):  # a lost connection is dropped by the caller
             await driver.set_autocommit(False)
+
+
+#: The attribute of a psycopg connection that keeps its cursor for the statements that run alone.
+_KEPT_CURSOR = "_permits_cursor"
+
+
+def _kept_cursor(driver: Any) -> Any:
+    """The cursor kept on a psycopg connection for the statements that run alone, made at its first one.
+    ``driver.execute`` makes a cursor, with an adapters map of its own, for every statement: about 8% of a
+    PostgreSQL client's CPU per acquire+release cycle (docs/benchmarks.md, "one cursor per PostgreSQL
+    connection"). A cursor stays usable after a statement fails, and prepared statements belong to the
+    connection, not to the cursor."""
+    cursor = getattr(driver, _KEPT_CURSOR, None)
+    if cursor is None or cursor.closed:
+        cursor = driver.cursor()
+        setattr(driver, _KEPT_CURSOR, cursor)
+    return cursor
 
 
 async def _batch_result(cursor: Any) -> Result:
