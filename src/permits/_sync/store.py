@@ -79,6 +79,7 @@ from permits.stores._engine import (
     driver_error,
     engine_args,
     install_events,
+    kept_cursor,
     sync_engine,
     translate,
 )
@@ -1501,7 +1502,7 @@ def _send_autocommit(driver: Any, sql: str, params: Any, prepare: bool) -> Resul
     with autocommit off, idle. psycopg switches autocommit on the client side, at no round trip."""
     driver.set_autocommit(True)
     try:
-        cursor = _kept_cursor(driver)
+        cursor = kept_cursor(driver)
         cursor.execute(sql, params, prepare=prepare)
         # Whether rows came back, from the result's column count: psycopg builds ``description`` anew, a
         # Column object per column, on every read of it.
@@ -1512,23 +1513,6 @@ def _send_autocommit(driver: Any, sql: str, params: Any, prepare: bool) -> Resul
     finally:
         with contextlib.suppress(Exception):  # a lost connection is dropped by the caller
             driver.set_autocommit(False)
-
-
-#: The attribute of a psycopg connection that keeps its cursor for the statements that run alone.
-_KEPT_CURSOR = "_permits_cursor"
-
-
-def _kept_cursor(driver: Any) -> Any:
-    """The cursor kept on a psycopg connection for the statements that run alone, made at its first one.
-    ``driver.execute`` makes a cursor, with an adapters map of its own, for every statement: about 8% of a
-    PostgreSQL client's CPU per acquire+release cycle (docs/benchmarks.md, "one cursor per PostgreSQL
-    connection"). A cursor stays usable after a statement fails, and prepared statements belong to the
-    connection, not to the cursor."""
-    cursor = getattr(driver, _KEPT_CURSOR, None)
-    if cursor is None or cursor.closed:
-        cursor = driver.cursor()
-        setattr(driver, _KEPT_CURSOR, cursor)
-    return cursor
 
 
 def _batch_result(cursor: Any) -> Result:

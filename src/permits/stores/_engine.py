@@ -221,6 +221,23 @@ def sync_driver_connection(connection: Any) -> Any:
     return connection.connection.driver_connection
 
 
+#: The attribute of a psycopg connection that keeps its cursor for the statements that run alone.
+_KEPT_CURSOR = "_permits_cursor"
+
+
+def kept_cursor(driver: Any) -> Any:
+    """The cursor kept on a psycopg connection for the statements that run alone, made at its first one.
+    ``driver.execute`` makes a cursor, with an adapters map of its own, for every statement: about 8% of a
+    PostgreSQL client's CPU per acquire+release cycle (docs/benchmarks.md, "one cursor per PostgreSQL
+    connection"). A cursor stays usable after a statement fails, and prepared statements belong to the
+    connection, not to the cursor."""
+    cursor = getattr(driver, _KEPT_CURSOR, None)
+    if cursor is None or cursor.closed:
+        cursor = driver.cursor()
+        setattr(driver, _KEPT_CURSOR, cursor)
+    return cursor
+
+
 def driver_error(engine: Any, exc: BaseException) -> DBAPIError | None:
     """A driver exception raised outside SQLAlchemy, wrapped as SQLAlchemy would have (None: not one)."""
     base = sync_engine(engine).dialect.loaded_dbapi.Error
