@@ -8,6 +8,7 @@ it and do not fail the report, but at 1 and 4 clients none of them should raise 
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -182,6 +183,26 @@ def test_the_history_floor_runs() -> None:
     """history_floor:HISTORY_FLOOR (docs/benchmarks.md, a floor that keeps the history) sets up, cycles on
     PostgreSQL with its releases kept as history, and leaves no lease held."""
     _cycles_without_errors("history_floor:HISTORY_FLOOR", "postgresql", "1,4")
+
+
+def test_permits_statements_on_a_bare_driver_run() -> None:
+    """bare_statements:BARE_STATEMENTS (docs/benchmarks.md, the statements without the client) captures
+    permits' own grant and release, sends them on a bare driver, and leaves nothing in use; on a hot
+    semaphore too, where the capture sees a refused grant before the one that took."""
+    _cycles_without_errors("bare_statements:BARE_STATEMENTS", "postgresql", "1,4")
+
+
+def test_the_pgbench_measurement_runs() -> None:
+    """benchmarks/pgbench_statements.py (docs/benchmarks.md, the statements without the client): every
+    variant's script runs under pgbench without a failed transaction, and each gets a ratio to the floor."""
+    url = default_url("postgresql")
+    out = _run_script("pgbench_statements.py", url, "--clients", "2", "--seconds", "1", "--rounds", "1")
+    header, _rule, row = out.splitlines()
+    variants = "floor | history | permits | permits-folded | folded-untokened | folded-keyed"
+    assert header == f"| clients | round | {variants} |", out
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[:2] == ["2", "1"] and cells[2].endswith("(1.00x)"), out
+    assert all(re.fullmatch(r"[\d,]+/s [\d.]+ ms \([\d.]+x\)", cell) for cell in cells[2:]), out
 
 
 def test_the_seed_in_turn_experiment_runs() -> None:
