@@ -3,49 +3,57 @@
 Several processes may start at once on a new database (the embedded default upgrades on first use), so
 an upgrade runs under a lock and re-reads the version inside it: SQLite's write lock (the store opens the
 transaction with BEGIN IMMEDIATE), a transaction-scoped advisory lock on PostgreSQL, GET_LOCK on MySQL.
+
+Alembic is imported only to upgrade, or to read a revision that is not this version's head: a process that
+opens a store on an up-to-date schema (every `permits run`, say) does not pay for importing it, about a
+third of its start-up (docs/benchmarks.md, "Start-up").
 """
 
 from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.script.revision import ResolutionError
-from alembic.util import CommandError
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, inspect, text
 
 from permits._exceptions import SchemaMismatch
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
 VERSION_TABLE = "permits_alembic_version"
+#: the newest revision in migrations/versions, the one this version of permits needs (a test checks it
+#: against Alembic's reading of the directory)
+HEAD = "0009"
 _MIGRATIONS = Path(__file__).with_name("migrations")
 _LOCK_ID = 0x7065726D697473  # "permits"
 
 
 def _config(connection: Connection | None = None) -> Config:
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(_MIGRATIONS))
     config.attributes["connection"] = connection
     return config
 
 
-@functools.cache
 def head() -> str:
-    """The revision this version of permits needs (read once: it parses the migrations' directory)."""
-    revision = ScriptDirectory.from_config(_config()).get_current_head()
-    assert revision is not None
-    return revision
+    """The revision this version of permits needs."""
+    return HEAD
 
 
 @functools.cache
 def newer_than_this_code(revision: str | None) -> bool:
     """The database is at a revision this version of permits does not know: a newer permits upgraded it.
     Neither this version's statements nor its migrations can be used on it."""
-    if revision is None:
+    if revision is None or revision == HEAD:
         return False
+    from alembic.script import ScriptDirectory
+    from alembic.script.revision import ResolutionError
+    from alembic.util import CommandError
+
     try:
         return ScriptDirectory.from_config(_config()).get_revision(revision) is None
     except (ResolutionError, CommandError):  # Alembic wraps the first in the second
@@ -77,8 +85,17 @@ def outdated(where: str, revision: str | None) -> SchemaMismatch:
 
 def current(connection: Connection) -> str | None:
     """The revision the database is at, or None for a database permits has never touched."""
-    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
-    return context.get_current_revision()
+    # What Alembic's MigrationContext.get_current_revision reads, without importing Alembic: the version
+    # table's one row, or nothing where permits never made the table.
+    if not inspect(connection).has_table(VERSION_TABLE):
+        return None
+    revisions = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
+    if len(revisions) > 1:  # several heads: not a table permits writes; let Alembic say what is wrong
+        from alembic.runtime.migration import MigrationContext
+
+        context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+        return context.get_current_revision()
+    return str(revisions[0]) if revisions else None
 
 
 def upgrade(connection: Connection, where: str | None = None) -> str:
@@ -98,6 +115,8 @@ def upgrade(connection: Connection, where: str | None = None) -> str:
             assert revision is not None
             raise newer_schema(where or connection.engine.url.render_as_string(hide_password=True), revision)
         if revision != head():
+            from alembic import command
+
             command.upgrade(_config(connection), "head")
     finally:
         if backend == "mysql":

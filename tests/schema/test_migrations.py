@@ -149,3 +149,50 @@ def test_an_upgrade_behind_a_long_transaction_gives_up_in_bounded_time(fresh_url
         client.close()
     finally:
         blocker_engine.dispose()
+
+
+def test_the_head_this_code_names_is_the_newest_migration() -> None:
+    """``_schema.HEAD`` is written by hand, so that opening a store need not import Alembic to read the
+    migrations' directory: it must be the head Alembic finds there."""
+    from alembic.script import ScriptDirectory
+
+    assert _schema.head() == ScriptDirectory.from_config(_schema._config()).get_current_head()
+
+
+def test_the_revision_is_read_as_alembic_reads_it(fresh_url: str, backend: str) -> None:
+    """``_schema.current`` reads the version table itself: nothing where permits never was, an empty table
+    as no revision, and an older revision as such, which the store refuses until it is upgraded."""
+    engine = create_engine(make_url(fresh_url))
+    try:
+        with engine.connect() as conn:
+            assert _schema.current(conn) is None
+        _migrate(fresh_url, "0008")
+        with engine.connect() as conn:
+            assert _schema.current(conn) == "0008"
+        with (
+            pytest.raises(permits.SchemaMismatch, match="at revision 0008; this version needs 0009"),
+            permits.connect(fresh_url, auto_upgrade=False) as client,
+        ):
+            client.try_acquire("x")
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM permits_alembic_version"))
+        with engine.connect() as conn:
+            assert _schema.current(conn) is None
+    finally:
+        engine.dispose()
+
+
+def test_opening_an_up_to_date_schema_does_not_import_alembic(fresh_url: str, backend: str) -> None:
+    """Every `permits run` opens a store: on a schema at the head it reads the revision without Alembic,
+    whose import is about a third of a process's start-up (docs/benchmarks.md, "Start-up")."""
+    _migrate(fresh_url, "head")
+    script = (
+        "import sys, permits\n"
+        f"with permits.connect({fresh_url!r}, auto_upgrade=False) as client:\n"
+        "    client.create_semaphore('startup', 1, exist_ok=True)\n"
+        "    client.release(client.acquire('startup', timeout=5))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
