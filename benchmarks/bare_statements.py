@@ -7,14 +7,16 @@ Python (validation, the decision core, the pool, the reply deadline, the lease o
 measures permits' statements without its client: the schema is permits' own, made by permits, and each
 client sends the very statements permits sends for a one-semaphore grant and its release, captured from
 the library as it runs them once, then prepared on one autocommit connection, as the floors send theirs.
-A refused grant counts as refused and is asked again at once, as the floors do; permits would wait.
+A refused grant counts as refused and is asked again at once, as the floors do; permits would wait. So it
+measures the spread scenario: on a hot semaphore permits' line refuses a grant while another is granting,
+and asking again at once is a retry storm there (and the grant captured may be the one asked in the line).
 
 So it is what a client with no cost of its own would reach with permits' statements: where it stays above
 0.7x of ``floor``, the rest of the distance is permits' client.
 
     cd benchmarks && python harness.py \
         --system baselines:FLOOR,history_floor:HISTORY_FLOOR,bare_statements:BARE_STATEMENTS,systems:PERMITS \
-        --backend postgresql --scenario hot,spread --clients 1,16 --seconds 5 --warmup 1 --cpu
+        --backend postgresql --scenario spread --clients 1,16 --seconds 5 --warmup 1 --cpu
 """
 
 from __future__ import annotations
