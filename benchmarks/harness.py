@@ -840,12 +840,15 @@ def _cpu_snapshot(servers: Sequence[int]) -> dict[str, dict[int, float]]:
         return seconds
 
     stores = [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in STORE_PROCESSES]
+    return {"server": used(servers), "stores": used(stores), "all": {0: machine_busy_seconds()}}
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy so far, on every core (all but idle and I/O wait)."""
+    import psutil
+
     machine = psutil.cpu_times()
-    return {
-        "server": used(servers),
-        "stores": used(stores),
-        "all": {0: sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)},
-    }
+    return sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
 
 
 def _cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
