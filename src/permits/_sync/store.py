@@ -109,6 +109,10 @@ REMEMBERED_BUSY_LINES = 1_000
 #: At the head of a semaphore's line beside a SQLite database, a waiter reads the semaphore this often
 #: while it waits for room (a read takes no lock), and asks when it sees some.
 HOST_LINE_POLL_SECONDS = 0.0005
+#: How long the sync store keeps one connection out of the pool for the statements that run alone before it
+#: sends it back through the pool once (``_drive_alone_pooled``): the pool's own checks (its recycling of old
+#: connections, MySQL's ``pool_recycle``) then apply to it as to any other, within this many seconds.
+PARK_SECONDS = 10.0
 #: SQLSTATE of a setting's value that the server refuses (``_server_takes``)
 INVALID_PARAMETER_VALUE = "22023"
 #: The warnings about server functions this process has given: each once, not at every open of a client.
@@ -221,6 +225,10 @@ class SQLStore:
 
             conninfo = settings.url.set(drivername="postgresql").render_as_string(hide_password=False)
             self._listener = RoomListener(conninfo, mark_sql=self._driver_sql("LISTENED_MARK")[0])
+        #: the sync store's connection kept out of the pool between statements that run alone, and when it left
+        #: the pool (see ``_drive_alone_pooled``); its guard, shared by the sync store's threads
+        self._parked: tuple[Any, float] | None = None
+        self._park_mutex = sync_mutex()
         #: ``forks()`` when this store's connections were made (see ``_renew_if_forked``)
         self._forks = forks()
 
@@ -237,6 +245,7 @@ class SQLStore:
         self._sessions.clear()  # the parent's sessions; the engine's hook notes the child's own in it
         self._in_line_now = 0
         self._seats_mutex = sync_mutex()
+        self._parked, self._park_mutex = None, sync_mutex()  # the parent's, in the pool kept above
         if self._listener is not None:
             listener = self._listener
             keep_inherited(listener)
@@ -248,7 +257,8 @@ class SQLStore:
 
     @property
     def connections_in_use(self) -> int:
-        """Connections checked out of the pool now (the service exports it as a metric)."""
+        """Connections checked out of the pool now, the sync store's parked one among them (the service
+        exports it as a metric)."""
         return int(self._engine.pool.checkedout())  # type: ignore[attr-defined]
 
     @property
@@ -291,7 +301,9 @@ class SQLStore:
         self._opened = True
 
     def close(self) -> None:
-        self._closed = True
+        with self._park_mutex:
+            self._closed = True  # under the guard: no connection is parked after this (_park)
+        self._unpark_into_pool()
         if self._listener is not None:
             self._listener.close()
         self._engine.dispose()
@@ -1194,6 +1206,7 @@ class SQLStore:
         alone = first.alone and (self._dialect.free_autocommit or self._dialect.self_committing)
         if alone and not IS_ASYNC:
             return self._drive_alone_pooled(flow, first, cuts)
+        self._lend_parked()
         with self._engine.connect() as conn:
             if alone:
                 return self._drive_alone(conn, sync_driver_connection(conn), flow, first, cuts)
@@ -1315,25 +1328,75 @@ class SQLStore:
         """The sync store sends a statement that runs alone on a connection checked out of the pool with no
         SQLAlchemy Connection around it: setting one up and closing it cost about a fifth of a PostgreSQL
         client's CPU per grant (docs/benchmarks.md). Sync only: the asyncio store keeps the Connection,
-        because its pool takes a connection back within SQLAlchemy's own async context."""
-        assert not IS_ASYNC, "the asyncio store sends these on a Connection (_attempt)"
-        try:
-            pooled = self._engine.raw_connection()
-        except Exception as exc:  # not wrapped by SQLAlchemy outside a Connection: wrapped here, so retried
-            error = driver_error(self._engine, exc)
-            if error is None:
-                raise
-            raise error from exc
-        try:
-            return self._drive_alone(pooled, pooled.driver_connection, flow, first, cuts)
-        finally:
-            pooled.close()
+        because its pool takes a connection back within SQLAlchemy's own async context.
 
-    def _drive_alone(self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt, cuts: list[_CutSession]) -> T:
-        """``conn``: a checked-out Connection, or in the sync store a pooled connection; ``driver``: the
-        driver's connection under it."""
+        The connection then stays out of the pool, parked, for the next statement that runs alone (on
+        PostgreSQL still in autocommit): the pool's checkout and return of it cost about a sixth of a
+        client's CPU per grant and release, and switching autocommit on and off again a little more
+        (docs/benchmarks.md, "A connection kept for the statements that run alone")."""
+        assert not IS_ASYNC, "the asyncio store sends these on a Connection (_attempt)"
+        pooled, since = self._take_parked()
+        if pooled is None:
+            try:
+                pooled = self._engine.raw_connection()
+            except Exception as exc:  # not wrapped by SQLAlchemy outside a Connection: wrapped here, so retried
+                error = driver_error(self._engine, exc)
+                if error is None:
+                    raise
+                raise error from exc
+            since = monotonic()
         try:
-            result = self._send_alone(conn, driver, stmt, cuts)
+            return self._drive_alone(pooled, pooled.driver_connection, flow, first, cuts, parks=True)
+        finally:
+            self._park(pooled, since)
+
+    def _take_parked(self) -> tuple[Any, float]:
+        """The parked connection and when it left the pool, taken out of its place: (None, 0) if none is."""
+        with self._park_mutex:
+            parked, self._parked = self._parked, None
+        return (None, 0.0) if parked is None else parked
+
+    def _park(self, pooled: Any, since: float) -> None:
+        """Keep ``pooled``, which left the pool at ``since`` (monotonic), out of it for the next statement that
+        runs alone; or give it back: where its link was lost (invalidated), it left the pool PARK_SECONDS ago
+        or more, another is parked already (several threads sent statements at once), or the store is closed."""
+        if pooled.is_valid and monotonic() - since < PARK_SECONDS:
+            with self._park_mutex:
+                if self._parked is None and not self._closed:  # under the guard: close() unparks under it too
+                    self._parked = (pooled, since)
+                    return
+        self._into_pool(pooled)
+
+    def _into_pool(self, pooled: Any) -> None:
+        """Give a connection that ran statements alone back to the pool, as the pool's other users expect it:
+        on PostgreSQL, with autocommit off. One that cannot be switched back is dropped."""
+        if pooled.is_valid and self._dialect.free_autocommit:
+            try:
+                pooled.driver_connection.set_autocommit(False)
+            except Exception:
+                pooled.invalidate()
+        pooled.close()
+
+    def _unpark_into_pool(self) -> None:
+        """Give the parked connection, if there is one, back to the pool."""
+        pooled, _ = self._take_parked()
+        if pooled is not None:
+            self._into_pool(pooled)
+
+    def _lend_parked(self) -> None:
+        """A transaction is about to take a connection from the pool: where the pool has none idle, the parked
+        one goes back into it first, for this checkout to take, rather than open another connection or, at
+        the pool's limit, wait for one while the parked one sits idle."""
+        if self._parked is not None and self._engine.pool.checkedin() == 0:  # type: ignore[attr-defined]
+            self._unpark_into_pool()
+
+    def _drive_alone(
+        self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt, cuts: list[_CutSession], parks: bool = False
+    ) -> T:
+        """``conn``: a checked-out Connection, or in the sync store a pooled connection; ``driver``: the
+        driver's connection under it. ``parks``: the connection is parked after (``_drive_alone_pooled``)."""
+        try:
+            result = self._send_alone(conn, driver, stmt, cuts, parks)
         except DBAPIError as exc:
             if self._dialect.classify(exc) is not Fault.DUPLICATE:
                 raise
@@ -1346,11 +1409,14 @@ class SQLStore:
             return value
         raise RuntimeError("a flow went on after a statement that runs alone")
 
-    def _send_alone(self, conn: Any, driver: Any, stmt: Stmt, cuts: list[_CutSession]) -> Result:
+    def _send_alone(
+        self, conn: Any, driver: Any, stmt: Stmt, cuts: list[_CutSession], parks: bool = False
+    ) -> Result:
         """Send a statement that is a whole transaction by itself (a grant, a release) as one request, on
-        the driver's own connection. SQLAlchemy never opens a transaction on ``conn``, so it adds no COMMIT
-        of its own (PyMySQL sends one even when there is nothing to commit) and none of its per-statement
-        work, which was most of a PostgreSQL client's CPU time per operation."""
+        the driver's own connection (``parks``: one that is parked after, left in autocommit). SQLAlchemy
+        never opens a transaction on ``conn``, so it adds no COMMIT of its own (PyMySQL sends one even when
+        there is nothing to commit) and none of its per-statement work, which was most of a PostgreSQL
+        client's CPU time per operation."""
         calls, dialect = self._function_calls, self._dialect
         if not dialect.has(stmt.name):  # a call the flow was made for, given up by another operation since
             raise _CallGone(stmt.name, "given up meanwhile")
@@ -1364,7 +1430,7 @@ class SQLStore:
                 if dialect.self_committing:
                     result = _send_batch(driver, sql, params)
                 else:
-                    result = _send_autocommit(driver, sql, params, self._prepare)
+                    result = _send_autocommit(driver, sql, params, self._prepare, keep_autocommit=parks)
             finally:  # before the handling below, which may close the connection and free its socket's number
                 if sync_unwatch_reply(watch):
                     cut = True
@@ -1497,22 +1563,31 @@ def _send_batch(driver: Any, sql: str, params: Any) -> Result:
     return result
 
 
-def _send_autocommit(driver: Any, sql: str, params: Any, prepare: bool) -> Result:
-    """One statement in autocommit (PostgreSQL), on a psycopg connection, which is left as it was found:
-    with autocommit off, idle. psycopg switches autocommit on the client side, at no round trip."""
-    driver.set_autocommit(True)
+def _send_autocommit(driver: Any, sql: str, params: Any, prepare: bool, keep_autocommit: bool = False) -> Result:
+    """One statement in autocommit (PostgreSQL), on a psycopg connection, which is left idle, and with
+    autocommit off as it was found unless ``keep_autocommit`` (a parked connection: ``_drive_alone_pooled``).
+    psycopg switches autocommit on the client side, at no round trip."""
+    if not driver.autocommit:
+        driver.set_autocommit(True)
+    if keep_autocommit:
+        return _autocommitted(driver, sql, params, prepare)
     try:
-        cursor = kept_cursor(driver)
-        cursor.execute(sql, params, prepare=prepare)
-        # Whether rows came back, from the result's column count: psycopg builds ``description`` anew, a
-        # Column object per column, on every read of it.
-        if cursor.pgresult is None or not cursor.pgresult.nfields:
-            return Result([], int(cursor.rowcount))
-        rows = [tuple(r) for r in cursor.fetchall()]
-        return Result(rows, len(rows))
+        return _autocommitted(driver, sql, params, prepare)
     finally:
         with contextlib.suppress(Exception):  # a lost connection is dropped by the caller
             driver.set_autocommit(False)
+
+
+def _autocommitted(driver: Any, sql: str, params: Any, prepare: bool) -> Result:
+    """``_send_autocommit``'s statement, on a connection in autocommit."""
+    cursor = kept_cursor(driver)
+    cursor.execute(sql, params, prepare=prepare)
+    # Whether rows came back, from the result's column count: psycopg builds ``description`` anew, a Column
+    # object per column, on every read of it.
+    if cursor.pgresult is None or not cursor.pgresult.nfields:
+        return Result([], int(cursor.rowcount))
+    rows = [tuple(r) for r in cursor.fetchall()]
+    return Result(rows, len(rows))
 
 
 def _batch_result(cursor: Any) -> Result:
