@@ -122,6 +122,17 @@ def test_the_statement_and_client_cost_measurements_run() -> None:
     assert "client CPU" in out and out.rstrip().endswith("ms/cycle"), out
 
 
+@pytest.mark.beside_others  # it counts instructions, which other tests' load does not change
+def test_the_instruction_count_runs(tmp_path: Path) -> None:
+    """benchmarks/client_instructions.py, behind "a connection kept for the statements that run
+    alone" in docs/benchmarks.md: two short
+    runs under valgrind, on a SQLite file of its own."""
+    out = _run_script("client_instructions.py", f"sqlite:///{tmp_path}/count.db", "--few", "2", "--many", "6")
+    found = re.fullmatch(r"installed permits: ([\d,]+) instructions per cycle\n", out)
+    assert found is not None, out
+    assert int(found.group(1).replace(",", "")) > 10_000, out  # a cycle of the library is never less
+
+
 def _cycles_without_errors(system: str, backend: str, clients: str) -> None:
     """Runs ``system`` briefly through the harness, hot semaphore: every cell cycled, with no errors (the
     harness also checks that nothing is left in use)."""
