@@ -36,9 +36,9 @@ def captured_statements(url: str, name: str, owner: str) -> list[tuple[str, dict
     sent: list[tuple[str, dict[str, Any]]] = []
     send = sync_store._send_autocommit
 
-    def spy(driver: Any, sql: str, params: Any, prepare: bool) -> Any:
+    def spy(driver: Any, sql: str, params: Any, *args: Any, **kwargs: Any) -> Any:
         sent.append((sql, dict(params)))
-        return send(driver, sql, params, prepare)
+        return send(driver, sql, params, *args, **kwargs)
 
     sync_store._send_autocommit = spy
     try:
