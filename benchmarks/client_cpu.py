@@ -5,13 +5,14 @@ database's round trips.
 
 One client, one semaphore of capacity 10, ``acquire`` then ``release`` in a loop after as many uncounted
 cycles of warm-up. Prints cycles/s, the process's user+system CPU per cycle (``resource.getrusage``) and
-the wall time per cycle. Comparing two versions: run it with ``PYTHONPATH`` pointing at each one's
-``src``, alternating.
+the wall time per cycle (``--asyncio``: the same on ``connect_async``). Comparing two versions: run it
+with ``PYTHONPATH`` pointing at each one's ``src``, alternating.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import resource
 import time
 
@@ -23,22 +24,44 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("url", help="a permits database URL (sqlite:///..., mysql://..., postgresql://...)")
-    parser.add_argument("--cycles", type=int, default=3000, help="measured cycles (as many again to warm up)")
-    args = parser.parse_args()
-    with permits.connect(args.url, auto_upgrade=True) as client:
+def _measure_sync(url: str, count: int) -> tuple[float, float]:
+    with permits.connect(url, auto_upgrade=True) as client:
         client.create_semaphore("client-cpu", 10, exist_ok=True)
 
         def cycles(count: int) -> None:
             for _ in range(count):
                 client.release(client.acquire("client-cpu", ttl=30, timeout=5))
 
-        cycles(args.cycles)
+        cycles(count)
         cpu, wall = _cpu_seconds(), time.perf_counter()
-        cycles(args.cycles)
-        cpu, wall = _cpu_seconds() - cpu, time.perf_counter() - wall
+        cycles(count)
+        return _cpu_seconds() - cpu, time.perf_counter() - wall
+
+
+async def _measure_async(url: str, count: int) -> tuple[float, float]:
+    async with permits.connect_async(url, auto_upgrade=True) as client:
+        await client.create_semaphore("client-cpu", 10, exist_ok=True)
+
+        async def cycles(count: int) -> None:
+            for _ in range(count):
+                await client.release(await client.acquire("client-cpu", ttl=30, timeout=5))
+
+        await cycles(count)
+        cpu, wall = _cpu_seconds(), time.perf_counter()
+        await cycles(count)
+        return _cpu_seconds() - cpu, time.perf_counter() - wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("url", help="a permits database URL (sqlite:///..., mysql://..., postgresql://...)")
+    parser.add_argument("--cycles", type=int, default=3000, help="measured cycles (as many again to warm up)")
+    parser.add_argument("--asyncio", action="store_true", help="the asyncio client (connect_async), on one loop")
+    args = parser.parse_args()
+    if args.asyncio:
+        cpu, wall = asyncio.run(_measure_async(args.url, args.cycles))
+    else:
+        cpu, wall = _measure_sync(args.url, args.cycles)
     print(
         f"{args.cycles / wall:.0f} cycles/s, client CPU {cpu / args.cycles * 1000:.3f} ms/cycle,"
         f" wall {wall / args.cycles * 1000:.3f} ms/cycle"

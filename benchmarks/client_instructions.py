@@ -27,7 +27,7 @@ CLIENT_CPU = Path(__file__).with_name("client_cpu.py")
 _COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 
 
-def instructions(url: str, cycles: int, src: str | None) -> int:
+def instructions(url: str, cycles: int, src: str | None, asyncio: bool = False) -> int:
     """The instructions callgrind counted in a whole run of client_cpu.py with ``cycles``."""
     env = dict(os.environ)
     if src is not None:
@@ -43,6 +43,7 @@ def instructions(url: str, cycles: int, src: str | None) -> int:
                 url,
                 "--cycles",
                 str(cycles),
+                *(["--asyncio"] if asyncio else []),
             ],
             env=env,
             capture_output=True,
@@ -55,9 +56,9 @@ def instructions(url: str, cycles: int, src: str | None) -> int:
     return int(found.group(1))
 
 
-def per_cycle(url: str, src: str | None, few: int, many: int) -> float:
+def per_cycle(url: str, src: str | None, few: int, many: int, asyncio: bool = False) -> float:
     # client_cpu.py runs as many uncounted cycles before the counted ones: 2 * cycles in all.
-    return (instructions(url, many, src) - instructions(url, few, src)) / (2 * (many - few))
+    return (instructions(url, many, src, asyncio) - instructions(url, few, src, asyncio)) / (2 * (many - few))
 
 
 def main() -> None:
@@ -66,11 +67,12 @@ def main() -> None:
     parser.add_argument("--src", action="append", help="a permits src directory to measure (repeatable)")
     parser.add_argument("--few", type=int, default=100, help="cycles in the shorter run")
     parser.add_argument("--many", type=int, default=600, help="cycles in the longer run")
+    parser.add_argument("--asyncio", action="store_true", help="the asyncio client (client_cpu.py --asyncio)")
     args = parser.parse_args()
     if args.many <= args.few:
         parser.error("--many must be more than --few")
     for src in args.src or [None]:
-        count = per_cycle(args.url, src, args.few, args.many)
+        count = per_cycle(args.url, src, args.few, args.many, args.asyncio)
         print(f"{src or 'installed permits'}: {count:,.0f} instructions per cycle")
 
 

@@ -1,14 +1,15 @@
-"""The sync store keeps one connection out of the pool between the statements that run alone (a grant, a
-release: ``_drive_alone_pooled``), and on PostgreSQL leaves it in autocommit. What the pool did for those
+"""Both stores keep connections out of the pool between the statements that run alone (a grant, a release:
+the store's ``_Parked``), and on PostgreSQL leave them in autocommit. What the pool did for those
 statements must still hold: a connection whose link was lost is never used again and the operation is not
-lost with it, transactions are not kept waiting for a connection while the parked one sits idle, the pool's
+lost with it, transactions are not kept waiting for a connection while a parked one sits idle, the pool's
 own checks still reach it, a connection goes back to the pool as the pool's other users expect it, and
-threads that share a client never share a connection."""
+threads or tasks that share a client never share a connection."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,7 +17,10 @@ import sqlalchemy
 from sqlalchemy import event
 
 import permits
+import permits._async.store as async_store
 import permits._sync.store as sync_store
+from permits.stores._engine import sync_engine
+from tests.conftest import AsyncFacade, sqlalchemy_url
 
 pytestmark = pytest.mark.usefixtures("servers")
 
@@ -27,13 +31,29 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture
+def via() -> str:
+    """Overrides the conformance fixture: the stores themselves, not the service."""
+    return "db"
+
+
+def _store(client: Any) -> Any:
+    return client._client._store if isinstance(client, AsyncFacade) else client._store
+
+
+def _call(client: Any, method: Callable[..., Any], *args: Any) -> Any:
+    """Call a store's method, on the client's event loop where it is the asyncio store's."""
+    result = method(*args)
+    return client._call(result) if asyncio.iscoroutine(result) else result
+
+
 class _PoolTraffic:
     """Counts what a store's pool does: connections made, checkouts."""
 
     def __init__(self, store: Any) -> None:
         self.connects = self.checkouts = 0
-        event.listen(store._engine, "connect", self._connected)
-        event.listen(store._engine, "checkout", self._checked_out)
+        event.listen(sync_engine(store._engine), "connect", self._connected)
+        event.listen(sync_engine(store._engine), "checkout", self._checked_out)
 
     def _connected(self, *_: Any) -> None:
         self.connects += 1
@@ -42,27 +62,22 @@ class _PoolTraffic:
         self.checkouts += 1
 
 
-@pytest.fixture
-def client(db_url: str, ns: str) -> Iterator[permits.Client]:
-    """A client on its own pool, with a semaphore ``<ns>s`` of capacity 2."""
-    with permits.connect(db_url, owner=f"{ns}o") as client:
-        client.create_semaphore(f"{ns}s", 2)
-        yield client
+def _opened(make_client: Callable[..., Any], ns: str) -> Any:
+    """A client on a pool of its own, with a semaphore ``<ns>s`` of capacity 2."""
+    client = make_client(owner=f"{ns}o")
+    client.create_semaphore(f"{ns}s", 2)
+    return client
 
 
-def _cycle(client: permits.Client, name: str) -> int:
+def _cycle(client: Any, name: str) -> int:
     lease = client.acquire(name, ttl=30, timeout=10)
     assert client.release(lease) is permits.ReleaseOutcome.RELEASED
-    return lease.token
-
-
-def _server_session(store: Any, pooled: Any) -> Any:
-    return store._sessions[pooled.driver_connection]["id"]
+    return int(lease.token)
 
 
 def _end_server_session(db_url: str, backend: str, session_id: Any) -> None:
     """End a server session from outside, as a restarted proxy or an administrator's kill would."""
-    engine = sqlalchemy.create_engine(_driver_url(db_url, backend))
+    engine = sqlalchemy.create_engine(sqlalchemy_url(db_url))
     try:
         with engine.begin() as conn:
             if backend == "postgresql":
@@ -73,65 +88,62 @@ def _end_server_session(db_url: str, backend: str, session_id: Any) -> None:
         engine.dispose()
 
 
-def _driver_url(db_url: str, backend: str) -> str:
-    driver = "postgresql+psycopg" if backend == "postgresql" else "mysql+pymysql"
-    return sqlalchemy.engine.make_url(db_url).set(drivername=driver).render_as_string(hide_password=False)
-
-
-def test_grants_and_releases_reuse_one_connection_kept_out_of_the_pool(client: permits.Client, ns: str) -> None:
-    store = client._store
+def test_grants_and_releases_reuse_a_connection_kept_out_of_the_pool(make_client: Callable[..., Any], ns: str) -> None:
+    client = _opened(make_client, ns)
+    store = _store(client)
     _cycle(client, f"{ns}s")
     traffic = _PoolTraffic(store)
     tokens = [_cycle(client, f"{ns}s") for _ in range(20)]
     assert tokens == sorted(set(tokens))
     assert (traffic.connects, traffic.checkouts) == (0, 0)
-    assert store.connections_in_use == 1  # the parked one
+    assert len(store._parked) == 1
+    assert store.connections_in_use == 0  # a parked connection is not at work
 
 
-def test_a_transaction_takes_the_parked_connection_when_the_pool_has_none_idle(client: permits.Client, ns: str) -> None:
-    store = client._store
-    store._engine.dispose()  # a pool with no connection yet
+def test_a_transaction_takes_a_parked_connection_when_the_pool_has_none_idle(
+    make_client: Callable[..., Any], ns: str
+) -> None:
+    client = _opened(make_client, ns)
+    store = _store(client)
+    _call(client, store._engine.dispose)  # a pool with no connection yet
     traffic = _PoolTraffic(store)
     _cycle(client, f"{ns}s")
-    assert store._parked is not None
+    assert len(store._parked) == 1
     client.create_semaphore(f"{ns}t", 1)  # a transaction: not a statement that runs alone
     assert traffic.connects == 1, "the transaction opened a connection while one sat parked"
-    assert store._parked is None
+    assert store._parked == []
     _cycle(client, f"{ns}t")
     assert traffic.connects == 1
 
 
 def test_a_parked_connection_goes_back_to_the_pool_as_the_pool_found_it(
-    client: permits.Client, ns: str, backend: str
+    make_client: Callable[..., Any], ns: str, backend: str
 ) -> None:
-    store = client._store
+    client = _opened(make_client, ns)
+    store = _store(client)
     _cycle(client, f"{ns}s")
-    parked, _ = store._parked
-    driver = parked.driver_connection
-    store._unpark_into_pool()
-    assert store.connections_in_use == 0
-    pooled = store._engine.raw_connection()
-    try:
-        assert pooled.driver_connection is driver
-        if backend == "postgresql":
-            assert driver.autocommit is False
-            assert driver.info.transaction_status == driver.info.transaction_status.IDLE
-    finally:
-        pooled.close()
+    (parked,) = store._parked
+    _call(client, store._unpark_into_pool)
+    assert store._parked == []
+    assert _call(client, store._engine.pool.checkedout) == 0
+    if backend == "postgresql":
+        assert parked.driver.autocommit is False
+        assert parked.driver.info.transaction_status == parked.driver.info.transaction_status.IDLE
     client.create_semaphore(f"{ns}t", 1)  # a transaction on it commits as before
     assert client.get_semaphore(f"{ns}t").capacity == 1
 
 
 def test_a_parked_connection_whose_server_session_ended_loses_no_operation(
-    client: permits.Client, ns: str, db_url: str, backend: str
+    make_client: Callable[..., Any], ns: str, db_url: str, backend: str
 ) -> None:
-    store = client._store
+    client = _opened(make_client, ns)
+    store = _store(client)
     name = f"{ns}s"
     _cycle(client, name)
-    parked, _ = store._parked
-    _end_server_session(db_url, backend, _server_session(store, parked))
+    (parked,) = store._parked
+    _end_server_session(db_url, backend, store._sessions[parked.driver]["id"])
     lease = client.acquire(name, ttl=30, timeout=10)  # meets the dead link, and is retried on a new one
-    assert store._parked is not None and store._parked[0] is not parked
+    assert [p.driver for p in store._parked] != [parked.driver]
     assert client.get_semaphore(name).used == 1
     assert client.release(lease) is permits.ReleaseOutcome.RELEASED
     assert client.get_semaphore(name).used == 0
@@ -139,72 +151,130 @@ def test_a_parked_connection_whose_server_session_ended_loses_no_operation(
 
 
 def test_a_connection_goes_back_through_the_pool_once_it_has_been_out_long_enough(
-    client: permits.Client, ns: str, monkeypatch: pytest.MonkeyPatch
+    make_client: Callable[..., Any], ns: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = client._store
+    client = _opened(make_client, ns)
+    store = _store(client)
     _cycle(client, f"{ns}s")
     monkeypatch.setattr(sync_store, "PARK_SECONDS", 0.0)
-    store._unpark_into_pool()  # the one parked before
+    monkeypatch.setattr(async_store, "PARK_SECONDS", 0.0)
+    _call(client, store._unpark_into_pool)  # the one parked before
     traffic = _PoolTraffic(store)
     for _ in range(3):
         _cycle(client, f"{ns}s")
-        assert store._parked is None
-        assert store.connections_in_use == 0
+        assert store._parked == []
     assert traffic.checkouts == 6  # every statement through the pool, where its checks apply
 
 
-def test_close_gives_the_parked_connection_back(db_url: str, ns: str) -> None:
-    client = permits.connect(db_url, owner=f"{ns}o")
-    client.create_semaphore(f"{ns}s", 1)
+def test_close_gives_the_parked_connections_back(make_client: Callable[..., Any], ns: str) -> None:
+    client = _opened(make_client, ns)
+    store = _store(client)
     _cycle(client, f"{ns}s")
-    store = client._store
-    assert store._parked is not None
+    assert store._parked != []
     client.close()
-    assert store._parked is None
-    assert store.connections_in_use == 0
+    assert store._parked == []
 
 
-def test_threads_sharing_a_client_never_share_a_connection(client: permits.Client, ns: str) -> None:
-    store = client._store
-    name = f"{ns}s"
-    in_flight: set[int] = set()
-    shared: list[int] = []
-    guard = threading.Lock()
-    attribute = "_send_autocommit" if store._dialect.free_autocommit else "_send_batch"
-    send = getattr(sync_store, attribute)
+def test_threads_sharing_a_client_never_share_a_connection(db_url: str, ns: str) -> None:
+    with permits.connect(db_url, owner=f"{ns}o") as client:
+        client.create_semaphore(f"{ns}s", 2)
+        store = client._store
+        overlaps = _SendWatch(store, sync_store)
+        tokens: list[int] = []
+        errors: list[BaseException] = []
+        guard = threading.Lock()
 
-    def watched(driver: Any, *args: Any, **kwargs: Any) -> Any:
-        with guard:
-            if id(driver) in in_flight:
-                shared.append(id(driver))
-            in_flight.add(id(driver))
+        def work() -> None:
+            try:
+                for _ in range(15):
+                    token = _cycle(client, f"{ns}s")
+                    with guard:
+                        tokens.append(token)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
         try:
-            return send(driver, *args, **kwargs)
+            threads = [threading.Thread(target=work) for _ in range(6)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
         finally:
-            with guard:
-                in_flight.discard(id(driver))
+            overlaps.undo()
+        assert errors == []
+        assert overlaps.shared == [], "two threads sent statements on one connection at once"
+        assert len(tokens) == len(set(tokens)) == 90
+        assert client.get_semaphore(f"{ns}s").used == 0
+        assert 1 <= len(store._parked) <= sync_store.PARKED_AT_MOST
 
-    tokens: list[int] = []
-    errors: list[BaseException] = []
 
-    def work() -> None:
-        try:
-            for _ in range(15):
-                token = _cycle(client, name)
-                with guard:
-                    tokens.append(token)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+def test_tasks_sharing_a_client_never_share_a_connection(db_url: str, ns: str) -> None:
+    async def main() -> tuple[list[int], Any]:
+        async with permits.connect_async(db_url, owner=f"{ns}o") as client:
+            await client.create_semaphore(f"{ns}s", 2)
+            store = client._store
+            overlaps = _SendWatch(store, async_store)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sync_store, attribute, watched)
-        threads = [threading.Thread(target=work) for _ in range(6)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-    assert errors == []
-    assert shared == [], "two threads sent statements on one connection at once"
+            async def work() -> list[int]:
+                tokens = []
+                for _ in range(15):
+                    lease = await client.acquire(f"{ns}s", ttl=30, timeout=20)
+                    tokens.append(lease.token)
+                    await client.release(lease)
+                return tokens
+
+            try:
+                done = await asyncio.gather(*(work() for _ in range(6)))
+            finally:
+                overlaps.undo()
+            assert (await client.get_semaphore(f"{ns}s")).used == 0
+            assert 1 <= len(store._parked) <= async_store.PARKED_AT_MOST
+            return [token for tokens in done for token in tokens], overlaps
+
+    tokens, overlaps = asyncio.run(main())
+    assert overlaps.shared == [], "two tasks sent statements on one connection at once"
     assert len(tokens) == len(set(tokens)) == 90
-    assert client.get_semaphore(name).used == 0
-    assert store.connections_in_use <= 1
+
+
+class _SendWatch:
+    """Replace a store module's senders of statements that run alone with ones that note a driver connection
+    that two senders use at once."""
+
+    def __init__(self, store: Any, module: Any) -> None:
+        self.shared: list[int] = []
+        self._module = module
+        self._attribute = "_send_autocommit" if store._dialect.free_autocommit else "_send_batch"
+        self._send = send = getattr(module, self._attribute)
+        in_flight: set[int] = set()
+
+        def note(driver: Any) -> None:
+            if id(driver) in in_flight:
+                self.shared.append(id(driver))
+            in_flight.add(id(driver))
+
+        if asyncio.iscoroutinefunction(send):
+
+            async def watched_async(driver: Any, *args: Any, **kwargs: Any) -> Any:
+                note(driver)
+                try:
+                    return await send(driver, *args, **kwargs)
+                finally:
+                    in_flight.discard(id(driver))
+
+            setattr(module, self._attribute, watched_async)
+        else:
+            guard = threading.Lock()
+
+            def watched(driver: Any, *args: Any, **kwargs: Any) -> Any:
+                with guard:
+                    note(driver)
+                try:
+                    return send(driver, *args, **kwargs)
+                finally:
+                    with guard:
+                        in_flight.discard(id(driver))
+
+            setattr(module, self._attribute, watched)
+
+    def undo(self) -> None:
+        setattr(self._module, self._attribute, self._send)

@@ -74,7 +74,10 @@ from permits.dialects.pg_functions import (
 )
 from permits.stores._engine import (
     READONLY,
+    sync_alone_driver,
+    sync_check_out_alone,
     sync_driver_connection,
+    sync_live,
     sync_run_sync,
     driver_error,
     engine_args,
@@ -109,10 +112,13 @@ REMEMBERED_BUSY_LINES = 1_000
 #: At the head of a semaphore's line beside a SQLite database, a waiter reads the semaphore this often
 #: while it waits for room (a read takes no lock), and asks when it sees some.
 HOST_LINE_POLL_SECONDS = 0.0005
-#: How long the sync store keeps one connection out of the pool for the statements that run alone before it
-#: sends it back through the pool once (``_drive_alone_pooled``): the pool's own checks (its recycling of old
-#: connections, MySQL's ``pool_recycle``) then apply to it as to any other, within this many seconds.
+#: How long a connection stays out of the pool for the statements that run alone (``_Parked``) before it goes
+#: back through the pool once: the pool's own checks (its recycling of old connections, MySQL's
+#: ``pool_recycle``) then apply to it as to any other, within this many seconds.
 PARK_SECONDS = 10.0
+#: At most this many connections are parked at once: as many as a store's statements that run alone usually
+#: overlap (one per thread of a sync client; a service's lines, a few at a time); more go back to the pool.
+PARKED_AT_MOST = 4
 #: SQLSTATE of a setting's value that the server refuses (``_server_takes``)
 INVALID_PARAMETER_VALUE = "22023"
 #: The warnings about server functions this process has given: each once, not at every open of a client.
@@ -158,6 +164,25 @@ class _CutSession:
     #: the operation whose attempt was cut is over (it gave up, or its answer came after all) and no longer
     #: waits for the ending itself: a call again with its key, or any other, must (``_end_cut_sessions``)
     abandoned: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class _Parked:
+    """A connection kept out of the pool between the statements that run alone (a grant, a release), parked:
+    the next such statement takes it rather than check one out, and on PostgreSQL finds it in autocommit
+    still. In the sync store it is the pool's connection with no SQLAlchemy Connection around it, in the
+    asyncio store a started Connection. Checking a connection out and back in for every statement
+    cost about a sixth of a sync client's CPU per grant and release, setting up and closing an
+    Connection more, and switching autocommit on and off a little more again (docs/benchmarks.md,
+    "a connection kept for the statements that run alone"). It goes back to the pool when its link was
+    lost, once it has been out PARK_SECONDS, when a transaction finds none idle in the pool (``_lend_parked``:
+    so the pool is never short, nor grows, for it) and at ``close()``."""
+
+    conn: Any
+    #: the driver's connection under ``conn``
+    driver: Any
+    #: when it left the pool (monotonic)
+    since: float
 
 
 class SQLStore:
@@ -225,9 +250,9 @@ class SQLStore:
 
             conninfo = settings.url.set(drivername="postgresql").render_as_string(hide_password=False)
             self._listener = RoomListener(conninfo, mark_sql=self._driver_sql("LISTENED_MARK")[0])
-        #: the sync store's connection kept out of the pool between statements that run alone, and when it left
-        #: the pool (see ``_drive_alone_pooled``); its guard, shared by the sync store's threads
-        self._parked: tuple[Any, float] | None = None
+        #: connections kept out of the pool between statements that run alone (``_Parked``), and their guard,
+        #: shared by the sync store's threads
+        self._parked: list[_Parked] = []
         self._park_mutex = sync_mutex()
         #: ``forks()`` when this store's connections were made (see ``_renew_if_forked``)
         self._forks = forks()
@@ -245,7 +270,7 @@ class SQLStore:
         self._sessions.clear()  # the parent's sessions; the engine's hook notes the child's own in it
         self._in_line_now = 0
         self._seats_mutex = sync_mutex()
-        self._parked, self._park_mutex = None, sync_mutex()  # the parent's, in the pool kept above
+        self._parked, self._park_mutex = [], sync_mutex()  # the parent's, in the pool kept above
         if self._listener is not None:
             listener = self._listener
             keep_inherited(listener)
@@ -257,9 +282,9 @@ class SQLStore:
 
     @property
     def connections_in_use(self) -> int:
-        """Connections checked out of the pool now, the sync store's parked one among them (the service
-        exports it as a metric)."""
-        return int(self._engine.pool.checkedout())  # type: ignore[attr-defined]
+        """Connections checked out of the pool and at work now, not parked ones (the service exports it as a
+        metric)."""
+        return int(self._engine.pool.checkedout()) - len(self._parked)  # type: ignore[attr-defined]
 
     @property
     def dialect_name(self) -> str:
@@ -1204,12 +1229,10 @@ class SQLStore:
         if self._direct is not None:
             return self._direct.run(flow, first, readonly, self.after_statement)
         alone = first.alone and (self._dialect.free_autocommit or self._dialect.self_committing)
-        if alone and not IS_ASYNC:
-            return self._drive_alone_pooled(flow, first, cuts)
+        if alone:
+            return self._drive_alone_parked(flow, first, cuts)
         self._lend_parked()
         with self._engine.connect() as conn:
-            if alone:
-                return self._drive_alone(conn, sync_driver_connection(conn), flow, first, cuts)
             if readonly:
                 conn.execution_options(**{READONLY: True})
             # Up to the COMMIT's reply. A socket shut down by the deadline fails the statement waiting on it
@@ -1324,79 +1347,69 @@ class SQLStore:
         else:
             logger.info("ended a server session at %s whose link the reply deadline cut", self.url)
 
-    def _drive_alone_pooled(self, flow: Flow[T], first: Stmt, cuts: list[_CutSession]) -> T:
-        """The sync store sends a statement that runs alone on a connection checked out of the pool with no
-        SQLAlchemy Connection around it: setting one up and closing it cost about a fifth of a PostgreSQL
-        client's CPU per grant (docs/benchmarks.md). Sync only: the asyncio store keeps the Connection,
-        because its pool takes a connection back within SQLAlchemy's own async context.
-
-        The connection then stays out of the pool, parked, for the next statement that runs alone (on
-        PostgreSQL still in autocommit): the pool's checkout and return of it cost about a sixth of a
-        client's CPU per grant and release, and switching autocommit on and off again a little more
-        (docs/benchmarks.md, "A connection kept for the statements that run alone")."""
-        assert not IS_ASYNC, "the asyncio store sends these on a Connection (_attempt)"
-        pooled, since = self._take_parked()
-        if pooled is None:
+    def _drive_alone_parked(self, flow: Flow[T], first: Stmt, cuts: list[_CutSession]) -> T:
+        """Send a statement that runs alone on a parked connection (``_Parked``), or on one checked out of the
+        pool if none is parked, and park the connection after it."""
+        parked = self._take_parked()
+        if parked is None:
             try:
-                pooled = self._engine.raw_connection()
-            except Exception as exc:  # not wrapped by SQLAlchemy outside a Connection: wrapped here, so retried
+                conn = sync_check_out_alone(self._engine)
+                parked = _Parked(conn, sync_alone_driver(conn), monotonic())
+            except Exception as exc:  # the sync pool's errors come unwrapped: wrapped here, so retried
                 error = driver_error(self._engine, exc)
                 if error is None:
                     raise
                 raise error from exc
-            since = monotonic()
         try:
-            return self._drive_alone(pooled, pooled.driver_connection, flow, first, cuts, parks=True)
+            return self._drive_alone(parked.conn, parked.driver, flow, first, cuts)
         finally:
-            self._park(pooled, since)
+            self._park(parked)
 
-    def _take_parked(self) -> tuple[Any, float]:
-        """The parked connection and when it left the pool, taken out of its place: (None, 0) if none is."""
+    def _take_parked(self) -> _Parked | None:
+        """A parked connection, taken out of its place (None: none is parked)."""
         with self._park_mutex:
-            parked, self._parked = self._parked, None
-        return (None, 0.0) if parked is None else parked
+            return self._parked.pop() if self._parked else None
 
-    def _park(self, pooled: Any, since: float) -> None:
-        """Keep ``pooled``, which left the pool at ``since`` (monotonic), out of it for the next statement that
-        runs alone; or give it back: where its link was lost (invalidated), it left the pool PARK_SECONDS ago
-        or more, another is parked already (several threads sent statements at once), or the store is closed."""
-        if pooled.is_valid and monotonic() - since < PARK_SECONDS:
+    def _park(self, parked: _Parked) -> None:
+        """Keep a connection that ran a statement alone out of the pool for the next one; or give it back:
+        where its link was lost (invalidated), it left the pool PARK_SECONDS ago or more, PARKED_AT_MOST are
+        parked already, or the store is closed."""
+        if sync_live(parked.conn) and monotonic() - parked.since < PARK_SECONDS:
             with self._park_mutex:
-                if self._parked is None and not self._closed:  # under the guard: close() unparks under it too
-                    self._parked = (pooled, since)
+                if len(self._parked) < PARKED_AT_MOST and not self._closed:  # under the guard, as in close()
+                    self._parked.append(parked)
                     return
-        self._into_pool(pooled)
+        self._into_pool(parked)
 
-    def _into_pool(self, pooled: Any) -> None:
-        """Give a connection that ran statements alone back to the pool, as the pool's other users expect it:
-        on PostgreSQL, with autocommit off. One that cannot be switched back is dropped."""
-        if pooled.is_valid and self._dialect.free_autocommit:
+    def _into_pool(self, parked: _Parked) -> None:
+        """Give a parked connection back to the pool, as the pool's other users expect it: on PostgreSQL,
+        with autocommit off. One that cannot be switched back is dropped."""
+        if sync_live(parked.conn) and self._dialect.free_autocommit:
             try:
-                pooled.driver_connection.set_autocommit(False)
+                parked.driver.set_autocommit(False)
             except Exception:
-                pooled.invalidate()
-        pooled.close()
+                parked.conn.invalidate()
+        parked.conn.close()
 
-    def _unpark_into_pool(self) -> None:
-        """Give the parked connection, if there is one, back to the pool."""
-        pooled, _ = self._take_parked()
-        if pooled is not None:
-            self._into_pool(pooled)
+    def _unpark_into_pool(self, at_most: int = PARKED_AT_MOST) -> None:
+        """Give up to ``at_most`` parked connections back to the pool."""
+        for _ in range(at_most):
+            parked = self._take_parked()
+            if parked is None:
+                return
+            self._into_pool(parked)
 
     def _lend_parked(self) -> None:
-        """A transaction is about to take a connection from the pool: where the pool has none idle, the parked
+        """A transaction is about to take a connection from the pool: where the pool has none idle, a parked
         one goes back into it first, for this checkout to take, rather than open another connection or, at
-        the pool's limit, wait for one while the parked one sits idle."""
-        if self._parked is not None and self._engine.pool.checkedin() == 0:  # type: ignore[attr-defined]
-            self._unpark_into_pool()
+        the pool's limit, wait for one while a parked one sits idle."""
+        if self._parked and self._engine.pool.checkedin() == 0:  # type: ignore[attr-defined]
+            self._unpark_into_pool(1)
 
-    def _drive_alone(
-        self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt, cuts: list[_CutSession], parks: bool = False
-    ) -> T:
-        """``conn``: a checked-out Connection, or in the sync store a pooled connection; ``driver``: the
-        driver's connection under it. ``parks``: the connection is parked after (``_drive_alone_pooled``)."""
+    def _drive_alone(self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt, cuts: list[_CutSession]) -> T:
+        """``conn``: a parked connection (``_Parked``); ``driver``: the driver's connection under it."""
         try:
-            result = self._send_alone(conn, driver, stmt, cuts, parks)
+            result = self._send_alone(conn, driver, stmt, cuts)
         except DBAPIError as exc:
             if self._dialect.classify(exc) is not Fault.DUPLICATE:
                 raise
@@ -1409,14 +1422,11 @@ class SQLStore:
             return value
         raise RuntimeError("a flow went on after a statement that runs alone")
 
-    def _send_alone(
-        self, conn: Any, driver: Any, stmt: Stmt, cuts: list[_CutSession], parks: bool = False
-    ) -> Result:
+    def _send_alone(self, conn: Any, driver: Any, stmt: Stmt, cuts: list[_CutSession]) -> Result:
         """Send a statement that is a whole transaction by itself (a grant, a release) as one request, on
-        the driver's own connection (``parks``: one that is parked after, left in autocommit). SQLAlchemy
-        never opens a transaction on ``conn``, so it adds no COMMIT of its own (PyMySQL sends one even when
-        there is nothing to commit) and none of its per-statement work, which was most of a PostgreSQL
-        client's CPU time per operation."""
+        the driver's own connection. SQLAlchemy never opens a transaction on ``conn``, so it adds no COMMIT
+        of its own (PyMySQL sends one even when there is nothing to commit) and none of its per-statement
+        work, which was most of a PostgreSQL client's CPU time per operation."""
         calls, dialect = self._function_calls, self._dialect
         if not dialect.has(stmt.name):  # a call the flow was made for, given up by another operation since
             raise _CallGone(stmt.name, "given up meanwhile")
@@ -1430,7 +1440,7 @@ class SQLStore:
                 if dialect.self_committing:
                     result = _send_batch(driver, sql, params)
                 else:
-                    result = _send_autocommit(driver, sql, params, self._prepare, keep_autocommit=parks)
+                    result = _send_autocommit(driver, sql, params, self._prepare)
             finally:  # before the handling below, which may close the connection and free its socket's number
                 if sync_unwatch_reply(watch):
                     cut = True
@@ -1563,23 +1573,11 @@ def _send_batch(driver: Any, sql: str, params: Any) -> Result:
     return result
 
 
-def _send_autocommit(driver: Any, sql: str, params: Any, prepare: bool, keep_autocommit: bool = False) -> Result:
-    """One statement in autocommit (PostgreSQL), on a psycopg connection, which is left idle, and with
-    autocommit off as it was found unless ``keep_autocommit`` (a parked connection: ``_drive_alone_pooled``).
-    psycopg switches autocommit on the client side, at no round trip."""
+def _send_autocommit(driver: Any, sql: str, params: Any, prepare: bool) -> Result:
+    """One statement in autocommit (PostgreSQL), on a psycopg connection, which is left idle and in autocommit
+    (it is parked: ``_Parked``). psycopg switches autocommit on the client side, at no round trip."""
     if not driver.autocommit:
         driver.set_autocommit(True)
-    if keep_autocommit:
-        return _autocommitted(driver, sql, params, prepare)
-    try:
-        return _autocommitted(driver, sql, params, prepare)
-    finally:
-        with contextlib.suppress(Exception):  # a lost connection is dropped by the caller
-            driver.set_autocommit(False)
-
-
-def _autocommitted(driver: Any, sql: str, params: Any, prepare: bool) -> Result:
-    """``_send_autocommit``'s statement, on a connection in autocommit."""
     cursor = kept_cursor(driver)
     cursor.execute(sql, params, prepare=prepare)
     # Whether rows came back, from the result's column count: psycopg builds ``description`` anew, a Column

@@ -108,7 +108,7 @@ class Metrics:
         )
         self.waiters = Gauge("permits_waiters", "Requests waiting for room on this instance now", registry=r)
         self.db_connections = Gauge(
-            "permits_db_connections_in_use", "Database connections this instance has checked out now", registry=r
+            "permits_db_connections_in_use", "Database connections at work for this instance now", registry=r
         )
         self.maintenance_runs = Counter(
             "permits_maintenance_runs_total",

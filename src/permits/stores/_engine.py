@@ -221,6 +221,39 @@ def sync_driver_connection(connection: Any) -> Any:
     return connection.connection.driver_connection
 
 
+async def async_check_out_alone(engine: Any) -> Any:
+    """A connection for the statements that run alone (the store's ``_Parked``): a started AsyncConnection,
+    inside which the asyncio pool takes the connection back when it is closed."""
+    conn = engine.connect()
+    await conn.start()
+    return conn
+
+
+def sync_check_out_alone(engine: Any) -> Any:
+    """The pool's connection itself, with no SQLAlchemy Connection around it: setting one up and closing it
+    cost about a fifth of a PostgreSQL client's CPU per grant (docs/benchmarks.md)."""
+    return engine.raw_connection()
+
+
+async def async_alone_driver(conn: Any) -> Any:
+    """The driver's connection under one from ``async_check_out_alone``."""
+    return await async_driver_connection(conn)
+
+
+def sync_alone_driver(conn: Any) -> Any:
+    return conn.driver_connection
+
+
+def async_live(conn: Any) -> bool:
+    """Whether a connection from ``async_check_out_alone`` can still be used: not closed, nor invalidated
+    (its link lost, or its state unknown)."""
+    return not conn.closed and not conn.invalidated
+
+
+def sync_live(conn: Any) -> bool:
+    return bool(conn.is_valid)
+
+
 #: The attribute of a psycopg connection that keeps its cursor for the statements that run alone.
 _KEPT_CURSOR = "_permits_cursor"
 
