@@ -407,6 +407,44 @@ class GaleraCluster:
     def logs(self, chars: int = 3000) -> str:
         return "\n".join(self.log_tail(i, chars) for i in range(len(self.nodes)))
 
+    def sessions(self) -> str:
+        """What each node says of its sessions now, for a failure's message: its open InnoDB transactions, who
+        waits on whose row lock, its sessions and what they run, and its replication state (a node paused by
+        flow control, or applying a backlog, holds its rows locked meanwhile)."""
+        reports = []
+        for i, node in enumerate(self.nodes):
+            if not node.running:
+                reports.append(f"node {i}: not running")
+                continue
+            parts = [f"node {i}:"]
+            for title, statement in (
+                (
+                    "transactions",
+                    "SELECT trx_id, trx_state, trx_started, trx_mysql_thread_id, trx_rows_locked, trx_query"
+                    " FROM information_schema.innodb_trx",
+                ),
+                ("lock waits", "SELECT * FROM information_schema.innodb_lock_waits"),
+                (
+                    "sessions",
+                    "SELECT id, user, command, time, state, LEFT(info, 200) FROM information_schema.processlist"
+                    " WHERE id <> CONNECTION_ID() AND (command <> 'Sleep' OR time > 2)",
+                ),
+                (
+                    "replication",
+                    "SHOW STATUS WHERE variable_name IN ('wsrep_local_state_comment', 'wsrep_flow_control_paused',"
+                    " 'wsrep_local_recv_queue', 'wsrep_local_send_queue', 'wsrep_local_bf_aborts',"
+                    " 'wsrep_local_cert_failures')",
+                ),
+            ):
+                try:
+                    rows = node.query(statement)
+                except pymysql.MySQLError as exc:
+                    parts.append(f"  {title}: {exc}")
+                    continue
+                parts.append(f"  {title}:" + "".join(f"\n    {row}" for row in rows))
+            reports.append("\n".join(parts))
+        return "\n".join(reports)
+
     # ---- start(), step by step
 
     def _timed(self, step: str, action: Any) -> None:

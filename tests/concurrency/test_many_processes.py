@@ -104,12 +104,15 @@ def run_and_check(
     cycles: int,
     child_urls: list[str] | None = None,
     meanwhile: Callable[[], None] | None = None,
+    diagnose: Callable[[], str] | None = None,
 ) -> None:
     """``processes`` children each run ``cycles`` acquire-hold-release cycles on ``a`` and ``b``; then every
     check above runs on what they recorded, and the database is checked to hold nothing. ``child_urls``:
     child i talks to ``child_urls[i % len(child_urls)]`` (the nodes of a cluster); default ``db_url``.
     ``meanwhile`` runs once all children have been told to start, while they run. Each child's stderr is
-    left in ``tmp_path / f"child{i}.err"``."""
+    left in ``tmp_path / f"child{i}.err"``. ``diagnose``: called as soon as a child is seen to have failed, while
+    the others still run, for what the database says of its sessions then (who holds the locks), which the
+    failure's message then carries."""
     urls = child_urls or [db_url]
     names = {short: f"{ns}{short}" for short in CAPACITIES}
     with permits.connect(db_url) as client:
@@ -155,7 +158,9 @@ def run_and_check(
             # (c) every child exits 0 having completed every cycle
             for i, proc in enumerate(procs):
                 code = proc.wait(timeout=max(1.0, RUN_TIMEOUT - (time.monotonic() - started)))
-                assert code == 0, f"child {i} exited {code}: {errs[i].read_text()[-2000:]}"
+                if code != 0:
+                    seen = "" if diagnose is None else "\n" + diagnose()
+                    raise AssertionError(f"child {i} exited {code}: {errs[i].read_text()[-2000:]}{seen}")
         finally:
             for proc in procs:
                 if proc.poll() is None:

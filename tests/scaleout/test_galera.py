@@ -75,7 +75,9 @@ def test_a_cluster_node_gets_one_statement_per_request(galera: GaleraCluster) ->
 
 def test_many_processes_over_three_nodes(galera: GaleraCluster, tmp_path: Path) -> None:
     ns = f"g{uuid.uuid4().hex[:6]}-"
-    run_and_check(galera.url(0), ns, tmp_path, processes=6, cycles=30, child_urls=_urls(galera))
+    run_and_check(
+        galera.url(0), ns, tmp_path, processes=6, cycles=30, child_urls=_urls(galera), diagnose=galera.sessions
+    )
     assert_tokens_consistent(galera, [f"{ns}a", f"{ns}b"])
 
 
