@@ -19,7 +19,7 @@ exception the embedded library would::
     │   ├── LeaseLost                             the lease ended: released, expired, swept or revoked
     │   └── StaleFencingToken                     a fenced write carried a token older than one accepted
     ├── StorageError                              the database failed; ``__cause__`` is the driver error
-    │   ├── StorageUnavailable (retryable)        cannot connect, or the connection dropped
+    │   ├── StorageUnavailable (retryable)        cannot connect, the connection dropped, or the pool had none free
     │   ├── StorageConflict (retryable)           deadlock, serialization failure, lock wait timeout, busy
     │   ├── StorageReadOnly                       a read-only replica was asked to write
     │   └── SchemaMismatch                        the schema is older or newer than this code
@@ -186,7 +186,8 @@ class StorageError(PermitsError):
 
 
 class StorageUnavailable(StorageError):
-    """The database cannot be reached, or the connection dropped and retries ran out."""
+    """The database cannot be reached, or the connection dropped and retries ran out, or no connection of
+    the client's pool came free within the pool's timeout (then nothing was sent)."""
 
     code = "storage_unavailable"
     retryable = True

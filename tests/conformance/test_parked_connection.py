@@ -8,7 +8,9 @@ threads or tasks that share a client never share a connection."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +21,14 @@ from sqlalchemy import event
 import permits
 import permits._async.store as async_store
 import permits._sync.store as sync_store
-from permits.stores._engine import sync_engine
+from permits._io import monotonic
+from permits.stores._engine import (
+    async_alone_driver,
+    async_check_out_alone,
+    sync_alone_driver,
+    sync_check_out_alone,
+    sync_engine,
+)
 from tests.conftest import AsyncFacade, sqlalchemy_url
 
 pytestmark = pytest.mark.usefixtures("servers")
@@ -148,6 +157,183 @@ def test_a_parked_connection_whose_server_session_ended_loses_no_operation(
     assert client.release(lease) is permits.ReleaseOutcome.RELEASED
     assert client.get_semaphore(name).used == 0
     assert [d for d in client.reconcile() if d.name == name] == []
+
+
+def _park_fresh(client: Any, store: Any, count: int) -> None:
+    """Park ``count`` more connections, checked out of the pool as a statement that runs alone takes one."""
+    if isinstance(client, AsyncFacade):
+
+        async def park() -> None:
+            conn = await async_check_out_alone(store._engine)
+            await store._park(async_store._Parked(conn, await async_alone_driver(conn), monotonic()))
+
+        for _ in range(count):
+            client._call(park())
+    else:
+        for _ in range(count):
+            conn = sync_check_out_alone(store._engine)
+            store._park(sync_store._Parked(conn, sync_alone_driver(conn), monotonic()))
+
+
+def test_parked_connections_that_all_lost_their_sessions_cost_one_retry(
+    make_client: Callable[..., Any], ns: str, db_url: str, backend: str
+) -> None:
+    """The server ended every idle session (a restart, an idle timeout): the first statement meets a dead
+    link, and the retry gets a new connection, not the next dead one, parked or in the pool."""
+    client = make_client(owner=f"{ns}o", retries=1)
+    client.create_semaphore(f"{ns}s", 2)
+    store = _store(client)
+    _cycle(client, f"{ns}s")
+    _park_fresh(client, store, sync_store.PARKED_AT_MOST - 1)
+    assert len(store._parked) == sync_store.PARKED_AT_MOST
+    for parked in list(store._parked):
+        _end_server_session(db_url, backend, store._sessions[parked.driver]["id"])
+    faults: list[str] = []
+    store.on_retry = faults.append
+    _cycle(client, f"{ns}s")
+    assert faults == ["unavailable"]
+    assert len(store._parked) == 1
+    assert client.get_semaphore(f"{ns}s").used == 0
+
+
+def test_a_connection_parked_long_ago_goes_back_to_the_pool_unused(
+    make_client: Callable[..., Any], ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One left idle past PARK_SECONDS goes through the pool's checks before it is used again."""
+    client = _opened(make_client, ns)
+    store = _store(client)
+    _cycle(client, f"{ns}s")
+    (parked,) = store._parked
+    parked.since -= sync_store.PARK_SECONDS
+    traffic = _PoolTraffic(store)
+    module = async_store if isinstance(client, AsyncFacade) else sync_store
+    attribute = "_send_autocommit" if store._dialect.free_autocommit else "_send_batch"
+    send = getattr(module, attribute)
+    checked_out_before: list[int] = []  # at each statement, how many checkouts the pool had seen
+
+    if isinstance(client, AsyncFacade):
+
+        async def counted_async(*args: Any, **kwargs: Any) -> Any:
+            checked_out_before.append(traffic.checkouts)
+            return await send(*args, **kwargs)
+
+        monkeypatch.setattr(module, attribute, counted_async)
+    else:
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            checked_out_before.append(traffic.checkouts)
+            return send(*args, **kwargs)
+
+        monkeypatch.setattr(module, attribute, counted)
+    _cycle(client, f"{ns}s")
+    assert checked_out_before == [1, 1]  # through the pool before the grant, then parked for the release
+    assert len(store._parked) == 1
+
+
+def _small_pool(monkeypatch: pytest.MonkeyPatch, **pool: Any) -> None:
+    """The sync store's next pools get these options (``pool_size``, ``max_overflow``, ``pool_timeout``)."""
+    real_args = sync_store.engine_args
+
+    def sized(*args: Any, **kwargs: Any) -> Any:
+        url, options = real_args(*args, **kwargs)
+        return url, {**options, **pool}
+
+    monkeypatch.setattr(sync_store, "engine_args", sized)
+
+
+def _slow_in_threads_named(monkeypatch: pytest.MonkeyPatch, store: Any, prefix: str, seconds: float) -> None:
+    """The sync store's statements that run alone take ``seconds`` longer in threads named ``prefix...``."""
+    attribute = "_send_autocommit" if store._dialect.free_autocommit else "_send_batch"
+    send = getattr(sync_store, attribute)
+
+    def slow_for_some(driver: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name.startswith(prefix):
+            time.sleep(seconds)
+        return send(driver, *args, **kwargs)
+
+    monkeypatch.setattr(sync_store, attribute, slow_for_some)
+
+
+@pytest.mark.parametrize("flavour", ["sync"])
+def test_no_connection_free_in_time_is_a_typed_error_that_wrote_nothing(
+    make_client: Callable[..., Any], ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every connection the pool may open is busy past its timeout: StorageUnavailable (a code that crosses
+    HTTP), not SQLAlchemy's own TimeoutError, and the request was never sent."""
+    _small_pool(monkeypatch, pool_size=1, max_overflow=0, pool_timeout=0.3)
+    client = _opened(make_client, ns)
+    client.create_semaphore(f"{ns}t", 1)
+    store = _store(client)
+    _call(client, store._unpark_into_pool)
+    _slow_in_threads_named(monkeypatch, store, "slow", 1.5)
+    holder = threading.Thread(target=_cycle, args=(client, f"{ns}s"), name="slow")
+    holder.start()
+    time.sleep(0.2)  # the slow grant holds the pool's one connection
+    with pytest.raises(permits.StorageUnavailable, match=r"came free within 0\.3 s") as caught:
+        client.acquire(f"{ns}t", key="k", ttl=30, timeout=5)
+    holder.join(timeout=30)
+    assert caught.value.code == "storage_unavailable"
+    assert client.get_semaphore(f"{ns}t").used == 0
+    assert client.holders(f"{ns}t") == []
+
+
+@pytest.mark.parametrize("flavour", ["sync"])  # threads, on the sync store (the tasks' twin is below)
+def test_a_small_pool_is_not_kept_waiting_by_parked_connections(
+    make_client: Callable[..., Any], ns: str, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool that may open two connections (a service's db_pool_size=1): while two slow grants hold both,
+    a third waits in the pool; when they end, their connections go back to the pool for it rather than
+    into their parking places."""
+    _small_pool(monkeypatch, pool_size=1, max_overflow=1, pool_timeout=5)
+    client = _opened(make_client, ns)
+    client.create_semaphore(f"{ns}t", 2)
+    store = _store(client)
+    _call(client, store._unpark_into_pool)
+    _slow_in_threads_named(monkeypatch, store, "slow", 1.0)
+    outcomes: dict[str, Any] = {}
+
+    def grant(name: str) -> None:
+        started = time.monotonic()
+        try:
+            client.acquire(name, ttl=30, timeout=20)
+            outcomes[threading.current_thread().name] = time.monotonic() - started
+        except BaseException as exc:  # reported below
+            outcomes[threading.current_thread().name] = exc
+
+    slow = [threading.Thread(target=grant, args=(f"{ns}s",), name=f"slow{i}") for i in range(2)]
+    for thread in slow:
+        thread.start()
+    time.sleep(0.3)  # both slow grants hold a connection
+    third = threading.Thread(target=grant, args=(f"{ns}t",), name="third")
+    third.start()
+    for thread in [*slow, third]:
+        thread.join(timeout=60)
+    assert all(isinstance(outcome, float) for outcome in outcomes.values()), outcomes
+    assert outcomes["third"] < 4, outcomes  # it waited for a slow grant to end, not for the pool's timeout
+    assert len(store._parked) <= 1  # never the whole pool
+
+
+@pytest.mark.parametrize("flavour", ["sync"])
+def test_close_in_a_forked_child_leaves_the_parents_connections_alone(make_client: Callable[..., Any], ns: str) -> None:
+    """A child that closes the client it inherited (a with block, an atexit hook) must not end the
+    parent's sessions, parked or pooled, over the sockets both hold."""
+    client = _opened(make_client, ns)
+    store = _store(client)
+    _cycle(client, f"{ns}s")
+    (parked,) = store._parked
+    faults: list[str] = []
+    store.on_retry = faults.append
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        try:
+            client.close()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    _cycle(client, f"{ns}s")
+    assert faults == []
+    assert [p.driver for p in store._parked] == [parked.driver]
 
 
 def test_a_connection_goes_back_through_the_pool_once_it_has_been_out_long_enough(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy import Connection, create_engine
 
 from permits import _schema
@@ -77,12 +78,14 @@ from permits.stores._engine import (
     sync_alone_driver,
     sync_check_out_alone,
     sync_driver_connection,
+    sync_drop_link,
     sync_live,
     sync_run_sync,
     driver_error,
     engine_args,
     install_events,
     kept_cursor,
+    pool_full,
     sync_engine,
     translate,
 )
@@ -326,6 +329,9 @@ class SQLStore:
         self._opened = True
 
     def close(self) -> None:
+        # In a forked child, the parked connections and the pool are the parent's: closing them would end
+        # the parent's sessions over the sockets both processes hold. They are left as they are.
+        self._renew_if_forked()
         with self._park_mutex:
             self._closed = True  # under the guard: no connection is parked after this (_park)
         self._unpark_into_pool()
@@ -1194,6 +1200,8 @@ class SQLStore:
                 failures = self._backoff_or_raise(exc, failures, deadline, persist)
                 if faults is not None:
                     faults.append(self._dialect.classify(exc))
+            except PoolTimeout as exc:
+                raise self._pool_exhausted() from exc
 
     def _with_retries(self, attempt: Callable[[], Any]) -> Any:
         failures = 0
@@ -1202,6 +1210,19 @@ class SQLStore:
                 return attempt()
             except DBAPIError as exc:
                 failures = self._backoff_or_raise(exc, failures)
+            except PoolTimeout as exc:
+                raise self._pool_exhausted() from exc
+
+    def _pool_exhausted(self) -> StorageUnavailable:
+        """What a caller gets when no connection of the pool came free in time: nothing was sent, and
+        nothing written. Its wait (the pool's timeout) was the retry, so it is not retried again here."""
+        timeout = getattr(self._engine.pool, "timeout", None)
+        within = f" within {timeout():g} s" if callable(timeout) else ""
+        return StorageUnavailable(
+            f"no connection to {self.url} came free{within}: every connection this client's pool may open"
+            " is in use (more threads or tasks at once than the pool holds, or the database is slow to answer)",
+            url=self.url,
+        )
 
     def _backoff_or_raise(
         self, exc: DBAPIError, failures: int, deadline: float | None = None, persist: bool = False
@@ -1354,7 +1375,12 @@ class SQLStore:
         if parked is None:
             try:
                 conn = sync_check_out_alone(self._engine)
-                parked = _Parked(conn, sync_alone_driver(conn), monotonic())
+                try:
+                    driver = sync_alone_driver(conn)
+                except BaseException:
+                    conn.close()
+                    raise
+                parked = _Parked(conn, driver, monotonic())
             except Exception as exc:  # the sync pool's errors come unwrapped: wrapped here, so retried
                 error = driver_error(self._engine, exc)
                 if error is None:
@@ -1366,17 +1392,28 @@ class SQLStore:
             self._park(parked)
 
     def _take_parked(self) -> _Parked | None:
-        """A parked connection, taken out of its place (None: none is parked)."""
+        """The parked connection parked last, taken out of its place (None: none is parked). Those out of the
+        pool PARK_SECONDS or more go back to it first, unused: one left idle that long may have been closed
+        by the server (MySQL's ``wait_timeout``) or a proxy meanwhile, which the pool's own checks catch."""
+        now = monotonic()
         with self._park_mutex:
-            return self._parked.pop() if self._parked else None
+            aged = [p for p in self._parked if now - p.since >= PARK_SECONDS]
+            if aged:
+                self._parked = [p for p in self._parked if now - p.since < PARK_SECONDS]
+            parked = self._parked.pop() if self._parked else None
+        for old in aged:
+            self._into_pool(old)
+        return parked
 
     def _park(self, parked: _Parked) -> None:
         """Keep a connection that ran a statement alone out of the pool for the next one; or give it back:
         where its link was lost (invalidated), it left the pool PARK_SECONDS ago or more, PARKED_AT_MOST are
-        parked already, or the store is closed."""
+        parked already, the store is closed, or the pool has every connection it may open checked out (a
+        caller may be waiting for one: with a pool of two, two parked would keep it waiting)."""
         if sync_live(parked.conn) and monotonic() - parked.since < PARK_SECONDS:
             with self._park_mutex:
-                if len(self._parked) < PARKED_AT_MOST and not self._closed:  # under the guard, as in close()
+                # under the guard, as in close()
+                if len(self._parked) < PARKED_AT_MOST and not self._closed and not pool_full(self._engine.pool):
                     self._parked.append(parked)
                     return
         self._into_pool(parked)
@@ -1384,11 +1421,14 @@ class SQLStore:
     def _into_pool(self, parked: _Parked) -> None:
         """Give a parked connection back to the pool, as the pool's other users expect it: on PostgreSQL,
         with autocommit off. One that cannot be switched back is dropped."""
-        if sync_live(parked.conn) and self._dialect.free_autocommit:
-            try:
+        try:
+            if sync_live(parked.conn) and self._dialect.free_autocommit:
                 parked.driver.set_autocommit(False)
-            except Exception:
-                parked.conn.invalidate()
+        except BaseException as exc:  # its autocommit unknown: dropped, not given back
+            parked.conn.invalidate()
+            if not isinstance(exc, Exception):  # cancelled, or interrupted: that goes on up
+                parked.conn.close()
+                raise
         parked.conn.close()
 
     def _unpark_into_pool(self, at_most: int = PARKED_AT_MOST) -> None:
@@ -1447,9 +1487,13 @@ class SQLStore:
                     self._note_cut(driver, cuts)
         except BaseException as exc:
             error = driver_error(self._engine, exc)
-            if error is None or self._dialect.classify(error) is Fault.UNAVAILABLE:
-                # The connection was lost, or this call stopped half-way: its state is unknown.
+            if error is None:  # this call stopped half-way: the connection's state is unknown
                 conn.invalidate()
+            elif self._dialect.classify(error) is Fault.UNAVAILABLE:
+                # The link was lost. The parked connections, and the pool's, likely lost theirs with it (the
+                # server restarted, or ends idle sessions): none is tried again unchecked.
+                sync_drop_link(self._engine, conn, error)
+                self._unpark_into_pool()
             elif self._dialect.self_committing:
                 # The batch stopped at a statement's error, maybe with the ones before it done: undo them.
                 # Galera answers the ROLLBACK of a transaction it aborted (lost certification) with that

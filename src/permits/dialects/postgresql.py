@@ -25,6 +25,8 @@ _UNAVAILABLE = {
     "57P01",  # admin_shutdown
     "57P02",  # crash_shutdown
     "57P03",  # cannot_connect_now: starting up, or a standby being promoted
+    "57P05",  # idle_session_timeout: the server ended a session left idle (a parked one, say)
+    "25P03",  # idle_in_transaction_session_timeout: the server ended the session, its transaction undone
     "53300",  # too_many_connections
     # statement_completion_unknown (CockroachDB): the commit may or may not have happened. Retrying is
     # safe because every write is idempotent: the retry finds the grant under its key, or makes it.

@@ -254,6 +254,30 @@ def sync_live(conn: Any) -> bool:
     return bool(conn.is_valid)
 
 
+async def async_drop_link(engine: Any, conn: Any, exc: BaseException) -> None:
+    """A connection from ``async_check_out_alone`` lost its link: it is dropped, and the pool's connections
+    made before it are replaced at their next checkout, as SQLAlchemy does when a Connection of its own
+    meets a lost link (a server restart, or an idle timeout, most often took them all). SQLAlchemy keeps that
+    step as ``Pool._invalidate``."""
+    engine.pool._invalidate(await conn.get_raw_connection(), exc, _checkin=False)
+    await conn.invalidate(exc)
+
+
+def sync_drop_link(engine: Any, conn: Any, exc: BaseException) -> None:
+    engine.pool._invalidate(conn, exc, _checkin=False)
+    conn.invalidate(exc)
+
+
+def pool_full(pool: Any) -> bool:
+    """Whether every connection ``pool`` may open is checked out, so that a checkout now waits for one to
+    come back. A QueuePool's limit is its size plus its overflow (an overflow of -1: no limit); SQLAlchemy
+    keeps the overflow only as ``_max_overflow``. A pool of another kind is never full."""
+    overflow = getattr(pool, "_max_overflow", None)
+    if not isinstance(overflow, int) or overflow < 0 or not hasattr(pool, "size"):
+        return False
+    return bool(pool.checkedout() >= pool.size() + overflow)
+
+
 #: The attribute of a psycopg connection that keeps its cursor for the statements that run alone.
 _KEPT_CURSOR = "_permits_cursor"
 
