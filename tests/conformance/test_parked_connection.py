@@ -241,17 +241,23 @@ def _small_pool(monkeypatch: pytest.MonkeyPatch, **pool: Any) -> None:
     monkeypatch.setattr(sync_store, "engine_args", sized)
 
 
-def _slow_in_threads_named(monkeypatch: pytest.MonkeyPatch, store: Any, prefix: str, seconds: float) -> None:
-    """The sync store's statements that run alone take ``seconds`` longer in threads named ``prefix...``."""
+def _slow_in_threads_named(
+    monkeypatch: pytest.MonkeyPatch, store: Any, prefix: str, seconds: float
+) -> threading.Semaphore:
+    """The sync store's statements that run alone take ``seconds`` longer in threads named ``prefix...``,
+    holding their connection. Each such statement releases the semaphore returned as it starts to wait."""
     attribute = "_send_autocommit" if store._dialect.free_autocommit else "_send_batch"
     send = getattr(sync_store, attribute)
+    started = threading.Semaphore(0)
 
     def slow_for_some(driver: Any, *args: Any, **kwargs: Any) -> Any:
         if threading.current_thread().name.startswith(prefix):
+            started.release()
             time.sleep(seconds)
         return send(driver, *args, **kwargs)
 
     monkeypatch.setattr(sync_store, attribute, slow_for_some)
+    return started
 
 
 @pytest.mark.parametrize("flavour", ["sync"])
@@ -265,10 +271,10 @@ def test_no_connection_free_in_time_is_a_typed_error_that_wrote_nothing(
     client.create_semaphore(f"{ns}t", 1)
     store = _store(client)
     _call(client, store._unpark_into_pool)
-    _slow_in_threads_named(monkeypatch, store, "slow", 1.5)
+    started = _slow_in_threads_named(monkeypatch, store, "slow", 1.5)
     holder = threading.Thread(target=_cycle, args=(client, f"{ns}s"), name="slow")
     holder.start()
-    time.sleep(0.2)  # the slow grant holds the pool's one connection
+    assert started.acquire(timeout=30)  # the slow grant holds the pool's one connection
     with pytest.raises(permits.StorageUnavailable, match=r"came free within 0\.3 s") as caught:
         client.acquire(f"{ns}t", key="k", ttl=30, timeout=5)
     holder.join(timeout=30)
@@ -289,21 +295,21 @@ def test_a_small_pool_is_not_kept_waiting_by_parked_connections(
     client.create_semaphore(f"{ns}t", 2)
     store = _store(client)
     _call(client, store._unpark_into_pool)
-    _slow_in_threads_named(monkeypatch, store, "slow", 1.0)
+    started = _slow_in_threads_named(monkeypatch, store, "slow", 1.0)
     outcomes: dict[str, Any] = {}
 
     def grant(name: str) -> None:
-        started = time.monotonic()
+        began = time.monotonic()
         try:
             client.acquire(name, ttl=30, timeout=20)
-            outcomes[threading.current_thread().name] = time.monotonic() - started
+            outcomes[threading.current_thread().name] = time.monotonic() - began
         except BaseException as exc:  # reported below
             outcomes[threading.current_thread().name] = exc
 
     slow = [threading.Thread(target=grant, args=(f"{ns}s",), name=f"slow{i}") for i in range(2)]
     for thread in slow:
         thread.start()
-    time.sleep(0.3)  # both slow grants hold a connection
+    assert started.acquire(timeout=30) and started.acquire(timeout=30)  # both slow grants hold a connection
     third = threading.Thread(target=grant, args=(f"{ns}t",), name="third")
     third.start()
     for thread in [*slow, third]:
