@@ -56,6 +56,11 @@ def _call(client: Any, method: Callable[..., Any], *args: Any) -> Any:
     return client._call(result) if asyncio.iscoroutine(result) else result
 
 
+def _sender_name(store: Any) -> str:
+    """The store module's function that sends a statement that runs alone, on this store's database."""
+    return "_send_autocommit" if store._dialect.free_autocommit else "_send_batch"
+
+
 class _PoolTraffic:
     """Counts what a store's pool does: connections made, checkouts."""
 
@@ -207,7 +212,7 @@ def test_a_connection_parked_long_ago_goes_back_to_the_pool_unused(
     parked.since -= sync_store.PARK_SECONDS
     traffic = _PoolTraffic(store)
     module = async_store if isinstance(client, AsyncFacade) else sync_store
-    attribute = "_send_autocommit" if store._dialect.free_autocommit else "_send_batch"
+    attribute = _sender_name(store)
     send = getattr(module, attribute)
     checked_out_before: list[int] = []  # at each statement, how many checkouts the pool had seen
 
@@ -246,7 +251,7 @@ def _slow_in_threads_named(
 ) -> threading.Semaphore:
     """The sync store's statements that run alone take ``seconds`` longer in threads named ``prefix...``,
     holding their connection. Each such statement releases the semaphore returned as it starts to wait."""
-    attribute = "_send_autocommit" if store._dialect.free_autocommit else "_send_batch"
+    attribute = _sender_name(store)
     send = getattr(sync_store, attribute)
     started = threading.Semaphore(0)
 
@@ -435,7 +440,7 @@ class _SendWatch:
     def __init__(self, store: Any, module: Any) -> None:
         self.shared: list[int] = []
         self._module = module
-        self._attribute = "_send_autocommit" if store._dialect.free_autocommit else "_send_batch"
+        self._attribute = _sender_name(store)
         self._send = send = getattr(module, self._attribute)
         in_flight: set[int] = set()
 

@@ -179,7 +179,8 @@ class _Parked:
     Connection more, and switching autocommit on and off a little more again (docs/benchmarks.md,
     "a connection kept for the statements that run alone"). It goes back to the pool when its link was
     lost, once it has been out PARK_SECONDS, when a transaction finds none idle in the pool (``_lend_parked``:
-    so the pool is never short, nor grows, for it) and at ``close()``."""
+    so the pool is never short, nor grows, for it), at ``close()``, and instead of being parked while the
+    pool has every connection it may open checked out (``_park``)."""
 
     conn: Any
     #: the driver's connection under ``conn``
