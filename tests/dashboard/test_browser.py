@@ -186,6 +186,7 @@ def test_a_dialog_closed_and_opened_again_at_once_keeps_what_it_acts_on(
     name = f"reopen-{uuid.uuid4().hex[:4]}"
     _semaphores(api, name, 2, 0)
     page = _open(browser, service, ADMIN, f"/#/s/{name}")
+    sync_api.expect(page.locator('[data-fact="capacity"]')).to_have_text("2")
     page.locator("#change-capacity").click()
     sync_api.expect(page.locator("#capacity-dialog")).to_be_visible()
     page.evaluate(
@@ -199,6 +200,30 @@ def test_a_dialog_closed_and_opened_again_at_once_keeps_what_it_acts_on(
     sync_api.expect(page.locator("#capacity-history")).to_contain_text("reopened at once")
     assert api.get(f"/v1/semaphores/{name}").json()["capacity"] == 5
     _no_errors(page)
+
+
+def test_the_buttons_stay_put_when_the_semaphore_arrives(browser: Any, service: Service, api: httpx.Client) -> None:
+    """The facts above the admin buttons used to be drawn only when the semaphore's answer came, which
+    moved the buttons down under the pointer: on a loaded machine a click meant for "Edit capacity" hit
+    nothing. Here the answer is held back until the buttons have been measured."""
+    name = f"still-{uuid.uuid4().hex[:4]}"
+    _semaphores(api, name, 2, 0)
+    held: list[Any] = []
+    page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+    page.route(f"**/v1/semaphores/{name}", lambda route: held.append(route))
+    page.goto(service.url + f"/#/s/{name}")
+    page.fill("#token", ADMIN)
+    page.get_by_role("button", name="Sign in").click()
+    button = page.locator("#change-capacity")
+    sync_api.expect(button).to_be_visible()
+    for _ in range(400):  # Playwright calls the route's handler only while the test waits on the page
+        if held:
+            break
+        page.wait_for_timeout(50)
+    before = button.bounding_box()
+    held.pop().continue_()
+    sync_api.expect(page.locator('[data-fact="capacity"]')).to_have_text("2")
+    assert button.bounding_box() == before
 
 
 def test_a_client_token_sees_no_admin_actions(browser: Any, service: Service, api: httpx.Client) -> None:

@@ -469,7 +469,12 @@ function overviewPage(v) {
 
 function semaphorePage(v, name) {
   const n = enc(name);
-  const facts = h('dl', { class: 'facts' });
+  // The boxes are drawn at once, with dashes until the first answer, so that the buttons below them do
+  // not move under the pointer when it arrives.
+  const factBoxes = (S, waiting) => [['Capacity', S?.capacity], ['Used', S?.used], ['Available', S?.available, S?.available === 0 && badge()],
+    ['Waiting', S && waiting], ['Last token', S?.last_token], ['Fair', S && (S.fair ? 'yes' : 'no')]]
+    .map(([k, val, extra]) => h('div', {}, h('dt', { text: k }), h('dd', { 'data-fact': k.toLowerCase().replace(' ', '_') }, str(val), extra && ' ', extra)));
+  const facts = h('dl', { class: 'facts' }, factBoxes(null));
   const box = { holders: h('div'), waiters: h('div'), history: h('div'), endings: h('div'), log: h('div') };
   const charts = CHARTS.map(chart);
   const sec = (title, ...body) => h('section', {}, h('h3', { text: title }), body);
@@ -499,9 +504,7 @@ function semaphorePage(v, name) {
     const [S, H, W, C, E, L, O] = res.map((r) => (r.status === 'fulfilled' ? r.value : null));
     sem = S;
     const waiting = O?.semaphores?.find((x) => x.name === name)?.waiting ?? W?.waiters?.length;
-    swap(facts, S && [['Capacity', S.capacity], ['Used', S.used], ['Available', S.available, S.available === 0 && badge()],
-      ['Waiting', waiting], ['Last token', S.last_token], ['Fair', S.fair ? 'yes' : 'no']]
-      .map(([k, val, extra]) => h('div', {}, h('dt', { text: k }), h('dd', { 'data-fact': k.toLowerCase().replace(' ', '_') }, str(val), extra && ' ', extra))));
+    swap(facts, factBoxes(S, waiting));
     if (H) renderHolders(H);
     if (S && W) renderWaiters(S, W, waiting);
     if (C) swap(box.history, table({ id: 'capacity-history' }, `Capacity changes of ${name}, newest first`,
