@@ -208,6 +208,8 @@ class SQLStore:
         #: sessions whose link the reply deadline cut, to end before the next operation (``_end_cut_sessions``)
         self._cut: list[_CutSession] = []
         self._opened = False
+        #: held by the one open() that checks the schema and sets the statements
+        self._opening = sync_lock()
         self._closed = False
         #: test hook: called with each statement's name after it ran (fault tests kill the process here)
         self.after_statement: Callable[[str], None] | None = None
@@ -275,6 +277,7 @@ class SQLStore:
         self._in_line_now = 0
         self._seats_mutex = sync_mutex()
         self._parked, self._park_mutex = [], sync_mutex()  # the parent's, in the pool kept above
+        self._opening = sync_lock()  # a lock held by a thread of the parent at the fork stays held here
         if self._listener is not None:
             listener = self._listener
             keep_inherited(listener)
@@ -301,6 +304,14 @@ class SQLStore:
         self._renew_if_forked()
         if self._opened:
             return
+        # One opening at a time. The threads (or tasks) of a first burst of calls would otherwise each probe
+        # the server and set the statements from what each saw: one whose probe of a cluster met a passing
+        # error would put a single server's statements over the cluster's that another had just set.
+        with self._opening:
+            if not self._opened:
+                self._open()
+
+    def _open(self) -> None:
         revision = self._with_retries(self._schema_revision)
         if self._settings.pooler == "transaction":
             self._with_retries(self._check_pooled_timeouts)
