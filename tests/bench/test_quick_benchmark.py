@@ -249,3 +249,12 @@ def test_the_driver_cost_measurement_runs() -> None:
     short round of psycopg's sync and asyncio connections."""
     out = _run_script("pg_driver_cost.py", default_url("postgresql"), "--statements", "50", "--rounds", "1")
     assert out.startswith("sync ") and " asyncio " in out, out
+
+
+def test_the_sqlite_history_measurement_runs() -> None:
+    """benchmarks/sqlite_history.py, behind the history bullet of docs/benchmarks.md: loop steps a cycle and
+    one short round, on an empty file and on one with old rows (a few here, a million in the docs)."""
+    out = _run_script("sqlite_history.py", "--rows", "2000", "--rounds", "1", "--seconds", "0.3", "--cycles", "20")
+    counts = [line.split(" loop steps")[0].split(": ")[-1] for line in out.splitlines() if "loop steps" in line]
+    assert len(counts) == 2 and counts[0] == counts[1], out  # the same plans whatever the history
+    assert "round 1: empty " in out and "mean change" in out, out
