@@ -271,6 +271,21 @@ def slow_polling(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(store_module, "PLACE_MS", 60_000)
 
 
+def in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Start ``work`` on a thread of its own; the dict gets its ``value``, or the ``error`` it raised."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as exc:  # the test reads it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
 class AsyncFacade:
     """Drives an AsyncClient from synchronous test code, so one test body checks both clients.
 

@@ -9,31 +9,14 @@ extended. And a grant that waited for its semaphore's row must be stamped after 
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
 
 import permits
-from tests.conftest import sqlalchemy_url
-
-
-def _in_thread(target: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = target()
-        except Exception as exc:  # the test reads it
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, outcome
-
+from tests.conftest import in_thread, sqlalchemy_url
 
 #: How many sessions of this database wait for (or, on MariaDB, run) a locking read of permits_lease now.
 _LOCK_WAITS = {
@@ -77,11 +60,11 @@ def test_an_extend_that_commits_while_the_lease_is_being_ended_keeps_the_lease(
                 )
                 time.sleep(ttl + 0.2)  # the committed lease has expired; the extend has not committed yet
                 if ender == "sweep":
-                    ending, ended = _in_thread(other.sweep)
+                    ending, ended = in_thread(other.sweep)
                 elif ender == "reclaim":
-                    ending, ended = _in_thread(lambda: other.try_acquire(name, ttl=5))
+                    ending, ended = in_thread(lambda: other.try_acquire(name, ttl=5))
                 else:  # a delete without force, which only expired leases may not stop
-                    ending, ended = _in_thread(lambda: other.delete_semaphore(name))
+                    ending, ended = in_thread(lambda: other.delete_semaphore(name))
                 waited_for = time.monotonic() + 4
                 while watch.execute(text(_LOCK_WAITS[backend])).scalar_one() == 0:
                     watch.rollback()  # a fresh snapshot for the next look
@@ -125,7 +108,7 @@ def test_a_grant_that_waited_for_the_row_is_stamped_after_the_wait(db_url: str, 
         try:
             with locker.connect() as conn:
                 conn.execute(text("SELECT 1 FROM permits_semaphore WHERE name = :n FOR UPDATE"), {"n": name})
-                granting, granted = _in_thread(lambda: client.acquire(name, ttl=5))
+                granting, granted = in_thread(lambda: client.acquire(name, ttl=5))
                 time.sleep(1.0)
                 let_go_ms = conn.execute(text(_CLOCK_MS[backend])).scalar_one()
                 conn.rollback()

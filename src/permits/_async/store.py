@@ -80,6 +80,7 @@ from permits.stores._engine import (
     async_drop_link,
     async_live,
     async_run_sync,
+    close_returns_once,
     driver_error,
     engine_args,
     install_events,
@@ -204,6 +205,9 @@ class AsyncSQLStore:
         #: the server session behind each driver connection (see ``_end_cut_sessions``)
         self._sessions: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         install_events(sync_engine(self._engine), self._dialect, settings, self._sessions)
+        # Through a weak reference: the engine's events would otherwise keep the store alive in a cycle.
+        this = weakref.ref(self)
+        close_returns_once(self._engine, lambda: (store := this()) is None or store._closed)
         #: sessions whose link the reply deadline cut, to end before the next operation (``_end_cut_sessions``)
         self._cut: list[_CutSession] = []
         self._opened = False

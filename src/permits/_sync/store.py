@@ -81,6 +81,7 @@ from permits.stores._engine import (
     sync_drop_link,
     sync_live,
     sync_run_sync,
+    close_returns_once,
     driver_error,
     engine_args,
     install_events,
@@ -205,6 +206,9 @@ class SQLStore:
         #: the server session behind each driver connection (see ``_end_cut_sessions``)
         self._sessions: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         install_events(sync_engine(self._engine), self._dialect, settings, self._sessions)
+        # Through a weak reference: the engine's events would otherwise keep the store alive in a cycle.
+        this = weakref.ref(self)
+        close_returns_once(self._engine, lambda: (store := this()) is None or store._closed)
         #: sessions whose link the reply deadline cut, to end before the next operation (``_end_cut_sessions``)
         self._cut: list[_CutSession] = []
         self._opened = False

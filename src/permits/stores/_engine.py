@@ -4,7 +4,7 @@ translation of driver errors into permits errors (the one choke point)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from sqlalchemy import Engine, event
@@ -276,6 +276,22 @@ def pool_full(pool: Any) -> bool:
     if not isinstance(overflow, int) or overflow < 0 or not hasattr(pool, "size"):
         return False
     return bool(pool.checkedout() >= pool.size() + overflow)
+
+
+def close_returns_once(engine: Any, closed: Callable[[], bool]) -> None:
+    """Once ``closed()`` is true, a connection given back to ``engine``'s pool is closed rather than kept.
+
+    Why: a store's ``close()`` disposes of the pool, but a thread (or task) still at work in the store
+    then holds a connection that ``dispose()`` does not touch: it would go back into the old pool, which
+    nobody disposes any more, and stay open until the garbage collector finds it; and an operation that
+    goes on after ``close()`` checks out of the new pool SQLAlchemy puts in its place. Pool events set on
+    the engine carry over to that new pool, so this covers both, and work in flight still finishes."""
+
+    def on_checkin(dbapi_connection: Any, entry: Any) -> None:
+        if dbapi_connection is not None and closed():
+            entry.close()  # the pool keeps the entry, with no connection: nothing is open for it any more
+
+    event.listen(sync_engine(engine), "checkin", on_checkin)
 
 
 #: The attribute of a psycopg connection that keeps its cursor for the statements that run alone.
