@@ -6,6 +6,7 @@ new ones for an operation that goes on after it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sqlite3
 import threading
@@ -60,50 +61,67 @@ class _OpenConnections:
 
 
 @contextlib.contextmanager
-def _semaphore_row_locked(db_url: str, backend: str, name: str, for_seconds: float) -> Iterator[None]:
-    """Another transaction holds the semaphore's row (SQLite: the database's write lock) for ``for_seconds``
-    from the block's start, so that a grant begun in the block is still at work when the block's code
-    goes on."""
+def _semaphore_row_locked(db_url: str, backend: str, name: str) -> Iterator[Callable[[], None]]:
+    """Another transaction holds the semaphore's row (SQLite: the database's write lock) until the block
+    calls what it is given, or ends."""
     if backend == "sqlite":
-        with contextlib.closing(
-            sqlite3.connect(make_url(db_url).database or "", isolation_level=None, check_same_thread=False)
-        ) as raw:
+        path = make_url(db_url).database or ""
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None, check_same_thread=False)) as raw:
             raw.execute("BEGIN IMMEDIATE")
-            with _rolled_back_after(raw, for_seconds):
-                yield
+            yield raw.rollback
         return
     engine = create_engine(sqlalchemy_url(db_url))
     try:
         with engine.connect() as conn:
             conn.execute(text("SELECT 1 FROM permits_semaphore WHERE name = :n FOR UPDATE"), {"n": name})
-            with _rolled_back_after(conn, for_seconds):
-                yield
+            yield conn.rollback
     finally:
         engine.dispose()
 
 
-@contextlib.contextmanager
-def _rolled_back_after(conn: Any, seconds: float) -> Iterator[None]:
-    """``conn``'s transaction rolls back ``seconds`` from now, on a timer; the block ends after it has."""
-    timer = threading.Timer(seconds, conn.rollback)
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.join()
+def _wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
+
+
+def _on_wait_for_room(client: Any) -> threading.Event:
+    """Set when the client's acquire, refused, begins to wait for room (its store's ``wait_for_room``)."""
+    store = client._client._store if isinstance(client, AsyncFacade) else client._store
+    waiting = threading.Event()
+    wait = store.wait_for_room
+    if asyncio.iscoroutinefunction(wait):
+
+        async def noted_async(*args: Any) -> Any:
+            waiting.set()
+            return await wait(*args)
+
+        store.wait_for_room = noted_async
+    else:
+
+        def noted(*args: Any) -> Any:
+            waiting.set()
+            return wait(*args)
+
+        store.wait_for_room = noted
+    return waiting
 
 
 def test_an_operation_in_flight_at_close_finishes_and_leaves_no_connection(
     make_client: Callable[..., Any], db_url: str, backend: str, ns: str
 ) -> None:
     client = make_client(owner=f"{ns}o")
-    opened = _OpenConnections(_store(client))  # before the client's first connection
+    store = _store(client)
+    opened = _OpenConnections(store)  # before the client's first connection
     client.create_semaphore(f"{ns}s", 2)
-    with _semaphore_row_locked(db_url, backend, f"{ns}s", for_seconds=1.5):
+    with _semaphore_row_locked(db_url, backend, f"{ns}s") as let_go:
         thread, outcome = in_thread(lambda: client.acquire({f"{ns}s": 1}, key="k", timeout=20))
-        time.sleep(0.5)  # the grant waits for the row
+        _wait_until(lambda: store.connections_in_use >= 1, "the grant has a connection, and waits for the row")
         client.close()
+        let_go()
         thread.join(30)
+    assert not thread.is_alive()
     assert "error" not in outcome, outcome
     assert outcome["value"].key == "k"  # the grant went through: close() does not cut work short
     assert opened.still_open == 0
@@ -115,12 +133,13 @@ def test_a_waiting_acquire_is_told_the_client_is_closed(make_client: Callable[..
     holder.acquire({f"{ns}s": 1}, key="held")
     client = make_client(owner=f"{ns}o")
     opened = _OpenConnections(_store(client))  # before the client's first connection
-    client.get_semaphore(f"{ns}s")  # opened, so that only its waiting is left to do
-    started = time.monotonic()
+    waiting = _on_wait_for_room(client)
     thread, outcome = in_thread(lambda: client.acquire({f"{ns}s": 1}, key="k", timeout=20))
-    time.sleep(0.5)  # waiting now
+    assert waiting.wait(20)
+    closed_at = time.monotonic()
     client.close()
     thread.join(30)
+    assert not thread.is_alive()
     assert isinstance(outcome.get("error"), permits.UsageError), outcome
-    assert time.monotonic() - started < 10  # told at its next look, not at the end of its timeout
+    assert time.monotonic() - closed_at < 10  # told at its next look, not at the end of its timeout
     assert opened.still_open == 0

@@ -26,6 +26,7 @@ from permits._exceptions import (
     IdempotencyConflict,
     KeyInUse,
     LeaseLost,
+    PermitsError,
     StorageConflict,
     StorageError,
     StorageReadOnly,
@@ -80,7 +81,7 @@ from permits.stores._engine import (
     async_drop_link,
     async_live,
     async_run_sync,
-    close_returns_once,
+    close_returned_connections_once,
     driver_error,
     engine_args,
     install_events,
@@ -205,14 +206,18 @@ class AsyncSQLStore:
         #: the server session behind each driver connection (see ``_end_cut_sessions``)
         self._sessions: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
         install_events(sync_engine(self._engine), self._dialect, settings, self._sessions)
-        # Through a weak reference: the engine's events would otherwise keep the store alive in a cycle.
+        # Through a weak reference: the engine's events would otherwise make a cycle with the store, which
+        # only the garbage collector frees.
         this = weakref.ref(self)
-        close_returns_once(self._engine, lambda: (store := this()) is None or store._closed)
+        close_returned_connections_once(self._engine, lambda: (store := this()) is None or store._closed)
         #: sessions whose link the reply deadline cut, to end before the next operation (``_end_cut_sessions``)
         self._cut: list[_CutSession] = []
         self._opened = False
         #: held by the one open() that checks the schema and sets the statements
         self._opening = async_lock()
+        #: how many openings failed, and the last one's error: the answer of the callers that waited for it
+        self._open_failures = 0
+        self._open_failure: PermitsError | None = None
         self._closed = False
         #: test hook: called with each statement's name after it ran (fault tests kill the process here)
         self.after_statement: Callable[[str], None] | None = None
@@ -280,7 +285,7 @@ class AsyncSQLStore:
         self._in_line_now = 0
         self._seats_mutex = async_mutex()
         self._parked, self._park_mutex = [], async_mutex()  # the parent's, in the pool kept above
-        self._opening = async_lock()  # a lock held by a thread of the parent at the fork stays held here
+        self._opening = async_lock()  # one held in the parent at the fork would stay held here
         if self._listener is not None:
             listener = self._listener
             keep_inherited(listener)
@@ -310,9 +315,23 @@ class AsyncSQLStore:
         # One opening at a time. The threads (or tasks) of a first burst of calls would otherwise each probe
         # the server and set the statements from what each saw: one whose probe of a cluster met a passing
         # error would put a single server's statements over the cluster's that another had just set.
+        failures_before = self._open_failures
         async with self._opening:
-            if not self._opened:
-                await self._open()
+            if self._closed:  # while this caller waited
+                raise UsageError("this client is closed")
+            if not self._opened:  # by the caller this one waited for
+                failure = self._open_failure
+                if self._open_failures != failures_before and failure is not None:
+                    # An opening failed while this caller waited for it: that is its answer too. Trying again
+                    # in turn would have the last of a burst of callers wait for as many failed openings as
+                    # there are callers ahead of it, each its retries long. A caller that comes later tries.
+                    raise type(failure)(failure.message, **failure.details) from failure
+                try:
+                    await self._open()
+                except PermitsError as exc:
+                    self._open_failure = exc
+                    self._open_failures += 1
+                    raise
 
     async def _open(self) -> None:
         revision = await self._with_retries(self._schema_revision)

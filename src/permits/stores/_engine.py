@@ -21,7 +21,7 @@ from permits._exceptions import (
     StorageReadOnly,
     StorageUnavailable,
 )
-from permits._io import sync_unwatch_reply, sync_watch_reply
+from permits._io import forks, sync_unwatch_reply, sync_watch_reply
 from permits.dialects.base import Dialect, Fault
 
 logger = logging.getLogger("permits")
@@ -278,20 +278,34 @@ def pool_full(pool: Any) -> bool:
     return bool(pool.checkedout() >= pool.size() + overflow)
 
 
-def close_returns_once(engine: Any, closed: Callable[[], bool]) -> None:
+#: The key of a pool entry's ``info`` that says in which process (``forks()``) its connection was made.
+_MADE_IN = "permits_forks"
+
+
+def close_returned_connections_once(engine: Any, closed: Callable[[], bool]) -> None:
     """Once ``closed()`` is true, a connection given back to ``engine``'s pool is closed rather than kept.
 
     Why: a store's ``close()`` disposes of the pool, but a thread (or task) still at work in the store
     then holds a connection that ``dispose()`` does not touch: it would go back into the old pool, which
-    nobody disposes any more, and stay open until the garbage collector finds it; and an operation that
+    nobody disposes any more, and stay open until the garbage collector found it; and an operation that
     goes on after ``close()`` checks out of the new pool SQLAlchemy puts in its place. Pool events set on
-    the engine carry over to that new pool, so this covers both, and work in flight still finishes."""
+    the engine carry over to that new pool, so this covers both, and work in flight still finishes.
+
+    Not a connection a forked child inherited: closing it would end its parent's session over the socket
+    both hold (``_io.keep_inherited``). Left open: a connection given back in the instant between a
+    check of ``closed()`` and ``close()`` disposing of the pool, and one whose closing a cancellation
+    interrupts (SQLAlchemy then loses the pool's entry; the pool is being closed anyway)."""
+
+    def on_connect(_dbapi_connection: Any, entry: Any) -> None:
+        entry.info[_MADE_IN] = forks()
 
     def on_checkin(dbapi_connection: Any, entry: Any) -> None:
-        if dbapi_connection is not None and closed():
+        if dbapi_connection is not None and entry.info.get(_MADE_IN) == forks() and closed():
             entry.close()  # the pool keeps the entry, with no connection: nothing is open for it any more
 
-    event.listen(sync_engine(engine), "checkin", on_checkin)
+    sync = sync_engine(engine)
+    event.listen(sync, "connect", on_connect)
+    event.listen(sync, "checkin", on_checkin)
 
 
 #: The attribute of a psycopg connection that keeps its cursor for the statements that run alone.
