@@ -143,3 +143,57 @@ def test_a_waiting_acquire_is_told_the_client_is_closed(make_client: Callable[..
     assert isinstance(outcome.get("error"), permits.UsageError), outcome
     assert time.monotonic() - closed_at < 10  # told at its next look, not at the end of its timeout
     assert opened.still_open == 0
+
+
+def _http_store(client: Any) -> Any:
+    return client._client._store if isinstance(client, AsyncFacade) else client._store
+
+
+@pytest.mark.parametrize("via", ["service"])
+def test_a_long_poll_through_the_service_ends_at_close(make_client: Callable[..., Any], ns: str) -> None:
+    """Through a service, a waiting acquire is a long poll: close() ends it at once (UsageError), and the
+    service, seeing its client go, stops waiting and gives up its place in the queue. Before, the poll ran
+    to the end of its wait (20 s here), and then its resend failed with httpx's RuntimeError."""
+    name = f"{ns}s"
+    holder = make_client(owner=f"{ns}holder")
+    holder.create_semaphore(name, 1, fair=True)
+    holder.acquire({name: 1}, key="held")
+    client = make_client(owner=f"{ns}o")
+    store = _http_store(client)
+    thread, outcome = in_thread(lambda: client.acquire({name: 1}, key="k", timeout=20))
+    _wait_until(lambda: len(holder.waiters(name)) == 1, "the acquire waits in the service's queue")
+    closed_at = time.monotonic()
+    client.close()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert isinstance(outcome.get("error"), permits.UsageError), outcome
+    assert time.monotonic() - closed_at < 5  # at once, not at the end of the long poll
+    _wait_until(lambda: holder.waiters(name) == [], "the service stops waiting for a client that went")
+    holder.release("held")
+    assert holder.get_semaphore(name).used == 0  # nothing was granted to the closed client
+    assert store._long_polls.http.is_closed and store._requests.http.is_closed
+
+
+@pytest.mark.parametrize("via", ["service"])
+def test_a_request_under_way_through_the_service_at_close_finishes(
+    make_client: Callable[..., Any], db_url: str, backend: str, ns: str
+) -> None:
+    """A request that does not wait for room, under way at close(), gets its answer (a release here, held
+    up by a locked row on the service's side); the client's connections close once it has it."""
+    name = f"{ns}s"
+    client = make_client(owner=f"{ns}o")
+    store = _http_store(client)
+    client.create_semaphore(name, 1)
+    client.acquire({name: 1}, key="k")
+    with _semaphore_row_locked(db_url, backend, name) as let_go:
+        thread, outcome = in_thread(lambda: client.release("k"))
+        _wait_until(lambda: store._requests._under_way == 1, "the release is under way")
+        client.close()
+        assert not store._requests.http.is_closed  # not while the release is under way
+        with pytest.raises(permits.UsageError):
+            client.get_semaphore(name)  # a new request is refused, though
+        let_go()
+        thread.join(30)
+    assert not thread.is_alive()
+    assert outcome.get("value") == permits.ReleaseOutcome.RELEASED, outcome
+    assert store._requests.http.is_closed

@@ -14,8 +14,12 @@ A request that is not idempotent is sent again only after an answer that says it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import socket
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -69,14 +73,94 @@ MAX_RECONNECT_PAUSE = 1.0
 MAX_PLACELESS = 10_000
 
 
+#: httpcore's trace events that hand over a new connection's stream (``return_value``), TLS's included.
+NEW_STREAM_EVENTS = ("connect_tcp.complete", "connect_unix_socket.complete", "start_tls.complete")
+
+
 def path_part(value: str) -> str:
     """A name or key as one path segment: every reserved character percent-encoded, dots too, so that no
     client or proxy folds ``.`` or ``..`` segments."""
     return quote(value, safe="").replace(".", "%2E")
 
 
+class _Requests:
+    """An httpx client of the store's, and the requests under way in it.
+
+    ``close()`` ends it as a client of a database ends: new requests are refused with ``UsageError`` at
+    once, and the client is closed when the last request under way is done. httpx's own close would instead
+    cut an asyncio request short (a release whose outcome nobody learns) and leave a thread's blocked on a
+    socket closed under it. With ``cut``, the requests under way are ended now instead: each connection's
+    socket is shut down, so that a read blocked on it in another thread returns at once; the store's long
+    polls (acquires that wait for room) are ended that way, and the service, which watches for a client that
+    goes away (``server/gone.py``), stops waiting for them."""
+
+    def __init__(self, base: str, headers: dict[str, str]) -> None:
+        timeout = httpx.Timeout(RESPONSE_MARGIN, connect=5.0)
+        self.http = httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout)
+        self._guard = threading.Lock()  # requests come from any thread (a sync client) or task
+        self._under_way = 0
+        self._closing = self._cutting = self._closed = False
+        #: every connection's stream, found by httpcore's trace: the sockets that a cut shuts down
+        self._streams: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        with self._guard:
+            if self._closing:
+                raise UsageError("this client is closed")
+            self._under_way += 1
+        try:
+            return await self.http.request(method, path, extensions={"trace": self._trace}, **kwargs)
+        finally:
+            if self._one_less():
+                await self._close_now()
+
+    def _one_less(self) -> bool:
+        """A request is done: whether it was the last one under way of a client being closed."""
+        with self._guard:
+            self._under_way -= 1
+            return self._closing and self._under_way == 0
+
+    async def _trace(self, event: str, info: dict[str, Any]) -> None:
+        if event.endswith(NEW_STREAM_EVENTS) and info.get("return_value") is not None:
+            stream = info["return_value"]
+            with self._guard:
+                self._streams.add(stream)
+                cut = self._cutting  # a connection that was being made as the cut came: cut it too
+            if cut:
+                _shut_down(stream)
+
+    async def close(self, cut: bool = False) -> None:
+        with self._guard:
+            self._closing = True
+            self._cutting = cut
+            idle = self._under_way == 0
+            streams = list(self._streams) if cut else []
+        for stream in streams:
+            _shut_down(stream)
+        if idle:
+            await self._close_now()
+
+    async def _close_now(self) -> None:
+        with self._guard:
+            if self._closed:
+                return
+            self._closed = True
+        await self.http.aclose()
+
+
+def _shut_down(stream: Any) -> None:
+    """End a connection as a network failure would: a read blocked on its socket, in any thread, returns."""
+    sock = stream.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):  # closed already, or never connected
+            sock.shutdown(socket.SHUT_RDWR)
+
+
 class AsyncHTTPStore:
-    """Carries out operations through a permits service (``permits serve``)."""
+    """Carries out operations through a permits service (``permits serve``).
+
+    Two httpx clients: one for the long polls (requests that wait for room), one for the rest, so that
+    ``close()`` can end the long polls at once and let the rest finish (``_Requests``)."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -85,7 +169,8 @@ class AsyncHTTPStore:
         if settings.token is not None:
             headers["Authorization"] = f"Bearer {settings.token}"
         self._http_args = (base, headers)
-        self._http = self._new_http(*self._http_args)
+        self._requests = _Requests(base, headers)
+        self._long_polls = _Requests(base, headers)
         self._forks = forks()
         self._opened = False
         self._closed = False
@@ -101,17 +186,14 @@ class AsyncHTTPStore:
         #: semaphore's, say): their give-up would find nothing, so it is not sent
         self._placeless: set[tuple[str, str]] = set()
 
-    @staticmethod
-    def _new_http(base: str, headers: dict[str, str]) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=base, headers=headers, timeout=httpx.Timeout(RESPONSE_MARGIN, connect=5.0))
-
     def _renew_if_forked(self) -> None:
         """In a forked child: a connection pool of its own (see ``_io.forks``). The parent's is kept
         unclosed: closing would end the parent's connections."""
         if self._forks != forks():
             self._forks = forks()
-            keep_inherited(self._http)
-            self._http = self._new_http(*self._http_args)
+            keep_inherited((self._requests, self._long_polls))
+            self._requests = _Requests(*self._http_args)
+            self._long_polls = _Requests(*self._http_args)
 
     @property
     def url(self) -> str:
@@ -139,8 +221,13 @@ class AsyncHTTPStore:
             self._opened = True
 
     async def close(self) -> None:
+        """Refuse new requests; let those under way finish, except the long polls, which end now: a waiting
+        acquire gets ``UsageError``. (In a forked child, the pools are the parent's, as in ``_renew_if_forked``.)"""
         self._closed = True
-        await self._http.aclose()
+        if self._forks != forks():
+            return
+        await self._long_polls.close(cut=True)
+        await self._requests.close()
 
     # ------------------------------------------------------------------------------------------ operations
 
@@ -381,9 +468,20 @@ class AsyncHTTPStore:
             timeout = httpx.Timeout(RESPONSE_MARGIN + waits, connect=5.0)
             if sent is not None:
                 kwargs["json"] = sent
+            requests = self._long_polls if waits > 0 else self._requests
             try:
-                response = await self._http.request(method, path, timeout=timeout, **kwargs)
+                response = await requests.request(method, path, timeout=timeout, **kwargs)
             except httpx.TransportError as exc:
+                if self._closed:
+                    raise UsageError(
+                        "this client was closed while the request was under way"
+                        + (
+                            ": the service stops waiting for it (a lease it granted in that instant runs out at"
+                            " its TTL)"
+                            if waits > 0
+                            else ""
+                        )
+                    ) from exc
                 not_sent = isinstance(exc, NOT_SENT)
                 if not idempotent and not not_sent:
                     raise StorageUnavailable(
