@@ -89,17 +89,18 @@ class _Requests:
     ``close()`` ends it as a client of a database ends: new requests are refused with ``UsageError`` at
     once, and the client is closed when the last request under way is done. httpx's own close would instead
     cut an asyncio request short (a release whose outcome nobody learns) and leave a thread's blocked on a
-    socket closed under it. With ``cut``, the requests under way are ended now instead: each connection's
+    socket closed under it. With ``cut_at_close``, the requests under way are ended then instead: each connection's
     socket is shut down, so that a read blocked on it in another thread returns at once; the store's long
     polls (acquires that wait for room) are ended that way, and the service, which watches for a client that
     goes away (``server/gone.py``), stops waiting for them."""
 
-    def __init__(self, base: str, headers: dict[str, str]) -> None:
+    def __init__(self, base: str, headers: dict[str, str], cut_at_close: bool) -> None:
         timeout = httpx.Timeout(RESPONSE_MARGIN, connect=5.0)
         self.http = httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout)
         self._guard = threading.Lock()  # requests come from any thread (a sync client) or task
         self._under_way = 0
-        self._closing = self._cutting = self._closed = False
+        self._cut_at_close = cut_at_close
+        self._closing = self._closed = False
         #: every connection's stream, found by httpcore's trace: the sockets that a cut shuts down
         self._streams: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -109,7 +110,9 @@ class _Requests:
                 raise UsageError("this client is closed")
             self._under_way += 1
         try:
-            return await self.http.request(method, path, extensions={"trace": self._trace}, **kwargs)
+            if self._cut_at_close:  # httpcore calls the trace some ten times a request: only where a cut needs it
+                kwargs["extensions"] = {"trace": self._trace}
+            return await self.http.request(method, path, **kwargs)
         finally:
             if self._one_less():
                 await self._close_now()
@@ -125,16 +128,15 @@ class _Requests:
             stream = info["return_value"]
             with self._guard:
                 self._streams.add(stream)
-                cut = self._cutting  # a connection that was being made as the cut came: cut it too
+                cut = self._closing  # a connection that was being made as the cut came: cut it too
             if cut:
                 _shut_down(stream)
 
-    async def close(self, cut: bool = False) -> None:
+    async def close(self) -> None:
         with self._guard:
             self._closing = True
-            self._cutting = cut
             idle = self._under_way == 0
-            streams = list(self._streams) if cut else []
+            streams = list(self._streams)
         for stream in streams:
             _shut_down(stream)
         if idle:
@@ -169,8 +171,8 @@ class AsyncHTTPStore:
         if settings.token is not None:
             headers["Authorization"] = f"Bearer {settings.token}"
         self._http_args = (base, headers)
-        self._requests = _Requests(base, headers)
-        self._long_polls = _Requests(base, headers)
+        self._requests = _Requests(base, headers, cut_at_close=False)
+        self._long_polls = _Requests(base, headers, cut_at_close=True)
         self._forks = forks()
         self._opened = False
         self._closed = False
@@ -192,8 +194,8 @@ class AsyncHTTPStore:
         if self._forks != forks():
             self._forks = forks()
             keep_inherited((self._requests, self._long_polls))
-            self._requests = _Requests(*self._http_args)
-            self._long_polls = _Requests(*self._http_args)
+            self._requests = _Requests(*self._http_args, cut_at_close=False)
+            self._long_polls = _Requests(*self._http_args, cut_at_close=True)
 
     @property
     def url(self) -> str:
@@ -226,7 +228,7 @@ class AsyncHTTPStore:
         self._closed = True
         if self._forks != forks():
             return
-        await self._long_polls.close(cut=True)
+        await self._long_polls.close()
         await self._requests.close()
 
     # ------------------------------------------------------------------------------------------ operations
