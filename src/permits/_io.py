@@ -172,11 +172,12 @@ if hasattr(os, "register_at_fork"):  # POSIX only
     os.register_at_fork(after_in_child=_count_fork)
 
 
-def _shut_down(fd: int) -> bool:
-    """End the connection on socket ``fd`` as a network failure would: the driver's pending read fails at
-    once, with the error of a lost connection, and the store drops the connection and retries. Only the
-    socket is shut down; the driver still owns ``fd`` and closes it. False: it could not be (no file
-    descriptor left to copy it with, say), and the statement waits on."""
+def shut_down(fd: int) -> bool:
+    """End the connection on socket ``fd`` as a network failure would: a read pending on it, in any thread,
+    fails at once with the error of a lost connection (a driver's: the store drops the connection and
+    retries). Only the socket is shut down, through a copy of ``fd``: its owner still closes it, and keeps
+    what it holds above the socket (TLS state). False: it could not be (no file descriptor left to copy it
+    with, say), and the read waits on."""
     try:
         copy = os.dup(fd)
     except OSError:
@@ -263,7 +264,7 @@ class _ReplyWatch:
                 for token, (fd, deadline) in list(self._armed.items()):
                     if deadline <= now:
                         del self._armed[token]
-                        if not _shut_down(fd):
+                        if not shut_down(fd):
                             self._missed.add(token)
                 idle = 0 if self._armed else idle + 1
                 if idle < self._IDLE_TICKS:
@@ -292,7 +293,7 @@ class _ReplyTimer:
         self.handle = asyncio.get_running_loop().call_later(seconds, self._fire)
 
     def _fire(self) -> None:
-        self.fired = _shut_down(self.fd)
+        self.fired = shut_down(self.fd)
 
 
 def async_watch_reply(fd: int | None, seconds: float) -> _ReplyTimer | None:

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import sqlite3
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +23,7 @@ from sqlalchemy import create_engine, event, make_url, text
 
 import permits
 from permits.stores._engine import sync_engine
+from tests._proxy import CuttingProxy
 from tests.conftest import AsyncFacade, in_thread, sqlalchemy_url
 
 pytestmark = pytest.mark.usefixtures("servers")
@@ -197,3 +202,130 @@ def test_a_request_under_way_through_the_service_at_close_finishes(
     assert not thread.is_alive()
     assert outcome.get("value") == permits.ReleaseOutcome.RELEASED, outcome
     assert store._requests.http.is_closed
+
+
+@pytest.mark.parametrize("via", ["service"])
+def test_an_operation_under_way_at_close_may_still_send_again(
+    make_client: Callable[..., Any], client_url: str, db_url: str, backend: str, ns: str, flavour: str
+) -> None:
+    """close() lets an operation under way finish, resends included: a release whose connection drops
+    after close() (cut by a proxy in front of the service) is sent again, and answered."""
+    name = f"{ns}s"
+    service = make_url(client_url)
+    assert service.host is not None and service.port is not None
+    with CuttingProxy((service.host, service.port)) as proxy:
+        client = _open(flavour, f"http://127.0.0.1:{proxy.port}", f"{ns}o")
+        try:
+            store = _http_store(client)
+            client.create_semaphore(name, 1)
+            client.acquire({name: 1}, key="k")
+            with _semaphore_row_locked(db_url, backend, name) as let_go:
+                thread, outcome = in_thread(lambda: client.release("k"))
+                _wait_until(lambda: store._requests._under_way == 1, "the release is under way")
+                client.close()
+                proxy.cut_all()  # its reply will never come: the release is sent again, after close()
+                time.sleep(0.5)  # the resend reaches the service, and waits for the row as the first does
+                let_go()
+                thread.join(30)
+            assert not thread.is_alive()
+            assert outcome.get("value") in (permits.ReleaseOutcome.RELEASED, permits.ReleaseOutcome.ALREADY_RELEASED)
+            assert store._requests.http.is_closed
+        finally:
+            _shut(client)
+
+
+def _open(flavour: str, url: str, owner: str) -> Any:
+    """A client of ``url`` of its own (the fixture's clients are of the service itself)."""
+    if flavour == "sync":
+        return permits.connect(url, owner=owner)
+    return AsyncFacade(permits.connect_async(url, owner=owner))
+
+
+def _shut(client: Any) -> None:
+    if isinstance(client, AsyncFacade):
+        client.shutdown()
+    else:
+        client.close()
+
+
+class _TLSFront:
+    """TLS in front of a service, as a load balancer terminates it (``permits serve`` speaks plain HTTP):
+    a self-signed certificate for 127.0.0.1, made with openssl, and a thread per connection each way."""
+
+    def __init__(self, tmp: Path, upstream: tuple[str, int]) -> None:
+        self.cert, key = tmp / "cert.pem", tmp / "key.pem"
+        request = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext"]
+        subprocess.run(
+            ["openssl", *request, "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(self.cert)],
+            check=True,
+            capture_output=True,
+        )
+        self._tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self._tls.load_cert_chain(self.cert, key)
+        self._upstream = upstream
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                raw, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
+
+    def _serve(self, raw: socket.socket) -> None:
+        try:
+            front = self._tls.wrap_socket(raw, server_side=True)
+        except (OSError, ssl.SSLError):
+            raw.close()
+            return
+        back = socket.create_connection(self._upstream)
+        threading.Thread(target=_pump, args=(back, front), daemon=True).start()
+        _pump(front, back)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+    for sock in (src, dst):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.mark.parametrize("via", ["service"])
+@pytest.mark.parametrize("backend", ["sqlite"])  # the client's TLS is the point, not the database
+def test_a_long_poll_over_tls_ends_at_close(
+    client_url: str, flavour: str, ns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same cut on a TLS connection: the socket is shut down under the TLS layer, which the thread
+    reading through it still holds (shutting the TLS socket itself down would drop that state under it)."""
+    service = make_url(client_url)
+    assert service.host is not None and service.port is not None
+    front = _TLSFront(tmp_path, (service.host, service.port))
+    monkeypatch.setenv("SSL_CERT_FILE", str(front.cert))  # read as the client is made: trusts the front
+    url = f"https://127.0.0.1:{front.port}"
+    name = f"{ns}s"
+    holder = _open(flavour, url, f"{ns}holder")
+    client = _open(flavour, url, f"{ns}o")
+    try:
+        holder.create_semaphore(name, 1, fair=True)
+        holder.acquire({name: 1}, key="held")
+        thread, outcome = in_thread(lambda: client.acquire({name: 1}, key="k", timeout=20))
+        _wait_until(lambda: len(holder.waiters(name)) == 1, "the acquire waits in the service's queue")
+        closed_at = time.monotonic()
+        client.close()
+        thread.join(30)
+        assert not thread.is_alive()
+        assert isinstance(outcome.get("error"), permits.UsageError), outcome
+        assert time.monotonic() - closed_at < 5
+        _wait_until(lambda: holder.waiters(name) == [], "the service stops waiting for a client that went")
+    finally:
+        _shut(client)
+        _shut(holder)
+        front.close()

@@ -14,10 +14,9 @@ A request that is not idempotent is sent again only after an answer that says it
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import socket
+import ssl
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -41,7 +40,7 @@ from permits._exceptions import (
     UsageError,
     error_class,
 )
-from permits._io import async_sleep, forks, keep_inherited, monotonic
+from permits._io import async_sleep, forks, keep_inherited, monotonic, shut_down
 from permits._models import (
     CapacityChange,
     Drift,
@@ -84,51 +83,55 @@ def path_part(value: str) -> str:
 
 
 class _Requests:
-    """An httpx client of the store's, and the requests under way in it.
+    """An httpx client of the store's, and the operations under way in it (each a request and its resends).
 
-    ``close()`` ends it as a client of a database ends: new requests are refused with ``UsageError`` at
-    once, and the client is closed when the last request under way is done. httpx's own close would instead
-    cut an asyncio request short (a release whose outcome nobody learns) and leave a thread's blocked on a
-    socket closed under it. With ``cut_at_close``, the requests under way are ended then instead: each connection's
-    socket is shut down, so that a read blocked on it in another thread returns at once; the store's long
-    polls (acquires that wait for room) are ended that way, and the service, which watches for a client that
-    goes away (``server/gone.py``), stops waiting for them."""
+    ``close()`` ends it as a client of a database ends: new operations are refused with ``UsageError`` at
+    once, those under way may still send again, and the httpx client is closed when the last one is done.
+    httpx's own close would instead cut an asyncio request short (a release whose outcome nobody learns)
+    and leave a thread's blocked on a socket closed under it. With ``cut_at_close``, the requests under way
+    are ended then instead, and any connection made after: its socket is shut down, so that a read blocked
+    on it in another thread returns at once. The store's long polls (acquires that wait for room) end that
+    way, and the service, which watches for a client that goes away (``server/gone.py``), stops waiting."""
 
-    def __init__(self, base: str, headers: dict[str, str], cut_at_close: bool) -> None:
+    def __init__(self, base: str, headers: dict[str, str], verify: ssl.SSLContext, cut_at_close: bool) -> None:
         timeout = httpx.Timeout(RESPONSE_MARGIN, connect=5.0)
-        self.http = httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout)
-        self._guard = threading.Lock()  # requests come from any thread (a sync client) or task
+        self.http = httpx.AsyncClient(base_url=base, headers=headers, timeout=timeout, verify=verify)
+        self._guard = threading.Lock()  # operations come from any thread (a sync client) or task
         self._under_way = 0
         self._cut_at_close = cut_at_close
         self._closing = self._closed = False
         #: every connection's stream, found by httpcore's trace: the sockets that a cut shuts down
         self._streams: weakref.WeakSet[Any] = weakref.WeakSet()
 
-    async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def admit(self) -> None:
+        """One more operation under way, until its ``done()``; refused once the client is closing."""
         with self._guard:
             if self._closing:
                 raise UsageError("this client is closed")
             self._under_way += 1
-        try:
-            if self._cut_at_close:  # httpcore calls the trace some ten times a request: only where a cut needs it
-                kwargs["extensions"] = {"trace": self._trace}
-            return await self.http.request(method, path, **kwargs)
-        finally:
-            if self._one_less():
-                await self._close_now()
+
+    async def done(self) -> None:
+        if self._one_less():
+            await self._close_now()
 
     def _one_less(self) -> bool:
-        """A request is done: whether it was the last one under way of a client being closed."""
+        """An operation is done: whether it was the last one under way of a client being closed."""
         with self._guard:
             self._under_way -= 1
             return self._closing and self._under_way == 0
+
+    async def send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One send of an admitted operation."""
+        if self._cut_at_close:  # httpcore calls the trace some ten times a request: only where a cut needs it
+            kwargs["extensions"] = {"trace": self._trace}
+        return await self.http.request(method, path, **kwargs)
 
     async def _trace(self, event: str, info: dict[str, Any]) -> None:
         if event.endswith(NEW_STREAM_EVENTS) and info.get("return_value") is not None:
             stream = info["return_value"]
             with self._guard:
                 self._streams.add(stream)
-                cut = self._closing  # a connection that was being made as the cut came: cut it too
+                cut = self._closing  # a connection made once the cut came: cut it too
             if cut:
                 _shut_down(stream)
 
@@ -136,7 +139,7 @@ class _Requests:
         with self._guard:
             self._closing = True
             idle = self._under_way == 0
-            streams = list(self._streams)
+            streams = list(self._streams) if self._cut_at_close else []
         for stream in streams:
             _shut_down(stream)
         if idle:
@@ -147,15 +150,21 @@ class _Requests:
             if self._closed:
                 return
             self._closed = True
-        await self.http.aclose()
+        try:
+            await self.http.aclose()
+        except Exception:  # run in an operation's ``finally``: a failure to close must not replace its outcome
+            logger.debug("closing the service's connections failed", exc_info=True)
 
 
 def _shut_down(stream: Any) -> None:
-    """End a connection as a network failure would: a read blocked on its socket, in any thread, returns."""
+    """End a connection as a network failure would: a read blocked on its socket, in any thread, returns.
+    Through a copy of its file descriptor (``_io.shut_down``): a TLS socket's own ``shutdown()`` would also
+    drop its TLS state, under a thread that may be using it."""
     sock = stream.get_extra_info("socket")
     if sock is not None:
-        with contextlib.suppress(OSError):  # closed already, or never connected
-            sock.shutdown(socket.SHUT_RDWR)
+        fd = sock.fileno()
+        if fd >= 0:  # -1: closed already
+            shut_down(fd)
 
 
 class AsyncHTTPStore:
@@ -170,9 +179,12 @@ class AsyncHTTPStore:
         headers = {"User-Agent": "permits-python"}
         if settings.token is not None:
             headers["Authorization"] = f"Bearer {settings.token}"
-        self._http_args = (base, headers)
-        self._requests = _Requests(base, headers, cut_at_close=False)
-        self._long_polls = _Requests(base, headers, cut_at_close=True)
+        # One TLS context for both httpx clients (each would load the CA bundle again), and for a forked
+        # child's: a plain http:// URL never uses it.
+        self._http_args = (base, headers, httpx.create_ssl_context())
+        self._requests = _Requests(*self._http_args, cut_at_close=False)
+        self._long_polls = _Requests(*self._http_args, cut_at_close=True)
+        self._fork_guard = threading.Lock()
         self._forks = forks()
         self._opened = False
         self._closed = False
@@ -192,10 +204,12 @@ class AsyncHTTPStore:
         """In a forked child: a connection pool of its own (see ``_io.forks``). The parent's is kept
         unclosed: closing would end the parent's connections."""
         if self._forks != forks():
-            self._forks = forks()
-            keep_inherited((self._requests, self._long_polls))
-            self._requests = _Requests(*self._http_args, cut_at_close=False)
-            self._long_polls = _Requests(*self._http_args, cut_at_close=True)
+            with self._fork_guard:  # against another thread renewing, or closing, at the same time
+                if self._forks != forks():
+                    keep_inherited((self._requests, self._long_polls))
+                    self._requests = _Requests(*self._http_args, cut_at_close=False)
+                    self._long_polls = _Requests(*self._http_args, cut_at_close=True)
+                    self._forks = forks()  # last: a close() that sees it closes the new pools
 
     @property
     def url(self) -> str:
@@ -226,10 +240,12 @@ class AsyncHTTPStore:
         """Refuse new requests; let those under way finish, except the long polls, which end now: a waiting
         acquire gets ``UsageError``. (In a forked child, the pools are the parent's, as in ``_renew_if_forked``.)"""
         self._closed = True
-        if self._forks != forks():
-            return
-        await self._long_polls.close()
-        await self._requests.close()
+        with self._fork_guard:
+            if self._forks != forks():
+                return
+            pools = (self._long_polls, self._requests)
+        for pool in pools:
+            await pool.close()
 
     # ------------------------------------------------------------------------------------------ operations
 
@@ -463,26 +479,43 @@ class AsyncHTTPStore:
         if self._closed:
             raise UsageError("this client is closed")
         self._renew_if_forked()
+        sent = body() if body is not None else None
+        # A request that waits for room is a long poll, and so are its resends: close() cuts those short.
+        long_poll = sent is not None and float(sent.get("wait") or 0.0) > 0
+        requests = self._long_polls if long_poll else self._requests
+        requests.admit()
+        try:
+            return await self._send(requests, method, path, sent, body, deadline, idempotent, kwargs)
+        finally:
+            await requests.done()
+
+    async def _send(
+        self,
+        requests: _Requests,
+        method: str,
+        path: str,
+        sent: dict[str, Any] | None,
+        body: Callable[[], dict[str, Any]] | None,
+        deadline: float | None,
+        idempotent: bool,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``_call``'s sends, the first with ``sent`` as its body."""
         failures = 0
         while True:
-            sent = body() if body is not None else None
+            if failures and body is not None:
+                sent = body()
             waits = float(sent.get("wait") or 0.0) if sent is not None else 0.0
             timeout = httpx.Timeout(RESPONSE_MARGIN + waits, connect=5.0)
             if sent is not None:
                 kwargs["json"] = sent
-            requests = self._long_polls if waits > 0 else self._requests
             try:
-                response = await requests.request(method, path, timeout=timeout, **kwargs)
+                response = await requests.send(method, path, timeout=timeout, **kwargs)
             except httpx.TransportError as exc:
-                if self._closed:
+                if requests is self._long_polls and self._closed:
                     raise UsageError(
-                        "this client was closed while the request was under way"
-                        + (
-                            ": the service stops waiting for it (a lease it granted in that instant runs out at"
-                            " its TTL)"
-                            if waits > 0
-                            else ""
-                        )
+                        "this client was closed while it waited for room: the service stops waiting for it (a lease"
+                        " it granted in that instant runs out at its TTL)"
                     ) from exc
                 not_sent = isinstance(exc, NOT_SENT)
                 if not idempotent and not not_sent:
