@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 import time
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, make_url, text
 
 import permits
 from tests._service import wait_until
@@ -168,6 +169,42 @@ def test_a_lease_is_lost_at_its_deadline_while_an_extend_waits_for_an_answer(
             assert when - got <= ttl + 0.3, when - got
         holder.dispose()
         assert len(lost) == 1
+
+
+def test_a_lease_that_runs_out_after_its_holder_is_done_was_not_lost(db_url: str, backend: str, ns: str) -> None:
+    """The holder's work ends at 0.6 s, before the lease's deadline (1.5 s), while the watchdog's extend
+    waits for the database (another connection holds the lease's row, on SQLite the whole file, for 3 s).
+    That extend may then find the lease expired (SQLite reads its clock once it has the file: it does), which
+    is no loss, since the lease was held for all of the work. Before, SQLite's was reported lost, and
+    `permits run` exited 76 for a command that had ended in time. (MariaDB and PostgreSQL read the clock
+    when the extend's statement began, and extend the lease to a time already past.)"""
+    name, ttl = f"{ns}s", 1.5
+    with permits.connect(db_url, owner=f"{ns}w") as client:
+        client.create_semaphore(name, 1)
+        lost: list[str] = []
+        held = client.lease(name, ttl=ttl, keepalive=True, on_lost=lost.append)
+        with held as lease:
+            held_up = _hold_up_the_database(db_url, backend, lease.key, seconds=3.0)
+            time.sleep(0.6)  # the work; the first extend (at 0.5 s) waits for the database
+        held_up.join()
+        assert lost == [] and not held.lost
+        assert client.get_lease(lease.key).end_reason is not None  # it did run out, after the work
+
+
+def _hold_up_the_database(db_url: str, backend: str, key: str, seconds: float) -> threading.Timer:
+    """Another connection holds the lease's row (SQLite: the file's exclusive lock) for ``seconds``, from
+    now; join the timer returned to wait for its end."""
+    if backend == "sqlite":
+        raw = sqlite3.connect(make_url(db_url).database or "", isolation_level=None, check_same_thread=False)
+        raw.execute("BEGIN EXCLUSIVE")
+        let_go = threading.Timer(seconds, lambda: (raw.rollback(), raw.close()))
+    else:
+        engine = create_engine(sqlalchemy_url(db_url))
+        conn = engine.connect()
+        conn.execute(text("SELECT 1 FROM permits_lease WHERE lease_key = :k FOR UPDATE"), {"k": key})
+        let_go = threading.Timer(seconds, lambda: (conn.rollback(), conn.close(), engine.dispose()))
+    let_go.start()
+    return let_go
 
 
 @pytest.mark.parametrize("max_hold", [-1, float("nan"), "10"])

@@ -86,6 +86,8 @@ class AsyncWatchdog:
         self._runner: Any = None
         self._expiry: Any = None
         self._started = 0.0
+        #: when the holder stopped the watchdog (monotonic): its work was done by then
+        self._stopped_at: float | None = None
         #: the last extend was cut short to end the lease at max_hold
         self._held_to_the_end = False
 
@@ -98,6 +100,7 @@ class AsyncWatchdog:
 
     async def stop(self) -> None:
         """Stop extending (the lease stays as it is; release it separately)."""
+        self._stopped_at = monotonic()
         self._stop.set()
         for runner in (self._runner, self._expiry):
             if runner is not None:
@@ -162,6 +165,12 @@ class AsyncWatchdog:
                 return
 
     async def _lose(self, reason: str, message: str) -> None:
+        if reason == "expired" and self._stopped_at is not None and self._stopped_at < self.deadline:
+            # An extend that hung until after the holder stopped us, and then found the lease expired: it
+            # expired no earlier than the deadline, so it was held for all of the holder's work, which is not
+            # what a loss tells (`permits run` would report a command that ended in time as unprotected).
+            logger.debug("lease %r ran out after its holder was done: %s", self.lease.key, message)
+            return
         with self._losing:  # the extending loop and the expiry guard may both find it lost: say it once
             if self.lost.is_set():
                 return
