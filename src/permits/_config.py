@@ -60,9 +60,22 @@ def parse_url(url: str | URL | None) -> URL:
     if sep and base in _SCHEME_ALIASES:
         url = f"{_SCHEME_ALIASES[base]}{plus}{driver}{sep}{rest}"
     try:
-        return make_url(url)
-    except ArgumentError:
-        raise ConfigurationError("cannot parse the database URL (expected e.g. sqlite:///permits.db)") from None
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number, several hosts
+        # Not shown: the URL may hold a password.
+        raise ConfigurationError(
+            "cannot parse the database URL (expected e.g. sqlite:///permits.db, or postgresql://user:pw@host:5432/db"
+            " with one host and a numeric port)",
+            field="url",
+        ) from None
+    if parsed.host is not None and "@" in parsed.host:
+        # user:p@ss@host reads as the password "p" at the host "ss@host": the rest of the password would be
+        # shown wherever the URL is, as part of the host.
+        raise ConfigurationError(
+            "the database URL has an '@' before its host: percent-encode an '@' in a user name or password as %40",
+            field="url",
+        )
+    return parsed
 
 
 #: Query parameters that carry a secret (libpq's and the MySQL drivers' spellings): masked like the password.
@@ -72,7 +85,8 @@ SECRET_PARAMETERS = ("password", "sslpassword", "passwd")
 def redact(url: URL) -> str:
     """The URL as it may appear in a message or a log: without its password, in its place or as a query
     parameter."""
-    hidden = {name: "HIDDEN" for name in SECRET_PARAMETERS if name in url.query}
+    # Case-blind: a driver may refuse PASSWORD=, but the message that says so must not show it.
+    hidden = {name: "HIDDEN" for name in url.query if name.lower() in SECRET_PARAMETERS}
     shown = (url.update_query_dict(hidden) if hidden else url).render_as_string(hide_password=True)
     # As the password in its place shows (***), which the query would otherwise percent-encode.
     return shown.replace("=HIDDEN", "=***") if hidden else shown
@@ -158,7 +172,11 @@ class Settings:
             ttl_chosen=ttl is not None,
             lock_wait_timeout=wait,
             retries=retries,
-            auto_upgrade=parsed.get_backend_name() == "sqlite" if auto_upgrade is None else auto_upgrade,
+            auto_upgrade=(
+                parsed.get_backend_name() == "sqlite"
+                if auto_upgrade is None
+                else _validate.flag(auto_upgrade, "auto_upgrade")
+            ),
             token=_token(token),
             pooler=pooler,
             pool_size=pool_size,

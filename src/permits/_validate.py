@@ -122,7 +122,12 @@ def _seconds(value: object, field: str, what: str) -> float:
         return value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgument(f"{what} must be a number of seconds, not {type(value).__name__}", field=field)
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past any float: 10**400
+        raise InvalidArgument(
+            f"{what} must be a finite number of seconds, got an integer of {int(value).bit_length()} bits", field=field
+        ) from None
     if math.isnan(seconds) or math.isinf(seconds):
         raise InvalidArgument(f"{what} must be a finite number of seconds, got {value}", field=field)
     return seconds

@@ -213,6 +213,43 @@ def test_a_waiter_cancelled_at_any_moment_of_its_first_attempt_leaves_no_place(c
     assert asyncio.run(scenario()) == []
 
 
+@pytest.mark.parametrize("verdict", ["capacity lowered", "semaphore deleted"])
+def test_a_waiter_whose_request_fails_gives_its_place_up_at_once(client_url: str, ns: str, verdict: str) -> None:
+    """A waiter whose request can no longer be granted (the capacity lowered below its count, another of its
+    semaphores deleted) raises, and its place goes with it: the queue behind it moves now, not when the place
+    lapses (PLACE_MS). Before, the semaphore refused every request for those seconds, with nothing used."""
+    name, other = f"{ns}fair", f"{ns}other"
+    with (
+        permits.connect(client_url, owner=f"{ns}holder") as holder,
+        permits.connect(client_url, owner=f"{ns}w") as waiter,
+    ):
+        holder.create_semaphore(name, 4, fair=True)
+        holder.create_semaphore(other, 1)
+        held = holder.acquire({name: 2}, ttl=60)
+        outcome: dict[str, BaseException] = {}
+
+        def wait() -> None:
+            try:
+                waiter.acquire({name: 3, other: 1}, ttl=30, timeout=20)
+            except permits.PermitsError as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        wait_until(lambda: _waiting(holder, name, 1), timeout=10)
+        if verdict == "capacity lowered":
+            holder.set_capacity(name, 2, reason="a smaller pool")
+        else:
+            holder.delete_semaphore(other, force=True)
+        thread.join(20)
+        assert not thread.is_alive()
+        expected = permits.CountExceedsCapacity if verdict == "capacity lowered" else permits.SemaphoreNotFound
+        assert isinstance(outcome.get("error"), expected), outcome
+        assert holder.waiters(name) == []
+        holder.release(held)
+        assert holder.try_acquire(name, ttl=5) is not None  # at once: no place left ahead of it
+
+
 def test_a_waiter_interrupted_by_ctrl_c_gives_its_place_up_at_once(client_url: str, ns: str) -> None:
     """The sync client's twin of the test above: a process whose waiting acquire gets SIGINT."""
     name = f"{ns}fair"

@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,6 +133,12 @@ asyncio.run(main())
         pytest.param("mysql+aiomysql://root@127.0.0.1:9/test?foo=bar", id="aiomysql-unknown-parameter"),
         pytest.param("mysql://root@127.0.0.1:9/test?connect_timeout=abc", id="mysql-unreadable-value"),
         pytest.param("mysql://root@127.0.0.1:9/test?charset=latin1", id="mysql-charset"),
+        pytest.param("postgresql://u:s3cret@127.0.0.1:abc/test", id="port-not-a-number"),
+        pytest.param("mysql://u:s3cret@127.0.0.1:abc/test", id="mysql-port-not-a-number"),
+        pytest.param("postgresql://u:s3cret@127.0.0.1:1,127.0.0.1:2/test", id="several-hosts"),
+        pytest.param("https://u:s3cret@127.0.0.1:abc", id="service-port-not-a-number"),
+        pytest.param("sqlite://host/x.db", id="sqlite-with-a-host"),
+        pytest.param("postgresql://u:s3@cret@127.0.0.1:1/test", id="unencoded-at-in-password"),
     ],
 )
 def test_a_database_url_that_cannot_work_is_a_configuration_error(url: str) -> None:
@@ -140,6 +147,7 @@ def test_a_database_url_that_cannot_work_is_a_configuration_error(url: str) -> N
     with pytest.raises(permits.ConfigurationError) as refused, permits.connect(url) as client:
         client.list_semaphores()
     assert refused.value.details["field"] == "url"
+    assert "cret" not in str(refused.value)  # no part of a password, whatever the URL's fault
 
     async def in_asyncio() -> None:
         async with permits.connect_async(url) as client:
@@ -147,3 +155,50 @@ def test_a_database_url_that_cannot_work_is_a_configuration_error(url: str) -> N
 
     with pytest.raises(permits.ConfigurationError):
         asyncio.run(in_asyncio())
+
+
+@pytest.mark.parametrize("parameter", ["password", "PASSWORD", "Passwd", "sslPassword"])
+def test_a_secret_in_the_urls_query_is_never_shown(parameter: str) -> None:
+    """Whatever its case: a driver refuses ``PASSWORD=`` (libpq's keywords are lower case), and the message
+    that says so shows the URL."""
+    client = permits.connect(f"postgresql://permits@127.0.0.1:1/test?{parameter}=s3cret")
+    assert "s3cret" not in client.url and f"{parameter}=***" in client.url
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        pytest.param(lambda c: c.try_acquire("s", ttl=10**400), "ttl", id="ttl-past-any-float"),
+        pytest.param(lambda c: c.acquire("s", timeout=10**400), "timeout", id="timeout-past-any-float"),
+        pytest.param(lambda c: c.lease("s", max_hold=10**400), "max_hold", id="max-hold-past-any-float"),
+        pytest.param(lambda c: c.lease("s", keepalive="yes"), "keepalive", id="keepalive-not-a-flag"),
+        pytest.param(lambda c: c.drop_old_functions(dry_run=""), "dry_run", id="dry-run-not-a-flag"),
+        pytest.param(lambda c: c.sweep(max_batches=0), "max_batches", id="max-batches-zero"),
+    ],
+)
+def test_bad_arguments_are_named_and_nothing_is_held(tmp_path: Path, call: Any, field: str) -> None:
+    """A typed error naming the argument, not an OverflowError, nor a truthy value taken for True (a
+    ``dry_run=""`` that really drops)."""
+    with permits.connect(f"sqlite:///{tmp_path / 'p.db'}") as client:
+        client.create_semaphore("s", 1)
+        with pytest.raises(permits.InvalidArgument) as refused:
+            call(client)
+        assert refused.value.details["field"] == field
+        assert client.get_semaphore("s").used == 0
+
+
+def test_a_lease_held_past_any_ttl_is_capped_at_the_longest_ttl(tmp_path: Path) -> None:
+    """``max_hold`` longer than the longest TTL (1e308 s: ``permits run --max-hold 1e308``) only bounds
+    the grant's TTL by that longest one; before, it overflowed."""
+    with permits.connect(f"sqlite:///{tmp_path / 'p.db'}") as client:
+        client.create_semaphore("s", 1)
+        with client.lease("s", ttl=5, max_hold=1e308) as lease:
+            assert lease.ttl == 5
+
+
+@pytest.mark.parametrize("auto_upgrade", ["no", 1])
+def test_auto_upgrade_is_a_flag(tmp_path: Path, auto_upgrade: Any) -> None:
+    with pytest.raises(permits.InvalidArgument) as refused:
+        permits.connect(f"sqlite:///{tmp_path / 'p.db'}", auto_upgrade=auto_upgrade)
+    assert refused.value.details["field"] == "auto_upgrade"
+    assert not (tmp_path / "p.db").exists()

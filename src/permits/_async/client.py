@@ -15,7 +15,16 @@ from sqlalchemy.engine import URL
 from permits import _validate
 from permits._async.watchdog import AsyncWatchdog
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, Settings
-from permits._exceptions import AcquireTimeout, KeyInUse, PermitsError, StorageConflict, UsageError
+from permits._exceptions import (
+    AcquireTimeout,
+    IdempotencyConflict,
+    InvalidArgument,
+    LeaseError,
+    PermitsError,
+    SemaphoreNotFound,
+    StorageConflict,
+    UsageError,
+)
 from permits._io import async_lock, async_shield, async_sleep, async_try_lock, monotonic
 from permits._models import (
     RWLOCK_READERS,
@@ -38,6 +47,8 @@ from permits.stores.base import AsyncStore
 LONG_POLL_SECONDS = 30.0
 #: How many sets of semaphore names a client remembers the contention of.
 REMEMBERED_CONTENTION = 1024
+#: An acquire's errors that are a verdict on the request, which ends it (``KeyInUse`` among them).
+ENDS_THE_REQUEST = (InvalidArgument, SemaphoreNotFound, IdempotencyConflict, LeaseError)
 
 
 class AsyncClient:
@@ -242,12 +253,6 @@ class AsyncClient:
                     # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
                     lease, conflict = None, exc
                     pacer.force_recheck()
-                except KeyInUse:
-                    # Another request's lease under the key: this one ends, and its places in fair queues
-                    # with it (a place taken just as that lease was granted would hold up the queue).
-                    with contextlib.suppress(PermitsError):
-                        await self._store.dequeue(owner_, key_)
-                    raise
                 if lease is not None:
                     pacer.granted()
                     self._remember_contention(contended, pacer)
@@ -289,6 +294,13 @@ class AsyncClient:
                     await self._store.dequeue(owner_, key_)
                 with contextlib.suppress(Exception):
                     await async_shield(self._release_interrupted(owner_, key_, key is None, made_up, request_id))
+            elif isinstance(exc, ENDS_THE_REQUEST):
+                # A verdict on the request (another's lease under the key, the capacity lowered below its
+                # count, a semaphore deleted): it is over, and its places in fair queues with it, which would
+                # otherwise hold up the queue until they lapse. Not after an outage, which the give-up would
+                # only wait out again.
+                with contextlib.suppress(PermitsError):
+                    await self._store.dequeue(owner_, key_)
             raise
 
     async def _release_interrupted(
@@ -341,7 +353,8 @@ class AsyncClient:
         hold = None if max_hold is None else _validate.timeout(max_hold, "max_hold")
         # The lease must not outlive max_hold, and extends cannot shorten the grant's own TTL: so the grant
         # asks for no more than max_hold (at least the shortest TTL there is).
-        ttl_at_most_ms = None if hold is None else max(1, math.ceil(hold * 1000))
+        ttl_at_most_ms = None if hold is None else max(1, math.ceil(min(hold, _validate.MAX_TTL_SECONDS) * 1000))
+        keepalive = _validate.flag(keepalive, "keepalive")
         watch = _Watch(keepalive or hold is not None or on_lost is not None, hold, on_lost)
         return AsyncHeld(
             self,
@@ -516,7 +529,7 @@ class AsyncClient:
     async def sweep(self, *, batch_size: int = 500, max_batches: int | None = None) -> SweepResult:
         """End every expired lease, in short transactions of ``batch_size`` leases."""
         if max_batches is not None:
-            _validate.batch_size(max_batches)
+            _validate.batch_size(max_batches, "max_batches")
         return await self._store.sweep(_validate.batch_size(batch_size), max_batches)
 
     async def reconcile(self, *, repair: bool = False) -> list[Drift]:
@@ -540,7 +553,7 @@ class AsyncClient:
         drop-old-functions``), and return them; with ``dry_run``, only list them. Run it once no client of
         another version runs: such a client would go on without them, slower (docs/deployment.md, "Server
         functions")."""
-        return await self._store.drop_old_functions(bool(dry_run))
+        return await self._store.drop_old_functions(_validate.flag(dry_run, "dry_run"))
 
     # ------------------------------------------------------------------------------------------- helpers
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import text
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
@@ -199,9 +199,14 @@ class AsyncSQLStore:
         url, options = engine_args(self._dialect, settings, asynchronous=IS_ASYNC)
         try:
             self._engine = create_async_engine(url, **options)
-        except (TypeError, ValueError) as exc:  # the dialect reads the URL's query here (connect_timeout=abc)
+        # The dialect reads the URL here: its query (connect_timeout=abc), SQLite's form (sqlite://host/x.db).
+        except (TypeError, ValueError, ArgumentError) as exc:
+            what = "the form of the URL" if isinstance(exc, ArgumentError) else "a parameter of the URL"
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if settings.url.password:  # a driver's message may quote the URL it was given
+                first_line = first_line.replace(str(settings.url.password), "***")
             raise ConfigurationError(
-                f"the database driver refused a parameter of the URL ({settings.shown_url}): {exc}", field="url"
+                f"the database driver refused {what} ({settings.shown_url}): {first_line}", field="url"
             ) from None
         #: the server session behind each driver connection (see ``_end_cut_sessions``)
         self._sessions: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()

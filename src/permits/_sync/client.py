@@ -16,7 +16,16 @@ from sqlalchemy.engine import URL
 from permits import _validate
 from permits._sync.watchdog import Watchdog
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, Settings
-from permits._exceptions import AcquireTimeout, KeyInUse, PermitsError, StorageConflict, UsageError
+from permits._exceptions import (
+    AcquireTimeout,
+    IdempotencyConflict,
+    InvalidArgument,
+    LeaseError,
+    PermitsError,
+    SemaphoreNotFound,
+    StorageConflict,
+    UsageError,
+)
 from permits._io import sync_lock, sync_shield, sync_sleep, sync_try_lock, monotonic
 from permits._models import (
     RWLOCK_READERS,
@@ -39,6 +48,8 @@ from permits.stores.base import Store
 LONG_POLL_SECONDS = 30.0
 #: How many sets of semaphore names a client remembers the contention of.
 REMEMBERED_CONTENTION = 1024
+#: An acquire's errors that are a verdict on the request, which ends it (``KeyInUse`` among them).
+ENDS_THE_REQUEST = (InvalidArgument, SemaphoreNotFound, IdempotencyConflict, LeaseError)
 
 
 class Client:
@@ -243,12 +254,6 @@ class Client:
                     # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
                     lease, conflict = None, exc
                     pacer.force_recheck()
-                except KeyInUse:
-                    # Another request's lease under the key: this one ends, and its places in fair queues
-                    # with it (a place taken just as that lease was granted would hold up the queue).
-                    with contextlib.suppress(PermitsError):
-                        self._store.dequeue(owner_, key_)
-                    raise
                 if lease is not None:
                     pacer.granted()
                     self._remember_contention(contended, pacer)
@@ -290,6 +295,13 @@ class Client:
                     self._store.dequeue(owner_, key_)
                 with contextlib.suppress(Exception):
                     sync_shield(self._release_interrupted(owner_, key_, key is None, made_up, request_id))
+            elif isinstance(exc, ENDS_THE_REQUEST):
+                # A verdict on the request (another's lease under the key, the capacity lowered below its
+                # count, a semaphore deleted): it is over, and its places in fair queues with it, which would
+                # otherwise hold up the queue until they lapse. Not after an outage, which the give-up would
+                # only wait out again.
+                with contextlib.suppress(PermitsError):
+                    self._store.dequeue(owner_, key_)
             raise
 
     def _release_interrupted(
@@ -342,7 +354,8 @@ class Client:
         hold = None if max_hold is None else _validate.timeout(max_hold, "max_hold")
         # The lease must not outlive max_hold, and extends cannot shorten the grant's own TTL: so the grant
         # asks for no more than max_hold (at least the shortest TTL there is).
-        ttl_at_most_ms = None if hold is None else max(1, math.ceil(hold * 1000))
+        ttl_at_most_ms = None if hold is None else max(1, math.ceil(min(hold, _validate.MAX_TTL_SECONDS) * 1000))
+        keepalive = _validate.flag(keepalive, "keepalive")
         watch = _Watch(keepalive or hold is not None or on_lost is not None, hold, on_lost)
         return Held(
             self,
@@ -517,7 +530,7 @@ class Client:
     def sweep(self, *, batch_size: int = 500, max_batches: int | None = None) -> SweepResult:
         """End every expired lease, in short transactions of ``batch_size`` leases."""
         if max_batches is not None:
-            _validate.batch_size(max_batches)
+            _validate.batch_size(max_batches, "max_batches")
         return self._store.sweep(_validate.batch_size(batch_size), max_batches)
 
     def reconcile(self, *, repair: bool = False) -> list[Drift]:
@@ -541,7 +554,7 @@ class Client:
         drop-old-functions``), and return them; with ``dry_run``, only list them. Run it once no client of
         another version runs: such a client would go on without them, slower (docs/deployment.md, "Server
         functions")."""
-        return self._store.drop_old_functions(bool(dry_run))
+        return self._store.drop_old_functions(_validate.flag(dry_run, "dry_run"))
 
     # ------------------------------------------------------------------------------------------- helpers
 
