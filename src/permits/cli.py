@@ -474,7 +474,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
         click.echo(f"permits: lease lost while the command ran ({why}); sending SIG{options.on_lost_signal}", err=True)
         stopping.append(monotonic())
         if child is not None and child.poll() is None:
-            child.send_signal(getattr(signal, f"SIG{options.on_lost_signal}"))
+            _signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}"))
 
     def on_signal(signum: int, _frame: object) -> None:
         # One handler from the first request to the end, so that no signal finds the default one (which
@@ -550,7 +550,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             for signum in held_back:
                 child.send_signal(signum)
             if held.lost and options.on_lost_signal != "NONE":  # lost before COMMAND started
-                child.send_signal(getattr(signal, f"SIG{options.on_lost_signal}"))
+                _signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}"))
             status = _wait_for(child, stopping, options.kill_after)
         except _Stopped as stop:  # granted, and stopped before COMMAND started: released below
             _exit_stopped(stop.signum)
@@ -609,8 +609,47 @@ def _wait_for(child: subprocess.Popen[bytes], stopping: list[float], kill_after:
         except subprocess.TimeoutExpired:
             if stopping and not killed and kill_after is not None and monotonic() - stopping[0] >= kill_after:
                 click.echo(f"permits: the command still ran {kill_after:g} s after its signal: SIGKILL", err=True)
-                child.kill()
+                _signal_the_command(child, signal.SIGKILL)
                 killed = True
+
+
+def _signal_the_command(child: subprocess.Popen[bytes], signum: int) -> None:
+    """Send a lost lease's signal (or its SIGKILL) to COMMAND and every process it started: none of them may
+    work on unprotected, and a shell would not pass the signal on (``sh -c 'job; next'`` dies of SIGTERM and
+    leaves ``job`` running). The tree is read first, since a process that dies has its children moved to
+    init. As systemd signals a unit's every process. One started in the meantime, or that left the tree
+    before (a daemon), is not reached."""
+    descendants = _descendants(child.pid)
+    child.send_signal(signum)  # the child itself through Popen, which knows whether its pid is still its own
+    for pid in descendants:
+        with suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, children first, from /proc (Linux); elsewhere none are known."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+        except OSError:  # ended meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so read after its last ")"
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[int] = []
+    below = list(children.get(pid, ()))
+    while below:
+        found.append(below.pop(0))
+        below.extend(children.get(found[-1], ()))
+    return found
 
 
 def _command_environment(lease: permits.Lease) -> dict[str, str]:

@@ -240,6 +240,44 @@ def test_run_kills_a_command_that_ignores_its_signal_for_a_lost_lease(db_url: st
     assert holder.stderr is not None and "SIGKILL" in holder.stderr.read()
 
 
+def test_a_lost_lease_signals_every_process_of_the_command(db_url: str, ns: str, tmp_path: Path) -> None:
+    """A shell that started a job: on a lost lease the job gets the signal too. Sent to the shell alone (as
+    before), the SIGTERM ended the shell and left the job running, unprotected, with a second holder let in."""
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    job_pid = tmp_path / "job.pid"
+    script = f"sleep 60 & echo $! > {job_pid}; wait"
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "permits", "run", name, "--ttl", "3", "--", "sh", "-c", script],
+        env={**os.environ, "PERMITS_DATABASE_URL": db_url},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_until_held(db_url, name)
+    deadline = time.monotonic() + 10
+    while not job_pid.exists() or not job_pid.read_text().strip():
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.05)
+    job = int(job_pid.read_text())
+    assert _running(job)
+    with permits.connect(db_url) as client:
+        assert client.delete_semaphore(name, force=True) == 1  # an administrator revokes it
+    assert holder.wait(timeout=30) == 76
+    deadline = time.monotonic() + 10
+    while _running(job):
+        assert time.monotonic() < deadline, "the job went on after the lease was lost"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by whoever inherited it, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
 def test_run_keeps_the_commands_status_when_the_release_fails(db_url: str, backend: str, ns: str) -> None:
     """The command ran and exited 3; then the database could not be reached to release. Its status is
     still the outcome (a retrying scheduler must not run a finished job again), with a warning; the lease
