@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import math
 import os
 import signal
@@ -100,8 +101,25 @@ def parse_wants(specs: tuple[str, ...]) -> list[Want]:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(permits.__version__, prog_name="permits")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """Distributed counting semaphores, mutexes and leases on a SQL database."""
+    if ctx.invoked_subcommand not in SERVING_COMMANDS:
+        _warnings_as_the_cli_writes()
+
+
+#: The commands that set up logging of their own (the service's structured logs).
+SERVING_COMMANDS = frozenset({"serve", "maintain"})
+
+
+def _warnings_as_the_cli_writes() -> None:
+    """The library's warnings (a lease lost, an extend that failed) on stderr as the CLI's own lines are,
+    ``permits: ...``: with no handler, Python would print them bare."""
+    library = logging.getLogger("permits")
+    if not library.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("permits: %(message)s"))
+        library.addHandler(handler)
 
 
 # ------------------------------------------------------------------------------------------------- db
