@@ -95,7 +95,7 @@ def _whole(value: object, field: str, what: str, low: int, high: int) -> int:
         raise InvalidArgument(f"{what} must be at least {low}, got {value}", field=field)
     if value > high:
         raise InvalidArgument(f"{what} must be at most {high}, got {value}", field=field)
-    return value
+    return int(value)  # an int subclass (an IntEnum member) is stored, and returned, as the number it is
 
 
 def capacity(value: object) -> int:
