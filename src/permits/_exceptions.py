@@ -258,3 +258,8 @@ class ServiceUnavailable(ServiceError):
 
     code = "service_unavailable"
     retryable = True
+
+
+#: An acquire's errors that are a verdict on the request, which ends it (``KeyInUse`` among them): its
+#: places in fair queues go with it. Not an outage, nor a timeout (which gives its places up itself).
+ENDS_THE_REQUEST: tuple[type[PermitsError], ...] = (InvalidArgument, SemaphoreNotFound, IdempotencyConflict, LeaseError)

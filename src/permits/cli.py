@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -104,22 +105,27 @@ def parse_wants(specs: tuple[str, ...]) -> list[Want]:
 @click.pass_context
 def main(ctx: click.Context) -> None:
     """Distributed counting semaphores, mutexes and leases on a SQL database."""
-    if ctx.invoked_subcommand not in SERVING_COMMANDS:
-        _warnings_as_the_cli_writes()
+    if ctx.invoked_subcommand not in SERVING_COMMANDS and not logging.getLogger().handlers:
+        library = logging.getLogger("permits")
+        handler = _ToStderr()
+        library.addHandler(handler)
+        ctx.call_on_close(lambda: library.removeHandler(handler))  # main() may be called again, in-process
 
 
 #: The commands that set up logging of their own (the service's structured logs).
 SERVING_COMMANDS = frozenset({"serve", "maintain"})
 
 
-def _warnings_as_the_cli_writes() -> None:
+class _ToStderr(logging.Handler):
     """The library's warnings (a lease lost, an extend that failed) on stderr as the CLI's own lines are,
-    ``permits: ...``: with no handler, Python would print them bare."""
-    library = logging.getLogger("permits")
-    if not library.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("permits: %(message)s"))
-        library.addHandler(handler)
+    ``permits: ...``: with no handler, Python would print them bare. Through click, to the stderr of the
+    moment (a test's, an embedding program's), as the CLI's other lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            click.echo(f"permits: {record.getMessage()}", err=True)
+        except Exception:
+            self.handleError(record)
 
 
 # ------------------------------------------------------------------------------------------------- db
@@ -483,6 +489,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
     releasing = False  # the lease is being given back: no signal may cut that short
     held_back: list[int] = []  # signals to pass on to COMMAND that came while it was being made
     stopping: list[float] = []  # when COMMAND was sent its signal for a lost lease
+    signalled: list[_Process] = []  # the processes below COMMAND that got it: they must end too
     stopped: list[int] = []  # the signal that stopped this run before COMMAND started
 
     def on_lost(why: str) -> None:
@@ -492,7 +499,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
         click.echo(f"permits: lease lost while the command ran ({why}); sending SIG{options.on_lost_signal}", err=True)
         stopping.append(monotonic())
         if child is not None and child.poll() is None:
-            _signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}"))
+            signalled.extend(_signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}")))
 
     def on_signal(signum: int, _frame: object) -> None:
         # One handler from the first request to the end, so that no signal finds the default one (which
@@ -568,8 +575,8 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             for signum in held_back:
                 child.send_signal(signum)
             if held.lost and options.on_lost_signal != "NONE":  # lost before COMMAND started
-                _signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}"))
-            status = _wait_for(child, stopping, options.kill_after)
+                signalled.extend(_signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}")))
+            status = _wait_for(child, stopping, signalled, options.kill_after)
         except _Stopped as stop:  # granted, and stopped before COMMAND started: released below
             _exit_stopped(stop.signum)
         finally:
@@ -617,57 +624,111 @@ def _refuse_a_used_key(refused: KeyInUse, exit_code: int) -> NoReturn:
     sys.exit(exit_code)
 
 
-def _wait_for(child: subprocess.Popen[bytes], stopping: list[float], kill_after: float | None) -> int:
+def _wait_for(
+    child: subprocess.Popen[bytes], stopping: list[float], signalled: list[_Process], kill_after: float | None
+) -> int:
     """COMMAND's status. Once it was sent its signal for a lost lease, it has ``kill_after`` seconds to
-    end before SIGKILL: it must not work on unprotected."""
+    end before SIGKILL, and so has every process below it that got the signal, also once COMMAND ended (a
+    shell that died of the signal leaves its jobs to init): none may work on unprotected."""
     killed = False
+    status: int | None = None
     while True:
-        try:
-            return child.wait(timeout=0.2)  # the watchdog's thread may send the signal at any time
-        except subprocess.TimeoutExpired:
-            if stopping and not killed and kill_after is not None and monotonic() - stopping[0] >= kill_after:
-                click.echo(f"permits: the command still ran {kill_after:g} s after its signal: SIGKILL", err=True)
-                _signal_the_command(child, signal.SIGKILL)
-                killed = True
+        if status is None:
+            with suppress(subprocess.TimeoutExpired):  # the watchdog's thread may send the signal at any time
+                status = child.wait(timeout=0.2)
+        else:
+            time.sleep(0.05)
+        running = [p for p in signalled if p.running()]
+        if status is not None and (not running or killed or kill_after is None or not stopping):
+            return status
+        if stopping and not killed and kill_after is not None and monotonic() - stopping[0] >= kill_after:
+            what = "the command still ran" if status is None else "processes the command started still ran"
+            click.echo(f"permits: {what} {kill_after:g} s after its signal: SIGKILL", err=True)
+            if status is None:
+                running += _signal_the_command(child, signal.SIGKILL)
+            for process in running:
+                process.kill()
+            killed = True
 
 
-def _signal_the_command(child: subprocess.Popen[bytes], signum: int) -> None:
-    """Send a lost lease's signal (or its SIGKILL) to COMMAND and every process it started: none of them may
-    work on unprotected, and a shell would not pass the signal on (``sh -c 'job; next'`` dies of SIGTERM and
-    leaves ``job`` running). The tree is read first, since a process that dies has its children moved to
-    init. As systemd signals a unit's every process. One started in the meantime, or that left the tree
-    before (a daemon), is not reached."""
-    descendants = _descendants(child.pid)
+@dataclass(frozen=True)
+class _Process:
+    """A process below COMMAND, by its pid and its start time: a pid alone may be another's by now."""
+
+    pid: int
+    started: int  # clock ticks after boot (field 22 of /proc/PID/stat)
+
+    def running(self) -> bool:
+        found = _stat(self.pid)
+        return found is not None and found[2] == self.started and found[1] != "Z"  # a zombie has ended
+
+    def signal(self, signum: int) -> None:
+        if self.running():
+            with suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+
+
+def _signal_the_command(child: subprocess.Popen[bytes], signum: int) -> list[_Process]:
+    """Send a lost lease's signal (or its SIGKILL) to COMMAND and every process below it, and return those
+    below: none of them may work on unprotected, and a shell would not pass the signal on (``sh -c 'job;
+    next'`` dies of SIGTERM and leaves ``job`` running). The tree is read first, since a process that dies
+    has its children moved to init. As systemd signals a unit's every process. One started in the meantime,
+    or that left the tree before (a daemon), is not reached."""
+    below = _descendants(child.pid)
     child.send_signal(signum)  # the child itself through Popen, which knows whether its pid is still its own
-    for pid in descendants:
-        with suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signum)
+    for process in below:
+        process.signal(signum)
+    return below
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid``, children first, from /proc (Linux); elsewhere none are known."""
-    children: dict[int, list[int]] = {}
+def _descendants(pid: int) -> list[_Process]:
+    """The processes below ``pid``, children first, on Linux (/proc); elsewhere none are known."""
+    found: list[_Process] = []
+    below = _children(pid)
+    while below:
+        child = below.pop(0)
+        stat = _stat(child)
+        if stat is not None:
+            found.append(_Process(child, stat[2]))
+            below.extend(_children(child))
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s children: from each of its threads' ``children`` file where the kernel has them, else from
+    every process's parent, read in /proc."""
     try:
-        entries = os.listdir("/proc")
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # gone, or no /proc
+        return []
+    try:
+        return [int(c) for t in threads for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+    except FileNotFoundError:  # a kernel without CONFIG_PROC_CHILDREN (or a thread that just ended)
+        pass
     except OSError:
         return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_bytes()
-        except OSError:  # ended meanwhile
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so read after its last ")"
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1:
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found: list[int] = []
-    below = list(children.get(pid, ()))
-    while below:
-        found.append(below.pop(0))
-        below.extend(children.get(found[-1], ()))
-    return found
+    children = []
+    for entry in os.listdir("/proc"):
+        stat = _stat(int(entry)) if entry.isdigit() else None
+        if stat is not None and stat[0] == pid:
+            children.append(int(entry))
+    return children
+
+
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """A process's parent, state and start time, from /proc/PID/stat; None if it is gone (or no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ... starttime (the 22nd)": comm may hold spaces and parentheses: split after its last ")"
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if len(fields) < 20:
+        return None
+    return int(fields[1]), fields[0].decode(), int(fields[19])
 
 
 def _command_environment(lease: permits.Lease) -> dict[str, str]:

@@ -244,15 +244,20 @@ def test_run_kills_a_command_that_ignores_its_signal_for_a_lost_lease(db_url: st
     assert holder.stderr is not None and "SIGKILL" in holder.stderr.read()
 
 
-def test_a_lost_lease_signals_every_process_of_the_command(db_url: str, ns: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("job", ["ends", "ignores"])
+def test_a_lost_lease_signals_every_process_of_the_command(db_url: str, ns: str, tmp_path: Path, job: str) -> None:
     """A shell that started a job: on a lost lease the job gets the signal too. Sent to the shell alone (as
-    before), the SIGTERM ended the shell and left the job running, unprotected, with a second holder let in."""
+    before), the SIGTERM ended the shell and left the job running, unprotected, with a second holder let in.
+    A job that ignores the signal outlives the shell, which dies of it: it gets SIGKILL --kill-after later
+    all the same, once the shell has ended."""
     name = f"{ns}cron"
     _permits(db_url, "sem", "create", name, "--capacity", "1")
     job_pid = tmp_path / "job.pid"
-    script = f"sleep 60 & echo $! > {job_pid}; wait"
+    started = "sleep 60 &" if job == "ends" else "(trap '' TERM; sleep 60) &"  # an ignored signal stays so in exec
+    script = f"{started} echo $! > {job_pid}; wait"
+    run = ["run", name, "--ttl", "3", "--kill-after", "1", "--", "sh", "-c", script]
     holder = subprocess.Popen(
-        [sys.executable, "-m", "permits", "run", name, "--ttl", "3", "--", "sh", "-c", script],
+        [sys.executable, "-m", "permits", *run],
         env={**os.environ, "PERMITS_DATABASE_URL": db_url},
         stderr=subprocess.PIPE,
         text=True,
@@ -262,15 +267,19 @@ def test_a_lost_lease_signals_every_process_of_the_command(db_url: str, ns: str,
     while not job_pid.exists() or not job_pid.read_text().strip():
         assert time.monotonic() < deadline, "the job never started"
         time.sleep(0.05)
-    job = int(job_pid.read_text())
-    assert _running(job)
+    job_process = int(job_pid.read_text())
+    assert _running(job_process)
     with permits.connect(db_url) as client:
         assert client.delete_semaphore(name, force=True) == 1  # an administrator revokes it
     assert holder.wait(timeout=30) == 76
-    deadline = time.monotonic() + 10
-    while _running(job):
+    deadline = time.monotonic() + 5  # a SIGKILL sent as permits run ends takes effect a moment later
+    while _running(job_process):
         assert time.monotonic() < deadline, "the job went on after the lease was lost"
         time.sleep(0.05)
+    assert holder.stderr is not None
+    told = holder.stderr.read()
+    if job == "ignores":
+        assert "processes the command started still ran 1 s after its signal: SIGKILL" in told, told
 
 
 def _running(pid: int) -> bool:

@@ -250,6 +250,33 @@ def test_a_waiter_whose_request_fails_gives_its_place_up_at_once(client_url: str
         assert holder.try_acquire(name, ttl=5) is not None  # at once: no place left ahead of it
 
 
+@pytest.mark.parametrize("via", ["service"])
+def test_a_plain_http_waiter_whose_request_fails_gives_its_place_up_at_once(client_url: str, ns: str) -> None:
+    """The same through the service for any HTTP client (no give-up of its own, no ``keep_place``): the
+    service gives the place up as it answers the verdict, not when the place lapses."""
+    import httpx
+
+    name = f"{ns}fair"
+    with permits.connect(client_url, owner=f"{ns}holder") as holder:
+        holder.create_semaphore(name, 4, fair=True)
+        held = holder.acquire({name: 2}, ttl=60)
+        answer: dict[str, httpx.Response] = {}
+        body = {"wants": [{"name": name, "count": 3}], "key": "k", "owner": f"{ns}w", "ttl": 30, "wait": 20}
+
+        def wait() -> None:
+            answer["response"] = httpx.post(f"{client_url}/v1/leases", json=body, timeout=30)
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        wait_until(lambda: _waiting(holder, name, 1), timeout=10)
+        holder.set_capacity(name, 2, reason="a smaller pool")
+        thread.join(30)
+        assert not thread.is_alive()
+        assert answer["response"].json()["error"]["code"] == "count_exceeds_capacity", answer["response"].text
+        assert holder.waiters(name) == []
+        holder.release(held)
+
+
 def test_a_waiter_interrupted_by_ctrl_c_gives_its_place_up_at_once(client_url: str, ns: str) -> None:
     """The sync client's twin of the test above: a process whose waiting acquire gets SIGINT."""
     name = f"{ns}fair"

@@ -15,16 +15,7 @@ from sqlalchemy.engine import URL
 from permits import _validate
 from permits._async.watchdog import AsyncWatchdog
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, Settings
-from permits._exceptions import (
-    AcquireTimeout,
-    IdempotencyConflict,
-    InvalidArgument,
-    LeaseError,
-    PermitsError,
-    SemaphoreNotFound,
-    StorageConflict,
-    UsageError,
-)
+from permits._exceptions import ENDS_THE_REQUEST, AcquireTimeout, PermitsError, StorageConflict, UsageError
 from permits._io import async_lock, async_shield, async_sleep, async_try_lock, monotonic
 from permits._models import (
     RWLOCK_READERS,
@@ -47,8 +38,6 @@ from permits.stores.base import AsyncStore
 LONG_POLL_SECONDS = 30.0
 #: How many sets of semaphore names a client remembers the contention of.
 REMEMBERED_CONTENTION = 1024
-#: An acquire's errors that are a verdict on the request, which ends it (``KeyInUse`` among them).
-ENDS_THE_REQUEST = (InvalidArgument, SemaphoreNotFound, IdempotencyConflict, LeaseError)
 
 
 class AsyncClient:

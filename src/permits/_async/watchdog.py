@@ -39,6 +39,8 @@ logger = logging.getLogger("permits.watchdog")
 
 #: The reason given when ``max_hold`` ran out.
 MAX_HOLD = "max_hold"
+#: The reasons of a lease that ran out at its expiry, no earlier (a sweep ends only an expired lease).
+RAN_OUT = frozenset({"expired", "swept"})
 
 
 class AsyncWatchdog:
@@ -165,10 +167,11 @@ class AsyncWatchdog:
                 return
 
     async def _lose(self, reason: str, message: str) -> None:
-        if reason == "expired" and self._stopped_at is not None and self._stopped_at < self.deadline:
-            # An extend that hung until after the holder stopped us, and then found the lease expired: it
-            # expired no earlier than the deadline, so it was held for all of the holder's work, which is not
-            # what a loss tells (`permits run` would report a command that ended in time as unprotected).
+        if reason in RAN_OUT and self._stopped_at is not None and self._stopped_at < self.deadline:
+            # An extend that hung until after the holder stopped us, and then found the lease expired (or
+            # swept once it had): it ran out no earlier than the deadline, so it was held for all of the
+            # holder's work, which is not what a loss tells (`permits run` would report a command that ended
+            # in time as unprotected).
             logger.debug("lease %r ran out after its holder was done: %s", self.lease.key, message)
             return
         with self._losing:  # the extending loop and the expiry guard may both find it lost: say it once

@@ -16,16 +16,7 @@ from sqlalchemy.engine import URL
 from permits import _validate
 from permits._sync.watchdog import Watchdog
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, Settings
-from permits._exceptions import (
-    AcquireTimeout,
-    IdempotencyConflict,
-    InvalidArgument,
-    LeaseError,
-    PermitsError,
-    SemaphoreNotFound,
-    StorageConflict,
-    UsageError,
-)
+from permits._exceptions import ENDS_THE_REQUEST, AcquireTimeout, PermitsError, StorageConflict, UsageError
 from permits._io import sync_lock, sync_shield, sync_sleep, sync_try_lock, monotonic
 from permits._models import (
     RWLOCK_READERS,
@@ -48,8 +39,6 @@ from permits.stores.base import Store
 LONG_POLL_SECONDS = 30.0
 #: How many sets of semaphore names a client remembers the contention of.
 REMEMBERED_CONTENTION = 1024
-#: An acquire's errors that are a verdict on the request, which ends it (``KeyInUse`` among them).
-ENDS_THE_REQUEST = (InvalidArgument, SemaphoreNotFound, IdempotencyConflict, LeaseError)
 
 
 class Client:

@@ -11,6 +11,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
 
 from sqlalchemy import text
 from sqlalchemy.exc import ArgumentError, DBAPIError
@@ -204,8 +205,10 @@ class SQLStore:
         except (TypeError, ValueError, ArgumentError) as exc:
             what = "the form of the URL" if isinstance(exc, ArgumentError) else "a parameter of the URL"
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if settings.url.password:  # a driver's message may quote the URL it was given
-                first_line = first_line.replace(str(settings.url.password), "***")
+            password = str(settings.url.password or "")
+            for shown in {password, quote(password, safe="")}:  # a driver's message may quote the URL it was given
+                if len(shown) >= 4:  # a shorter one would match all over the message, and tell little
+                    first_line = first_line.replace(shown, "***")
             raise ConfigurationError(
                 f"the database driver refused {what} ({settings.shown_url}): {first_line}", field="url"
             ) from None

@@ -21,6 +21,7 @@ import permits
 from permits import _validate, _wire
 from permits._core import flows
 from permits._exceptions import (
+    ENDS_THE_REQUEST,
     AcquireTimeout,
     IdempotencyConflict,
     InvalidArgument,
@@ -241,8 +242,14 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
             # stops waiting sends its give-up, a request and a write, only when there is one to give up.
             exc.details["kept_place"] = state.sql_store.holds_place(owner, key)
         raise
-    except IdempotencyConflict:
-        outcome = "conflict"
+    except ENDS_THE_REQUEST as exc:
+        if isinstance(exc, IdempotencyConflict):
+            outcome = "conflict"
+        if wait > 0:
+            # A verdict (another's lease under the key, the capacity lowered below the count, a semaphore
+            # deleted) ends the request, kept place or not: its places go now, not when they lapse.
+            with contextlib.suppress(PermitsError):
+                await state.sql_store.dequeue(owner, key)
         raise
     except LimitExceeded:  # too many waiting on this instance (max_waiters)
         outcome = "limited"
