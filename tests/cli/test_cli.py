@@ -223,18 +223,19 @@ def test_run_tells_the_command_its_lease_key_and_fencing_token(db_url: str, ns: 
     assert json.loads(env["PERMITS_FENCING_TOKENS"]) == {name: str(token)}
 
 
+def _in_background(db_url: str, *args: str) -> subprocess.Popen[str]:
+    """``permits ARGS`` started, not waited for; its stderr kept to read."""
+    env = {**os.environ, "PERMITS_DATABASE_URL": db_url}
+    return subprocess.Popen([sys.executable, "-m", "permits", *args], env=env, stderr=subprocess.PIPE, text=True)
+
+
 def test_run_kills_a_command_that_ignores_its_signal_for_a_lost_lease(db_url: str, ns: str) -> None:
     """The command must not work on unprotected: one that ignores SIGTERM is killed --kill-after later."""
     name = f"{ns}cron"
     _permits(db_url, "sem", "create", name, "--capacity", "1")
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
     run = ["run", name, "--ttl", "3", "--kill-after", "1", "--", sys.executable, "-c", stubborn]
-    holder = subprocess.Popen(
-        [sys.executable, "-m", "permits", *run],
-        env={**os.environ, "PERMITS_DATABASE_URL": db_url},
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    holder = _in_background(db_url, *run)
     _wait_until_held(db_url, name)
     with permits.connect(db_url) as client:
         assert client.delete_semaphore(name, force=True) == 1  # an administrator revokes it
@@ -256,12 +257,7 @@ def test_a_lost_lease_signals_every_process_of_the_command(db_url: str, ns: str,
     started = "sleep 60 &" if job == "ends" else "(trap '' TERM; sleep 60) &"  # an ignored signal stays so in exec
     script = f"{started} echo $! > {job_pid}; wait"
     run = ["run", name, "--ttl", "3", "--kill-after", "1", "--", "sh", "-c", script]
-    holder = subprocess.Popen(
-        [sys.executable, "-m", "permits", *run],
-        env={**os.environ, "PERMITS_DATABASE_URL": db_url},
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    holder = _in_background(db_url, *run)
     _wait_until_held(db_url, name)
     deadline = time.monotonic() + 10
     while not job_pid.exists() or not job_pid.read_text().strip():

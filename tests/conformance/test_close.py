@@ -161,10 +161,19 @@ def test_a_long_poll_through_the_service_ends_at_close(make_client: Callable[...
     to the end of its wait (20 s here), and then its resend failed with httpx's RuntimeError."""
     name = f"{ns}s"
     holder = make_client(owner=f"{ns}holder")
-    holder.create_semaphore(name, 1, fair=True)
-    holder.acquire({name: 1}, key="held")
     client = make_client(owner=f"{ns}o")
     store = _http_store(client)
+    _close_while_an_acquire_waits(holder, client, name)
+    holder.release("held")
+    assert holder.get_semaphore(name).used == 0  # nothing was granted to the closed client
+    assert store._long_polls.http.is_closed and store._requests.http.is_closed
+
+
+def _close_while_an_acquire_waits(holder: Any, client: Any, name: str) -> None:
+    """``client`` closed while its acquire waits in the service's queue for a fair semaphore that
+    ``holder`` fills: the acquire gets UsageError at once, and the service stops waiting for it."""
+    holder.create_semaphore(name, 1, fair=True)
+    holder.acquire({name: 1}, key="held")
     thread, outcome = in_thread(lambda: client.acquire({name: 1}, key="k", timeout=20))
     _wait_until(lambda: len(holder.waiters(name)) == 1, "the acquire waits in the service's queue")
     closed_at = time.monotonic()
@@ -174,9 +183,6 @@ def test_a_long_poll_through_the_service_ends_at_close(make_client: Callable[...
     assert isinstance(outcome.get("error"), permits.UsageError), outcome
     assert time.monotonic() - closed_at < 5  # at once, not at the end of the long poll
     _wait_until(lambda: holder.waiters(name) == [], "the service stops waiting for a client that went")
-    holder.release("held")
-    assert holder.get_semaphore(name).used == 0  # nothing was granted to the closed client
-    assert store._long_polls.http.is_closed and store._requests.http.is_closed
 
 
 @pytest.mark.parametrize("via", ["service"])
@@ -298,17 +304,7 @@ def test_a_long_poll_over_tls_ends_at_close(
     holder = _open(flavour, url, f"{ns}holder")
     client = _open(flavour, url, f"{ns}o")
     try:
-        holder.create_semaphore(name, 1, fair=True)
-        holder.acquire({name: 1}, key="held")
-        thread, outcome = in_thread(lambda: client.acquire({name: 1}, key="k", timeout=20))
-        _wait_until(lambda: len(holder.waiters(name)) == 1, "the acquire waits in the service's queue")
-        closed_at = time.monotonic()
-        client.close()
-        thread.join(30)
-        assert not thread.is_alive()
-        assert isinstance(outcome.get("error"), permits.UsageError), outcome
-        assert time.monotonic() - closed_at < 5
-        _wait_until(lambda: holder.waiters(name) == [], "the service stops waiting for a client that went")
+        _close_while_an_acquire_waits(holder, client, name)
     finally:
         _shut(client)
         _shut(holder)
