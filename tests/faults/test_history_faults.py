@@ -121,6 +121,17 @@ def test_holder_paused_past_its_ttl(run: FaultRun, db_url: str, path: str) -> No
     assert release is not None and release.outcome == FAIL and release["result"] == "lost", release
 
 
+def _freshly_held(history: History, procs: Collection[str], within: float) -> bool:
+    """Whether one of ``procs`` holds a lease it was granted less than ``within`` seconds ago (by the
+    history's clock, which is the machine's CLOCK_MONOTONIC)."""
+    now = time.monotonic()
+    return any(
+        _holding(history, proc)
+        and now - max(o.t1 for o in history.of("acquire") if o.proc == proc and o.outcome == OK) < within
+        for proc in procs
+    )
+
+
 def _assert_hit(run: FaultRun, kind: str, through: Collection[str], held_up: bool = True) -> None:
     """The clean report is about work that the faults of ``kind`` met: operations of the workers
     ``through`` the instance it struck, under way within a second of each (``History.met``), and, for a
@@ -218,12 +229,17 @@ def test_service_database_link(run: FaultRun, db_url: str, fault: str) -> None:
         via = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
         faulty, healthy = run.services({"db_url": via}, {})
         # Past the TTL, the stall is there to hold up leases that are held: workers through that instance
-        # then hold theirs for up to half the TTL, so that one is almost surely held when the stall begins.
-        through = run.workers(2, faulty.url, **({"hold": run.ttl / 2} if fault == "stall-past-ttl" else {}))
+        # then hold theirs for a quarter to a half of the TTL, and each stall begins just after one of them
+        # was granted, so that its lease is surely held across the stall. (Started at a random moment, both
+        # stalls could meet neither worker holding: CI saw that once, with no lease run out.)
+        past_ttl = fault == "stall-past-ttl"
+        through = run.workers(2, faulty.url, **({"hold": run.ttl / 2, "hold_min": run.ttl / 4} if past_ttl else {}))
         run.worker(healthy.url)
         run.worker(db_url)
         run.wait_for(lambda: run.acquired() >= 4, what="the first grants")
         for round_ in range(2):
+            if past_ttl:
+                run.wait_for(lambda: _freshly_held(run.history(), through, within=run.ttl / 8), what="a fresh grant")
             run.rec.event(fault)
             if fault == "cut":
                 proxy.cut_all()

@@ -9,6 +9,8 @@ An operation whose outcome is unknown (a timeout, a dropped connection, a 503) i
 key until it has a definite answer, or ``settle`` seconds have passed; each attempt is recorded. An
 acquire that could not settle is released by key, in case it was granted.
 
+Each round holds the lease for a random time between ``hold_min`` (0 unless given) and ``hold`` seconds.
+
 ``stop_self_at``: on that round, after its first write, the worker SIGSTOPs itself while it holds the
 lease (the harness SIGCONTs it later), then writes once more and releases, as a holder that was paused
 (a GC pause, a stopped VM) and does not know it.
@@ -99,7 +101,7 @@ class Worker:
                 os.kill(os.getpid(), signal.SIGSTOP)  # the harness sends SIGCONT after the TTL has passed
                 self.rec.event("resumed", key=key, token=lease.token)
                 self.write(key, lease.token)
-            time.sleep(self.rng.uniform(0, self.args["hold"]))
+            time.sleep(self.rng.uniform(self.args.get("hold_min", 0.0), self.args["hold"]))
             self.release(key)
         self.client.close()
         self.engine.dispose()
