@@ -31,6 +31,7 @@ _TABLES = (
     "permits_lease",
     "permits_capacity_change",
     "permits_semaphore",
+    "permits_line",
     "permits_alembic_version",
 )
 

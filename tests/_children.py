@@ -192,14 +192,16 @@ def take_turns(args: dict[str, Any]) -> None:
     attempts its acquires made (on a database: the statements that try to take room, one per attempt and
     semaphore, whether or not it waits in the server's line), how many of them waited in the lines of
     several semaphores (LINES_ENTER, or the queued grant that takes its line), how many asked outside a
-    line first (ACQUIRE_ONE_LINE_FREE), and how many of those were refused there and then asked in the line
-    (ACQUIRE_ONE_QUEUED right after it), as one JSON line."""
+    line first (ACQUIRE_ONE_LINE_FREE), how many of those were refused there and then asked in the line
+    (ACQUIRE_ONE_QUEUED or MariaDB's LINE_WAIT right after it), and how many asked at the head of MariaDB's
+    line (LINE_GRANT, ``in_line``), as one JSON line."""
     granted = timed_out = 0
     longest = 0.0  # the longest acquire or release that did not time out, in seconds
     attempts = [0]
     lines = [0]
     line_free = [0]
     line_refused = [0]
+    in_line = [0]
     last = [""]
     # ``names`` instead of ``name``: one permit of each, in one acquire
     wants: Any = dict.fromkeys(args["names"], 1) if "names" in args else args["name"]
@@ -207,12 +209,20 @@ def take_turns(args: dict[str, Any]) -> None:
         if hasattr(client._store, "after_statement"):
 
             def count(statement: str) -> None:
-                attempts[0] += statement in ("ACQUIRE_ONE", "ACQUIRE_ONE_QUEUED", "ACQUIRE_ONE_LINE_FREE", "SEM_TAKE")
+                attempts[0] += statement in (
+                    "ACQUIRE_ONE",
+                    "ACQUIRE_ONE_QUEUED",
+                    "ACQUIRE_ONE_LINE_FREE",
+                    "LINE_GRANT",
+                    "SEM_TAKE",
+                )
                 line_free[0] += statement == "ACQUIRE_ONE_LINE_FREE"
                 if statement in ("ACQUIRE_MANY", "ACQUIRE_MANY_QUEUED"):  # one statement for all the semaphores
                     attempts[0] += len(wants)
                 lines[0] += statement in ("LINES_ENTER", "ACQUIRE_MANY_QUEUED")
-                line_refused[0] += last[0] == "ACQUIRE_ONE_LINE_FREE" and statement == "ACQUIRE_ONE_QUEUED"
+                in_line[0] += statement == "LINE_GRANT"
+                asked_in_line = statement in ("ACQUIRE_ONE_QUEUED", "LINE_WAIT")
+                line_refused[0] += last[0] == "ACQUIRE_ONE_LINE_FREE" and asked_in_line
                 last[0] = statement
 
             client._store.after_statement = count
@@ -237,7 +247,8 @@ def take_turns(args: dict[str, Any]) -> None:
             granted += 1
     report = {"granted": granted, "timed_out": timed_out, "attempts": attempts[0], "lines": lines[0]}
     longest_ms = round(longest * 1000)
-    _say(json.dumps({**report, "line_free": line_free[0], "line_refused": line_refused[0], "longest_ms": longest_ms}))
+    report.update(line_free=line_free[0], line_refused=line_refused[0], in_line=in_line[0], longest_ms=longest_ms)
+    _say(json.dumps(report))
 
 
 def run_take_turns(

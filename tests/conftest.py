@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
+import pymysql
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, make_url
@@ -46,6 +47,20 @@ def sqlalchemy_url(db_url: str) -> str:
         if db_url.startswith(plain):
             return named + db_url.removeprefix(plain)
     return db_url
+
+
+def mariadb_session(db_url: str, **options: Any) -> pymysql.Connection[Any]:
+    """A PyMySQL session of a test's own on the MariaDB database behind ``db_url`` (with or without the driver
+    named), to hold locks or look at the server behind permits' back; ``options`` go to ``pymysql.connect``."""
+    url = make_url(db_url)
+    return pymysql.connect(
+        host=url.host,
+        port=url.port or 3306,
+        user=url.username,
+        password=url.password or "",
+        database=url.database,
+        **options,
+    )
 
 
 def _admin_url(backend: str) -> URL:

@@ -20,7 +20,9 @@ grant behind it); one that asks too rarely leaves returned permits idle. Three s
   server's lock queue, the semaphore's line, until the waiters ahead of it have been served, then asks
   with the count as their commits left it, and at the head of the line waits up to
   ``LINE_HEAD_WAIT_SECONDS`` for room (dialects/pg_functions.py); on a fair semaphore, that wait starts
-  again each time a place in its fair queue ahead of it is served. The line hands the turn on in order and
+  again each time a place in its fair queue ahead of it is served. On a single MariaDB server the line is
+  a row lock, and the waiter takes its turn in one request and asks at the head in the next, on the same
+  connection (dialects/mysql.py, LINE_WAIT). The line hands the turn on in order and
   with no wake-up message, so on a hot semaphore nobody sleeps while permits come back, and a process
   that releases and asks again queues behind those already waiting. A waiter refused ``IN_LINE_TRIES``
   times in a row at the head (the permits are held for longer than that) leaves the line and waits as

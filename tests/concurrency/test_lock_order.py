@@ -18,13 +18,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
-import pymysql
 import pytest
 from sqlalchemy.engine import make_url
 
 import permits
 from tests._service import running
-from tests.conftest import count_function_calls, function_calls, own_database
+from tests.conftest import count_function_calls, function_calls, mariadb_session, own_database
 
 pytestmark = [pytest.mark.usefixtures("servers")]
 
@@ -45,13 +44,7 @@ def _blocker(url: str) -> Any:
     parsed = make_url(url)
     if parsed.get_backend_name() == "postgresql":
         return psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"))
-    return pymysql.connect(
-        host=parsed.host,
-        port=parsed.port or 3306,
-        user=parsed.username,
-        password=parsed.password or "",
-        database=parsed.database,
-    )
+    return mariadb_session(url)
 
 
 @contextlib.contextmanager

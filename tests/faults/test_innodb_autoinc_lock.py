@@ -16,16 +16,9 @@ import time
 
 import pymysql
 import pytest
-from sqlalchemy.engine import make_url
 
 import permits
-
-
-def _connect(db_url: str) -> pymysql.connections.Connection:  # type: ignore[type-arg]
-    url = make_url(db_url)
-    return pymysql.connect(
-        host=url.host, port=url.port or 3306, user=url.username, password=url.password or "", database=url.database
-    )
+from tests.conftest import mariadb_session
 
 
 @pytest.mark.parametrize("backend", ["mysql"])
@@ -38,10 +31,10 @@ def test_a_grant_that_times_out_on_the_autoinc_lock_is_retried(db_url: str, ns: 
     assert first_id < blocker_id
 
     # The row lock that will stall the INSERT ... SELECT after its first row.
-    row_holder = _connect(db_url)
+    row_holder = mariadb_session(db_url)
     row_holder.cursor().execute("SELECT id FROM permits_semaphore WHERE id = %s FOR UPDATE", (blocker_id,))
     # Inserts its first lease row (taking the AUTO-INC lock), then waits for the blocker's row, lock held.
-    autoinc_holder = _connect(db_url)
+    autoinc_holder = mariadb_session(db_url)
     stalled = threading.Thread(target=_insert_then_stall, args=(autoinc_holder, ns, first_id, blocker_id), daemon=True)
     stalled.start()
     time.sleep(0.5)
@@ -72,7 +65,7 @@ def test_a_grant_that_times_out_on_the_autoinc_lock_is_retried(db_url: str, ns: 
 
 
 def _semaphore_id(db_url: str, name: str) -> int:
-    conn = _connect(db_url)
+    conn = mariadb_session(db_url)
     try:
         cursor = conn.cursor()
         cursor.execute("SELECT id FROM permits_semaphore WHERE name = %s", (name,))

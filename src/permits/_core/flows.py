@@ -53,7 +53,10 @@ class Stmt:
     params: Mapping[str, Any] | Sequence[Mapping[str, Any]] = field(default_factory=dict)
     #: This statement is a whole transaction by itself: where the dialect can switch to autocommit for
     #: free, the driver sends it alone, with no BEGIN and no COMMIT. A flow that yields ``alone`` first
-    #: must then return or raise ``Restart``; it may not send a second statement.
+    #: must then return or raise ``Restart``; it may not send a second statement, unless this one left a
+    #: transaction open on its connection (MariaDB's line: ``_acquire_one_in_line``). Then the next one,
+    #: ``alone`` too, goes on with it on the same connection; a flow that stops with the transaction still
+    #: open costs the store that connection, which it drops rather than reuse.
     alone: bool = False
 
 
@@ -348,11 +351,13 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
         "request_id": req.request_id,
     }
     statement = "ACQUIRE_ONE"
-    lined = req.line_wait_ms is not None and d.has("ACQUIRE_ONE_QUEUED")
+    lined = req.line_wait_ms is not None and (d.has("ACQUIRE_ONE_QUEUED") or d.has("LINE_WAIT"))
     outside_line = lined and req.line_free_first and d.has("ACQUIRE_ONE_LINE_FREE")
     if outside_line:
         statement = "ACQUIRE_ONE_LINE_FREE"
         params.update(wait_ms=req.line_wait_ms)
+    elif lined and d.has("LINE_WAIT"):
+        return (yield from _acquire_one_in_line(d, req, params, recheck))
     elif lined:
         statement = "ACQUIRE_ONE_QUEUED"
         params.update(wait_ms=req.line_wait_ms, head_ms=req.line_head_ms)
@@ -366,6 +371,43 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
         raise _refused(d, req, recheck)
     _, acquired_ms, expires_ms, token = done.rows[0]
     return _granted(req, {want.name: int(token)}, acquired_ms, expires_ms)
+
+
+def _acquire_one_in_line(
+    d: Dialect, req: Request, params: dict[str, Any], recheck: bool
+) -> Flow[Lease | Queued | AskInLine | None]:
+    """``_acquire_one`` in the semaphore's line on MariaDB, in one transaction on one connection: wait for the
+    turn (``LINE_WAIT``, whole seconds within ``line_wait_ms``), ask (``LINE_GRANT``, which commits if it
+    granted, and so lets the line go), and, refused, wait at the head up to ``line_head_ms`` for room
+    (``LINE_HEAD``, which commits either way). A wait in the line that timed out is a refusal. With less than
+    a second left there is no wait in the line: the request asks outside it, granted only while nobody is in
+    it, as it did at first."""
+    assert req.line_wait_ms is not None
+    wait_s = req.line_wait_ms // 1000
+    try:
+        if wait_s < 1:
+            done = yield Stmt("ACQUIRE_ONE_LINE_FREE", params, alone=True)
+        else:
+            wait = {"name": params["name"], "wait_s": wait_s, "count": params["count"]}
+            in_line, sem_id, _ = (yield Stmt("LINE_WAIT", wait, alone=True)).rows[0]
+            if not int(in_line):  # timed out, or no such semaphore, or one too small: the refusal says which
+                raise _refused(d, req, recheck)
+            at_head = {**params, "sem_id": int(sem_id)}
+            done = yield Stmt("LINE_GRANT", at_head, alone=True)
+            if not done.rows:
+                done = yield Stmt("LINE_HEAD", {**at_head, "tries": head_tries(req.line_head_ms)}, alone=True)
+    except DuplicateKey:
+        raise Restart(lambda: _replay(req)) from None
+    if not done.rows:
+        raise _refused(d, req, recheck)
+    _, acquired_ms, expires_ms, token = done.rows[0]
+    return _granted(req, {params["name"]: int(token)}, acquired_ms, expires_ms)
+
+
+def head_tries(head_ms: int) -> int:
+    """How many times ``LINE_HEAD`` asks at the head of the line to wait about ``head_ms`` more there: 1 ms
+    apart ten times, then 2 ms apart (after ``LINE_GRANT`` asked once)."""
+    return max(1, min(head_ms, 10) + max(0, head_ms - 10) // 2)
 
 
 def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | Queued | None]:

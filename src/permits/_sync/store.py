@@ -979,7 +979,7 @@ class SQLStore:
             # are used: not after a failure to keep them, see host_lines.RETRY_AFTER)
             return lines.usable()
         if len(wants) == 1:
-            queues = wants[0].count == 1 and self._dialect.has("ACQUIRE_ONE_QUEUED")
+            queues = wants[0].count == 1 and (self._dialect.has("ACQUIRE_ONE_QUEUED") or self._dialect.has("LINE_WAIT"))
         else:
             queues = self._dialect.has("LINES_ENTER")
         return queues and self._in_line_now < LINE_SEATS  # see try_acquire
@@ -1490,20 +1490,33 @@ class SQLStore:
             self._unpark_into_pool(1)
 
     def _drive_alone(self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt, cuts: list[_CutSession]) -> T:
-        """``conn``: a parked connection (``_Parked``); ``driver``: the driver's connection under it."""
+        """``conn``: a parked connection (``_Parked``); ``driver``: the driver's connection under it. A statement
+        that leaves a transaction open (MariaDB's line) is followed by the flow's next one, on this connection.
+        Should the flow stop with that transaction still open (a refusal, an error, an interruption), the
+        connection is dropped, which ends the transaction on the server, rather than parked with it open."""
+        left_open = False
         try:
-            result = self._send_alone(conn, driver, stmt, cuts)
-        except DBAPIError as exc:
-            if self._dialect.classify(exc) is not Fault.DUPLICATE:
-                raise
-            flow.throw(DuplicateKey())
-            raise RuntimeError("a flow went on after a statement that runs alone") from None
-        try:
-            flow.send(result)
-        except StopIteration as stop:
-            value: T = stop.value
-            return value
-        raise RuntimeError("a flow went on after a statement that runs alone")
+            while True:
+                try:
+                    result = self._send_alone(conn, driver, stmt, cuts)
+                except DBAPIError as exc:
+                    left_open = self._dialect.in_transaction(driver)
+                    if self._dialect.classify(exc) is not Fault.DUPLICATE:
+                        raise
+                    flow.throw(DuplicateKey())
+                    raise RuntimeError("a flow went on after a statement that runs alone") from None
+                left_open = self._dialect.in_transaction(driver)
+                try:
+                    following = flow.send(result)
+                except StopIteration as stop:
+                    value: T = stop.value
+                    return value
+                if not (left_open and following.alone):
+                    raise RuntimeError("a flow went on after a statement that runs alone")
+                stmt = following
+        finally:
+            if left_open and sync_live(conn):
+                conn.invalidate()
 
     def _send_alone(self, conn: Any, driver: Any, stmt: Stmt, cuts: list[_CutSession]) -> Result:
         """Send a statement that is a whole transaction by itself (a grant, a release) as one request, on

@@ -495,6 +495,11 @@ class Dialect:
         """The SQL text of a statement, as sent (for docs and tests)."""
         return str(self._clauses[name])
 
+    def in_transaction(self, driver: Any) -> bool:
+        """Whether the statement just sent alone on ``driver`` left a transaction open (only MariaDB's line
+        does, on purpose: see ``Stmt.alone``)."""
+        return False
+
     def taken_token(self, result: Result) -> int:
         """The counter that ``SEM_TAKE`` (fencing token) or ``SEM_TICKET`` (queue ticket) just bumped."""
         return int(result.rows[0][0])

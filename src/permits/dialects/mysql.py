@@ -54,6 +54,7 @@ _DUPLICATE = {1062}  # ER_DUP_ENTRY
 # lets one request carry a whole transaction (see ``self_committing``). Every value permits sends is a
 # bound parameter that the driver escapes, so several statements per request add no injection risk.
 _FOUND_ROWS = 2
+_SERVER_STATUS_IN_TRANS = 1
 _MULTI_STATEMENTS = 1 << 16
 _SCHEMA = {1146}  # ER_NO_SUCH_TABLE
 
@@ -119,6 +120,112 @@ _SESSION_SQL: dict[str, str | None] = {
 }
 
 
+# ---- a grant of one semaphore (ACQUIRE_ONE), and the semaphore's line
+#
+# The UPDATE that takes the room, and what follows it: the lease, its permit, the request's places in fair
+# queues given up. The token goes through a session variable, which the request resets first: NULL means the
+# UPDATE found no room, and then nothing is inserted.
+_TAKE_ONE = """
+            UPDATE permits_semaphore
+            SET used = used + :count, last_token = (@permits_token := last_token + 1), updated_at_ms = {now}
+            WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}"""
+_LEASE_ONE = """
+            INSERT INTO permits_lease (
+                owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms, request_id)
+            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms, :request_id
+            FROM DUAL WHERE @permits_token IS NOT NULL
+            RETURNING id, acquired_at_ms, expires_at_ms, @permits_token;
+            INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
+            SELECT LAST_INSERT_ID(), """
+_PLACES_GIVEN_UP = """
+            DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key AND @permits_token IS NOT NULL;"""
+_GRANT_ONE = (
+    _LEASE_ONE
+    + """id, :count, @permits_token FROM permits_semaphore
+            WHERE name = :name AND deleted = 0 AND @permits_token IS NOT NULL;"""
+    + _PLACES_GIVEN_UP
+    + """
+            COMMIT"""
+)
+#: The semaphore's line: a row of permits_line (migration 0010), by the name's CRC32. Its rows are never
+#: written; only their locks are used.
+_LINE_ROW = "MOD(CRC32(:name), 1023)"
+#: ACQUIRE_ONE_LINE_FREE's gate (see there)
+_LINE_FREE = f"""
+              AND EXISTS (SELECT 1 FROM permits_line WHERE id = {_LINE_ROW} LOCK IN SHARE MODE SKIP LOCKED)"""
+# Wait for the line: a READ COMMITTED transaction that takes the line's row FOR UPDATE. InnoDB grants a row's
+# lock to those waiting for it in the order they asked, so the waiters take their turns in order, and one
+# that asks again goes behind those already waiting. The request holds nothing but that wait: a waiter
+# killed while it waits is granted nothing (its session fails to answer, and rolls back). innodb_lock_wait_
+# timeout counts whole seconds, so the wait is given in whole seconds; timed out, the request ends its
+# transaction itself. First, before the wait (what follows the wait delays every waiter behind), it reads
+# without a lock the semaphore's id, for the grant, and whether the count fits its capacity at all: if not,
+# or if there is no such semaphore, it does not wait, and ends its transaction. READ COMMITTED: see
+# LINE_HEAD; SET TRANSACTION lasts one transaction. params: name, wait_s, count -> one row: in the line (1;
+# its transaction stays open for LINE_GRANT on the same connection) or not (0: timed out, or no wait could
+# help; nothing is open), the semaphore's id (NULL: no such semaphore), and whether the count fits
+_LINE_WAIT = f"""
+            SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
+            SELECT MAX(id), COALESCE(MAX(:count <= capacity), 0) INTO @permits_sem, @permits_fits
+            FROM permits_semaphore WHERE name = :name AND deleted = 0;
+            BEGIN NOT ATOMIC
+                DECLARE CONTINUE HANDLER FOR 1205 ROLLBACK;
+                SET @permits_line = 0;
+                IF @permits_fits THEN
+                    SET STATEMENT innodb_lock_wait_timeout = :wait_s FOR
+                        SELECT 1 INTO @permits_line FROM permits_line WHERE id = {_LINE_ROW} FOR UPDATE;
+                ELSE
+                    ROLLBACK;
+                END IF;
+            END;
+            SELECT @permits_line, @permits_sem, @permits_fits"""
+# The UPDATE of the line's grants: by the semaphore's primary key, which LINE_WAIT read (see LINE_HEAD).
+_TAKE_IN_LINE = _TAKE_ONE.replace("WHERE name = :name AND", "WHERE id = :sem_id AND")
+_GRANT_IN_LINE = (
+    _LEASE_ONE + """:sem_id, :count, @permits_token FROM DUAL WHERE @permits_token IS NOT NULL;""" + _PLACES_GIVEN_UP
+)
+# At the head of the line (after LINE_WAIT, in its transaction): ask once, and commit if granted, which lets
+# the line go; refused, the transaction stays open (the line held) for LINE_HEAD. Only a client that was alive
+# at its turn sends this. params: ACQUIRE_ONE's, sem_id -> as ACQUIRE_ONE
+_LINE_GRANT = (
+    "SET @permits_token = NULL;"
+    + _TAKE_IN_LINE
+    + ";"
+    + _GRANT_IN_LINE
+    + """
+            BEGIN NOT ATOMIC IF @permits_token IS NOT NULL THEN COMMIT; END IF; END"""
+)
+# Still at the head, refused: ask again every 1 ms and then every 2 ms, up to ``tries`` times, in this one
+# request, as PostgreSQL's queued grant waits at the head (pg_functions.py); then the lease, or nothing, and
+# the COMMIT that lets the line go. A grant for a waiter that died meanwhile is possible only within this
+# wait (``LINE_HEAD_WAIT_SECONDS``), as for any grant whose reply is lost. No UPDATE here may keep the
+# semaphore row locked when it finds no room, or the release the head waits for would wait for the head:
+# READ COMMITTED lets go of a row the UPDATE reached by its primary key and did not change (through the unique
+# index on the name InnoDB kept the lock to the end of the transaction), and nothing reads the row in the
+# loop's condition (MariaDB makes such a read a locking one). params: LINE_GRANT's, tries -> as ACQUIRE_ONE
+_LINE_HEAD = (
+    """
+            SET @permits_token = NULL;
+            BEGIN NOT ATOMIC
+                DECLARE tries INT DEFAULT 0;
+                head: LOOP"""
+    + _TAKE_IN_LINE.replace("\n", "\n        ")
+    + """;
+                    SET tries = tries + 1;
+                    IF @permits_token IS NOT NULL OR tries >= :tries THEN LEAVE head; END IF;
+                    DO SLEEP(IF(tries < 10, 0.001, 0.002));
+                END LOOP;
+            END;"""
+    + _GRANT_IN_LINE
+    + """
+            COMMIT"""
+)
+
+
+#: The statements of the line, for the dialects that have none.
+_NO_LINE: dict[str, str | None] = dict.fromkeys(("ACQUIRE_ONE_LINE_FREE", "LINE_WAIT", "LINE_GRANT", "LINE_HEAD"))
+
+
 class MariaDB(Dialect):
     name = "mysql"
     # UNIX_TIMESTAMP of the statement's start time; sessions run in UTC (see engine_options) so no daylight
@@ -146,21 +253,18 @@ class MariaDB(Dialect):
         # request's places in fair queues (a waiting caller may hold some). params: owner, key, name,
         # count, ttl_ms, request_id -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no
         # such semaphore)
-        "ACQUIRE_ONE": """
-            SET @permits_token = NULL;
-            UPDATE permits_semaphore
-            SET used = used + :count, last_token = (@permits_token := last_token + 1), updated_at_ms = {now}
-            WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate};
-            INSERT INTO permits_lease (
-                owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms, request_id)
-            SELECT :owner, :key, 1, {now}, {now} + :ttl_ms, :ttl_ms, :request_id
-            FROM DUAL WHERE @permits_token IS NOT NULL
-            RETURNING id, acquired_at_ms, expires_at_ms, @permits_token;
-            INSERT INTO permits_permit (lease_id, semaphore_id, count, token)
-            SELECT LAST_INSERT_ID(), id, :count, @permits_token FROM permits_semaphore
-            WHERE name = :name AND deleted = 0 AND @permits_token IS NOT NULL;
-            DELETE FROM permits_waiter WHERE owner = :owner AND lease_key = :key AND @permits_token IS NOT NULL;
-            COMMIT""",
+        "ACQUIRE_ONE": "SET @permits_token = NULL;" + _TAKE_ONE + ";" + _GRANT_ONE,
+        # ACQUIRE_ONE for a caller that would otherwise wait in the semaphore's line (LINE_WAIT), granted only
+        # while nobody holds the line or waits for it: a shared lock on the line's row, taken with SKIP
+        # LOCKED, is skipped while anyone holds its exclusive lock or is queued for it. Shared locks do not
+        # conflict with each other, so grants outside an empty line pass each other freely. MariaDB reads
+        # the uncorrelated subquery first, as a constant: a grant it refuses locks no semaphore row. No row:
+        # somebody was in the line, or there was no room; the caller then asks in the line.
+        # params: ACQUIRE_ONE's -> as ACQUIRE_ONE
+        "ACQUIRE_ONE_LINE_FREE": "SET @permits_token = NULL;" + _TAKE_ONE + _LINE_FREE + ";" + _GRANT_ONE,
+        "LINE_WAIT": _LINE_WAIT,
+        "LINE_GRANT": _LINE_GRANT,
+        "LINE_HEAD": _LINE_HEAD,
         # Acquire several semaphores in one request (see self_committing), all or none, as PostgreSQL's
         # ACQUIRE_MANY does. The optimizer takes a user variable as a constant, so a statement whose WHERE
         # tests one that is not 1 reads no row and locks none ("Impossible WHERE"). First a plain read, which
@@ -357,6 +461,10 @@ class MariaDB(Dialect):
         if hasattr(dbapi_connection, "_read_timeout"):  # PyMySQL's: each read and write applies them anew
             dbapi_connection._read_timeout = dbapi_connection._write_timeout = None
 
+    def in_transaction(self, driver: Any) -> bool:
+        # SERVER_STATUS_IN_TRANS, from the last reply's status flags (PyMySQL and aiomysql keep them alike).
+        return bool(getattr(driver, "server_status", 0) & _SERVER_STATUS_IN_TRANS)
+
     def handshake_session(self, driver: Any) -> int | None:
         try:
             return int(driver.server_thread_id[0])  # PyMySQL's and aiomysql's alike
@@ -399,8 +507,10 @@ class MySQL(MariaDB):
     insert_returning = False
     overrides: ClassVar[dict[str, str | None]] = {
         **MariaDB.overrides,
-        # MySQL has no INSERT ... RETURNING: one semaphore goes the way of several.
+        # MySQL has no INSERT ... RETURNING: one semaphore goes the way of several, and its waiters wait without
+        # the line (which is written for MariaDB's compound statements).
         "ACQUIRE_ONE": None,
+        **_NO_LINE,
         # Written for MariaDB's collation and plan hints, and not tried on MySQL: a statement per step.
         "ACQUIRE_MANY": None,
         "HAND_OVER": None,
@@ -438,6 +548,8 @@ class MariaDBCluster(MariaDB):
     overrides: ClassVar[dict[str, str | None]] = {
         **MariaDB.overrides,
         "ACQUIRE_ONE": None,  # a grant goes the way of a grant over several semaphores, a statement at a time
+        # No line: its statements are batches, and a cluster's row locks are each node's own.
+        **_NO_LINE,
         "ACQUIRE_MANY": None,
         "HAND_OVER": None,
         "RELEASE": _RELEASE_UPDATE,
@@ -462,7 +574,13 @@ def is_multi_primary(variables: list[tuple[str, str]]) -> bool:
 class MariaDB105(MariaDB):
     """MariaDB 10.5, which has no JSON_TABLE: a grant over several semaphores a statement at a time."""
 
-    overrides: ClassVar[dict[str, str | None]] = {**MariaDB.overrides, "ACQUIRE_MANY": None, "HAND_OVER": None}
+    # No line either: SKIP LOCKED, which a grant outside the line needs, came in 10.6.
+    overrides: ClassVar[dict[str, str | None]] = {
+        **MariaDB.overrides,
+        "ACQUIRE_MANY": None,
+        "HAND_OVER": None,
+        **_NO_LINE,
+    }
 
 
 #: The first MariaDB with JSON_TABLE (ACQUIRE_MANY).
