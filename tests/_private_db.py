@@ -262,6 +262,8 @@ class PrivatePostgres(PrivateServer):
 class PrivateMariaDB(PrivateServer):
     user = "mysql"
     kind = "mariadb"
+    #: more of mariadbd's options, for a subclass's server (a binary log, say)
+    options: tuple[str, ...] = ()
 
     def _init(self) -> None:
         subprocess.run(
@@ -293,6 +295,7 @@ class PrivateMariaDB(PrivateServer):
             "--innodb-buffer-pool-size=64M",
             "--innodb-flush-log-at-trx-commit=1",  # the durable default, said out loud
             "--max-connections=200",
+            *self.options,
         ]
 
     @property
@@ -329,6 +332,11 @@ def _private(cls: type[PrivateServer]) -> Iterator[PrivateServer]:
 def private_postgresql() -> Iterator[PrivateServer]:
     """A PostgreSQL server of this module's own, which its tests may restart and kill."""
     yield from _private(PrivatePostgres)
+
+
+def private_server(cls: type[PrivateServer]) -> Iterator[PrivateServer]:
+    """A server of ``cls`` (a subclass with options of its own), for a fixture: ``yield from`` it."""
+    yield from _private(cls)
 
 
 @pytest.fixture(scope="module")

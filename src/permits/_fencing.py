@@ -30,7 +30,9 @@ class FenceStatements:
         return text(self._highest + lock)
 
     def create(self, dialect: str) -> TextClause:
-        collation = {"mysql": " COLLATE utf8mb4_bin", "postgresql": ' COLLATE "C"'}.get(dialect, "")
+        # SQLAlchemy names MySQL's dialect "mariadb" for a mariadb:// URL: the same server family.
+        binary = " COLLATE utf8mb4_bin"
+        collation = {"mysql": binary, "mariadb": binary, "postgresql": ' COLLATE "C"'}.get(dialect, "")
         return text(
             f"CREATE TABLE IF NOT EXISTS {self.table} ("
             f"resource VARCHAR(255){collation} NOT NULL PRIMARY KEY, token BIGINT NOT NULL)"

@@ -29,8 +29,10 @@ import pytest
 import permits
 from permits._core import flows
 from permits._pacing import IN_LINE_TRIES, LINE_BUSY_SECONDS
-from permits.dialects.mysql import MariaDB, MariaDB105, MariaDBCluster, MySQL, MySQLCluster
+from permits._sync import store as sync_store
+from permits.dialects.mysql import MariaDB, MariaDB105, MariaDBCluster, MariaDBStatementLog, MySQL, MySQLCluster
 from tests._children import run_take_turns, spawn
+from tests._private_db import PrivateMariaDB, PrivateServer, private_server
 from tests.conftest import mariadb_session, own_database
 
 pytestmark = [pytest.mark.usefixtures("servers"), pytest.mark.slow]
@@ -371,3 +373,117 @@ def test_a_connection_left_holding_the_line_is_dropped_not_parked(url: str, ns: 
         sent = _statements_of(client)
         client.release(client.acquire(name, ttl=30, timeout=5))
         assert sent[0] == "ACQUIRE_ONE_LINE_FREE", sent
+
+
+def _line_is_free(url: str, name: str) -> bool:
+    """Whether another session can take ``name``'s line at once."""
+    probe = _session(url)
+    try:
+        with probe.cursor() as cur:
+            cur.execute("BEGIN")
+            try:
+                cur.execute("SELECT id FROM permits_line WHERE id = MOD(CRC32(%s), 1023) FOR UPDATE NOWAIT", (name,))
+            except pymysql.err.OperationalError:
+                return False
+            return bool(cur.fetchall())
+    finally:
+        probe.close()
+
+
+def test_an_interruption_just_after_the_turn_came_leaves_the_line_free(url: str, ns: str) -> None:
+    """An error between LINE_WAIT's answer and the flow's next step (here the store's statement hook raises)
+    leaves the connection in the line's transaction: it is dropped, not parked holding the line. (It was
+    parked once, found by a review: the store knew of the open transaction only after that step.)"""
+    name = f"{ns}m"
+    with permits.connect(url, auto_upgrade=True) as client, permits.connect(url, owner="other") as other:
+        client.create_semaphore(name, 1)
+        held = other.acquire(name, ttl=30)  # no room: the acquire below goes into the line
+
+        def hook(statement: str) -> None:
+            if statement == "LINE_WAIT":
+                raise RuntimeError("interrupted just after the turn came")
+
+        client._store.after_statement = hook
+        with pytest.raises(RuntimeError, match="just after the turn"):
+            client.acquire(name, ttl=30, timeout=5)
+        client._store.after_statement = None
+        assert _line_is_free(url, name)
+        other.release(held)
+        client.release(client.acquire(name, ttl=30, timeout=5))
+
+
+def test_a_reply_cut_just_as_the_turn_came_starts_the_acquire_over(
+    url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reply deadline goes off just as LINE_WAIT's answer comes: the connection is dropped with the
+    line's transaction, so the flow cannot go on with it; the operation starts over and is granted, rather
+    than send its grant on the dead connection and fail for good."""
+    name = f"{ns}m"
+    with permits.connect(url, auto_upgrade=True) as client, permits.connect(url, owner="other") as other:
+        client.create_semaphore(name, 1)
+        held = other.acquire(name, ttl=30)
+        store = client._store
+        sending: list[str] = []
+        real_sql = store._driver_sql
+        monkeypatch.setattr(store, "_driver_sql", lambda stmt, *rest: sending.append(stmt) or real_sql(stmt, *rest))
+        real_unwatch = sync_store.sync_unwatch_reply
+        cut: list[str] = []
+
+        def unwatch(token: int) -> bool:
+            fired = real_unwatch(token)
+            if sending and sending[-1] == "LINE_WAIT" and not cut:
+                cut.append("LINE_WAIT")
+                return True
+            return fired
+
+        monkeypatch.setattr(sync_store, "sync_unwatch_reply", unwatch)
+        sent = _statements_of(client)
+        releaser = threading.Timer(0.5, lambda: other.release(held))
+        releaser.start()
+        try:
+            lease = client.acquire(name, ttl=30, timeout=10)
+        finally:
+            releaser.join()
+        assert cut == ["LINE_WAIT"] and "LINE_GRANT" not in sent[: sent.index("LINE_WAIT") + 1], sent
+        client.release(lease)
+        assert _line_is_free(url, name)
+        assert client.reconcile() == []
+
+
+class _StatementLogMariaDB(PrivateMariaDB):
+    options = ("--log-bin=binlog", "--binlog-format=STATEMENT", "--server-id=1")
+
+
+@pytest.fixture(scope="module")
+def statement_log_server() -> Iterator[PrivateServer]:
+    yield from private_server(_StatementLogMariaDB)
+
+
+def test_a_server_that_logs_statements_gets_no_line(
+    statement_log_server: PrivateServer, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a binary log of statements, InnoDB refuses writes under READ COMMITTED (error 1665), which the
+    line's grants are: the client finds out at open (log_bin, binlog_format), and its waiters wait without
+    the line. Given the line's statements all the same, a waiter's grant in the line fails so."""
+    url = statement_log_server.url
+    name = f"{ns}m"
+    with permits.connect(url, auto_upgrade=True) as client:
+        client.create_semaphore(name, 1)
+        assert type(client._store._dialect) is MariaDBStatementLog
+        held = client.acquire(name, ttl=30)
+        sent = _statements_of(client)
+        waiter = threading.Thread(target=lambda: client.release(client.acquire(name, ttl=30, timeout=5)))
+        waiter.start()
+        time.sleep(0.3)
+        client.release(held)
+        waiter.join(6)
+        assert not waiter.is_alive()
+        assert sent[0] == "ACQUIRE_ONE" and not any(s.startswith("LINE_") for s in sent), sent
+    monkeypatch.setattr("permits._sync.store.mysql_family_dialect", lambda *args, **kwargs: MariaDB())
+    with permits.connect(url) as client:
+        held = client.acquire(name, ttl=30)
+        try:
+            with pytest.raises(permits.StorageError, match="1665"):
+                client.acquire(name, ttl=30, timeout=3)
+        finally:
+            client.release(held)

@@ -461,7 +461,7 @@ def test_model_on_a_server_with_a_moving_clock(server: str, monkeypatch: pytest.
     if variant in MYSQL_FAMILY:
         chosen = MYSQL_FAMILY[variant]
         monkeypatch.setattr(
-            "permits._sync.store.mysql_family_dialect", lambda is_mariadb, multi_primary, version=None: chosen()
+            "permits._sync.store.mysql_family_dialect", lambda is_mariadb, multi_primary, version=None, **_: chosen()
         )
     with own_database(backend, "permits_clock") as url:
         if variant == "functions":

@@ -4,6 +4,7 @@ file), since it moves the schema under everything else."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import time
@@ -196,3 +197,53 @@ def test_opening_an_up_to_date_schema_does_not_import_alembic(fresh_url: str, ba
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+#: the columns 0001, 0003 and 0004 give the byte-exact collation (see migration 0010)
+EXACT_COLUMNS = importlib.import_module("permits.migrations.versions.0010_mariadb_lines").EXACT_COLUMNS
+_EXACT = [(table, column) for table, columns in EXACT_COLUMNS.items() for column in columns]
+
+
+def _collations(conn: Connection) -> dict[tuple[str, str], str]:
+    rows = conn.execute(
+        text(
+            "SELECT TABLE_NAME, COLUMN_NAME, COLLATION_NAME FROM information_schema.COLUMNS"
+            " WHERE TABLE_SCHEMA = DATABASE() AND COLLATION_NAME IS NOT NULL"
+        )
+    ).all()
+    return {(str(t), str(c)): str(k) for t, c, k in rows}
+
+
+@pytest.mark.parametrize("backend", ["mysql"])
+def test_a_mariadb_url_gets_names_compared_byte_for_byte(fresh_url: str) -> None:
+    """A mariadb:// URL is SQLAlchemy's MySQL dialect under the name "mariadb". permits drives it as mysql://,
+    so its schema gets the byte-exact collation (before, the migrations, looking for "mysql", left the
+    server's default one, and "lock" and "Lock" were one semaphore)."""
+    url = fresh_url.replace("mysql+pymysql://", "mariadb://")
+    with permits.connect(url, auto_upgrade=True) as client:
+        client.create_semaphore("lock", 1)
+        client.create_semaphore("Lock", 1)
+        client.create_semaphore("lock ", 1)
+        assert [s.name for s in client.list_semaphores("")] == ["Lock", "lock", "lock "]
+    engine = create_engine(make_url(fresh_url))
+    with engine.connect() as conn:
+        assert {_collations(conn)[where] for where in _EXACT} == {"utf8mb4_nopad_bin"}
+    engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["mysql"])
+def test_upgrading_a_schema_made_through_a_mariadb_url_makes_its_names_exact(fresh_url: str) -> None:
+    """A schema that an older permits made through a mariadb:// URL (here: migrated to 0009 under SQLAlchemy's
+    "mariadb" dialect, as it was) has its names in the default collation; 0010 gives them the exact one."""
+    _migrate(fresh_url.replace("mysql+pymysql://", "mariadb+pymysql://"), "0009")
+    engine = create_engine(make_url(fresh_url))
+    with engine.connect() as conn:
+        before = _collations(conn)
+    assert all(before[where] != "utf8mb4_nopad_bin" for where in _EXACT), before
+    with permits.connect(fresh_url.replace("mysql+pymysql://", "mariadb://"), auto_upgrade=True) as client:
+        client.create_semaphore("lock", 1)
+        client.create_semaphore("Lock", 1)
+    with engine.connect() as conn:
+        assert {_collations(conn)[where] for where in _EXACT} == {"utf8mb4_nopad_bin"}
+        assert conn.execute(text("SELECT COUNT(*) FROM permits_line")).scalar_one() == 1023
+    engine.dispose()

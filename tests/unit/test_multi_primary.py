@@ -13,9 +13,11 @@ from permits.dialects.mysql import (
     MariaDB,
     MariaDB105,
     MariaDBCluster,
+    MariaDBStatementLog,
     MySQL,
     MySQLCluster,
     is_multi_primary,
+    logs_statements,
     mysql_family_dialect,
 )
 
@@ -35,6 +37,24 @@ def test_multi_primary_is_told_from_the_server_variables(variables: list[tuple[s
     assert is_multi_primary(variables) is expected
 
 
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ([], False),
+        ([("log_bin", "OFF"), ("binlog_format", "STATEMENT")], False),  # the format of a log nobody writes
+        ([("log_bin", "ON"), ("binlog_format", "MIXED")], False),  # READ COMMITTED writes are logged as rows
+        ([("log_bin", "ON"), ("binlog_format", "ROW")], False),
+        ([("log_bin", "ON"), ("binlog_format", "STATEMENT")], True),
+        ([("LOG_BIN", "1"), ("BINLOG_FORMAT", "statement")], True),
+    ],
+)
+def test_a_binary_log_of_statements_is_told_from_the_server_variables(
+    variables: list[tuple[str, str]], expected: bool
+) -> None:
+    """There InnoDB refuses writes under READ COMMITTED (1665), as MariaDB's line makes them."""
+    assert logs_statements(variables) is expected
+
+
 def test_each_server_gets_its_dialect() -> None:
     assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False)) is MariaDB
     assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False, version=(10, 11, 19))) is MariaDB
@@ -46,6 +66,9 @@ def test_each_server_gets_its_dialect() -> None:
     assert not MySQL().has("ACQUIRE_MANY")
     assert type(mysql_family_dialect(is_mariadb=False, multi_primary=False)) is MySQL
     assert type(mysql_family_dialect(is_mariadb=True, multi_primary=True)) is MariaDBCluster
+    # A binary log of statements: no line (tests/concurrency/test_mariadb_line.py runs one).
+    assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False, statement_log=True)) is MariaDBStatementLog
+    assert MariaDBStatementLog().has("ACQUIRE_ONE") and not MariaDBStatementLog().has("LINE_WAIT")
     assert type(mysql_family_dialect(is_mariadb=False, multi_primary=True)) is MySQLCluster
 
 

@@ -59,7 +59,7 @@ from permits._models import (
 )
 from permits._pacing import LINE_BUSY_SECONDS, LINE_HEAD_WAIT_SECONDS, LINE_SEATS
 from permits.dialects.base import Dialect, Fault, SettingFix, dialect_for_url
-from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect
+from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, logs_statements, mysql_family_dialect
 from permits.dialects.pg_functions import (
     CREATED_MEANWHILE,
     DIRECT_FUNCTIONS,
@@ -358,7 +358,9 @@ class AsyncSQLStore:
             multi_primary = is_multi_primary(variables)
             engine_dialect = self._engine.dialect
             version = getattr(engine_dialect, "server_version_info", None)
-            self._use_dialect(mysql_family_dialect(getattr(engine_dialect, "is_mariadb", True), multi_primary, version))
+            is_mariadb = getattr(engine_dialect, "is_mariadb", True)
+            statement_log = logs_statements(variables)
+            self._use_dialect(mysql_family_dialect(is_mariadb, multi_primary, version, statement_log=statement_log))
         head = _schema.head()
         if revision != head:
             if _schema.newer_than_this_code(revision):
@@ -1491,30 +1493,31 @@ class AsyncSQLStore:
     async def _drive_alone(self, conn: Any, driver: Any, flow: Flow[T], stmt: Stmt, cuts: list[_CutSession]) -> T:
         """``conn``: a parked connection (``_Parked``); ``driver``: the driver's connection under it. A statement
         that leaves a transaction open (MariaDB's line) is followed by the flow's next one, on this connection.
-        Should the flow stop with that transaction still open (a refusal, an error, an interruption), the
-        connection is dropped, which ends the transaction on the server, rather than parked with it open."""
-        left_open = False
+        However the flow stops (a refusal, an error, an interruption), a connection still in a transaction is
+        dropped, which ends the transaction on the server, rather than parked with it open; one whose link
+        the reply deadline cut in between cannot go on with it, and the operation starts over."""
         try:
             while True:
                 try:
                     result = await self._send_alone(conn, driver, stmt, cuts)
                 except DBAPIError as exc:
-                    left_open = self._dialect.in_transaction(driver)
                     if self._dialect.classify(exc) is not Fault.DUPLICATE:
                         raise
                     flow.throw(DuplicateKey())
                     raise RuntimeError("a flow went on after a statement that runs alone") from None
-                left_open = self._dialect.in_transaction(driver)
+                left_open = async_live(conn) and self._dialect.in_transaction(driver)
                 try:
                     following = flow.send(result)
                 except StopIteration as stop:
                     value: T = stop.value
                     return value
-                if not (left_open and following.alone):
+                if not (following.alone and self._dialect.in_transaction(driver)):
                     raise RuntimeError("a flow went on after a statement that runs alone")
+                if not left_open:  # cut just as its reply came: the transaction went with the link
+                    raise Retry()
                 stmt = following
         finally:
-            if left_open and async_live(conn):
+            if async_live(conn) and self._dialect.in_transaction(driver):
                 await conn.invalidate()
 
     async def _send_alone(self, conn: Any, driver: Any, stmt: Stmt, cuts: list[_CutSession]) -> Result:

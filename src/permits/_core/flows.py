@@ -366,6 +366,10 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
     except DuplicateKey:
         raise Restart(lambda: _replay(req)) from None
     if not done.rows and outside_line:
+        if d.has("LINE_WAIT") and req.line_wait_ms is not None and req.line_wait_ms < 1000:
+            # MariaDB's line takes no wait under a second (_acquire_one_in_line): in it, this request would
+            # only ask outside it again, as it just did.
+            raise _refused(d, req, recheck)
         return ASK_IN_LINE
     if not done.rows:
         raise _refused(d, req, recheck)

@@ -522,7 +522,11 @@ class Dialect:
                 driver=named,
             )
         driver = self.async_driver if asynchronous else self.sync_driver
-        return url.set(drivername=f"{url.get_backend_name()}+{driver}")
+        # mariadb:// is MySQL's dialect in SQLAlchemy, under the name "mariadb": permits' schema and statements
+        # tell engines apart by that name (the byte-exact collation of names, the upgrade's lock), so a
+        # mariadb:// URL is driven as mysql://, which SQLAlchemy then finds to be MariaDB all the same.
+        backend = "mysql" if url.get_backend_name() == "mariadb" else url.get_backend_name()
+        return url.set(drivername=f"{backend}+{driver}")
 
     def engine_options(self, lock_wait_timeout: float, pooler: str | None = None) -> dict[str, Any]:
         """SQLAlchemy ``create_engine`` options; ``pooler``: see ``Settings.pooler`` (PostgreSQL only)."""

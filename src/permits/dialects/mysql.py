@@ -536,9 +536,11 @@ class MySQL(MariaDB):
 # (codership/mysql-wsrep#191). On these clusters every statement therefore goes as a request of its own,
 # inside a transaction the store begins and commits, so that each abort is seen before COMMIT.
 
-#: Which multi-primary replication a MariaDB or MySQL server runs, if any. -> Variable_name, Value
+#: Which multi-primary replication a MariaDB or MySQL server runs, if any, and how it logs its writes (see
+#: logs_statements). -> Variable_name, Value
 MULTI_PRIMARY_PROBE = """
-    SHOW GLOBAL VARIABLES WHERE Variable_name IN ('wsrep_on', 'group_replication_group_name')"""
+    SHOW GLOBAL VARIABLES
+    WHERE Variable_name IN ('wsrep_on', 'group_replication_group_name', 'log_bin', 'binlog_format')"""
 
 
 class MariaDBCluster(MariaDB):
@@ -563,6 +565,14 @@ class MySQLCluster(MySQL):
     overrides: ClassVar[dict[str, str | None]] = {**MySQL.overrides, "RELEASE": _RELEASE_UPDATE, "HAND_OVER": None}
 
 
+def logs_statements(variables: list[tuple[str, str]]) -> bool:
+    """``variables``: the answer to MULTI_PRIMARY_PROBE. The server writes a binary log of statements, where
+    InnoDB refuses a write under READ COMMITTED (error 1665), as MariaDB's line writes (MIXED switches such
+    writes to rows, and ROW logs rows)."""
+    found = {str(name).lower(): str(value).upper() for name, value in variables}
+    return found.get("log_bin", "OFF") in ("ON", "1") and found.get("binlog_format", "") == "STATEMENT"
+
+
 def is_multi_primary(variables: list[tuple[str, str]]) -> bool:
     """``variables``: the answer to MULTI_PRIMARY_PROBE. Galera with wsrep on, or any server that has the
     Group Replication plugin loaded (its single-primary mode is not told apart: the cost is a few round
@@ -583,15 +593,27 @@ class MariaDB105(MariaDB):
     }
 
 
+class MariaDBStatementLog(MariaDB):
+    """A MariaDB server that writes its binary log as statements (``binlog_format = STATEMENT``): InnoDB
+    refuses writes under READ COMMITTED there, and the line's grants are such writes, so its waiters wait
+    without the line."""
+
+    overrides: ClassVar[dict[str, str | None]] = {**MariaDB.overrides, **_NO_LINE}
+
+
 #: The first MariaDB with JSON_TABLE (ACQUIRE_MANY).
 JSON_TABLE_SINCE = (10, 6)
 
 
-def mysql_family_dialect(is_mariadb: bool, multi_primary: bool, version: tuple[int, ...] | None = None) -> MariaDB:
+def mysql_family_dialect(
+    is_mariadb: bool, multi_primary: bool, version: tuple[int, ...] | None = None, statement_log: bool = False
+) -> MariaDB:
     """The dialect for a server the ``mysql://`` URL turned out to reach (``version``: the server's, as
-    SQLAlchemy read it; None where unknown, taken as recent)."""
+    SQLAlchemy read it; None where unknown, taken as recent; ``statement_log``: see ``logs_statements``)."""
     if multi_primary:
         return MariaDBCluster() if is_mariadb else MySQLCluster()
     if not is_mariadb:
         return MySQL()
-    return MariaDB105() if version is not None and tuple(version[:2]) < JSON_TABLE_SINCE else MariaDB()
+    if version is not None and tuple(version[:2]) < JSON_TABLE_SINCE:
+        return MariaDB105()
+    return MariaDBStatementLog() if statement_log else MariaDB()
