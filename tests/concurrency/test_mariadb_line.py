@@ -487,3 +487,33 @@ def test_a_server_that_logs_statements_gets_no_line(
                 client.acquire(name, ttl=30, timeout=3)
         finally:
             client.release(held)
+
+
+def test_tasks_of_one_asyncio_client_take_turns_through_the_line(url: str, ns: str) -> None:
+    """Twelve tasks of one asyncio client cycle on a semaphore of capacity 2: at most LINE_SEATS of them wait
+    in the line at once, each on a connection of its own for its two requests, the others ask outside it;
+    every task gets turns, nothing is left held or open, and the counts agree."""
+    name = f"{ns}m"
+
+    async def main() -> tuple[list[int], list[str]]:
+        async with permits.connect_async(url, auto_upgrade=True) as client:
+            await client.create_semaphore(name, 2)
+            sent = _statements_of(client)
+            turns = [0] * 12
+            stop = time.monotonic() + 3
+
+            async def cycle(i: int) -> None:
+                while time.monotonic() < stop:
+                    lease = await client.acquire(name, ttl=30, timeout=10)
+                    await asyncio.sleep(0.002)
+                    await client.release(lease)
+                    turns[i] += 1
+
+            await asyncio.gather(*(cycle(i) for i in range(12)))
+            assert (await client.get_semaphore(name)).used == 0
+            assert await client.reconcile() == []
+            return turns, sent
+
+    turns, sent = asyncio.run(main())
+    assert min(turns) > 0, turns
+    assert "LINE_WAIT" in sent and "LINE_GRANT" in sent, sorted(set(sent))
