@@ -280,8 +280,12 @@ def test_a_plain_http_waiter_whose_request_fails_gives_its_place_up_at_once(clie
 def test_a_waiter_interrupted_by_ctrl_c_gives_its_place_up_at_once(client_url: str, ns: str) -> None:
     """The sync client's twin of the test above: a process whose waiting acquire gets SIGINT."""
     name = f"{ns}fair"
+    # Ctrl-C reaches a foreground process, where Python turns SIGINT into KeyboardInterrupt. A process that
+    # a shell without job control started in the background (``(./scripts/test &)``) inherits SIGINT
+    # ignored, and Python then leaves it ignored: the child takes Python's own handler back first.
     code = (
-        "import sys, permits\n"
+        "import signal, sys, permits\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "with permits.connect(sys.argv[1], owner=sys.argv[3]) as client:\n"
         "    client.acquire(sys.argv[2], ttl=30, timeout=20)\n"
     )
