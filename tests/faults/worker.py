@@ -14,6 +14,11 @@ Each round holds the lease for a random time between ``hold_min`` (0 unless give
 ``stop_self_at``: on that round, after its first write, the worker SIGSTOPs itself while it holds the
 lease (the harness SIGCONTs it later), then writes once more and releases, as a holder that was paused
 (a GC pause, a stopped VM) and does not know it.
+
+``PERMITS_WORKER_TRACE=<dir>`` (in the environment): the worker traces its Python allocations
+(tracemalloc) and, when it stops, writes to ``<dir>/<proc>.trace`` what grew between its first
+``TRACE_BASE_SECONDS`` and its end, largest first, by the five innermost frames that made it: what a
+library worker's memory grows by in a soak (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import random
 import signal
 import sys
 import time
+import tracemalloc
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -71,6 +77,47 @@ def _seconds(a: str | datetime, b: str | datetime) -> float:
     return (parse(b) - parse(a)).total_seconds()
 
 
+#: When a traced worker takes the snapshot that its end is compared with: after the imports and the first
+#: rounds, so that what grows later is what the run makes.
+TRACE_BASE_SECONDS = 30.0
+
+
+class _AllocationTrace:
+    """``PERMITS_WORKER_TRACE``: the growth of the worker's Python allocations from its base to its end."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.started = time.monotonic()
+        self.base: tracemalloc.Snapshot | None = None
+        tracemalloc.start(5)
+
+    def tick(self) -> None:
+        if self.base is None and time.monotonic() - self.started >= TRACE_BASE_SECONDS:
+            self.base = self._snapshot()
+            tracemalloc.reset_peak()
+
+    def write(self) -> None:
+        if self.base is None:
+            return
+        # The peak since the base: what the worker held at its busiest moment, which the allocator may keep
+        # (as RSS) after the objects are gone.
+        peak = tracemalloc.get_traced_memory()[1] // 1024
+        end = self._snapshot()
+        lines = [f"traced at the base {_kib(self.base)} KiB, at the end {_kib(end)} KiB, at the peak {peak} KiB"]
+        for stat in end.compare_to(self.base, "traceback")[:15]:
+            lines.append(f"{stat.size_diff / 1024:+.1f} KiB, {stat.count_diff:+d} blocks")
+            lines.extend(f"    {line}" for line in stat.traceback.format())
+        self.out.write_text("\n".join(lines) + "\n")
+
+    @staticmethod
+    def _snapshot() -> tracemalloc.Snapshot:
+        return tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+
+
+def _kib(snapshot: tracemalloc.Snapshot) -> int:
+    return sum(stat.size for stat in snapshot.statistics("filename")) // 1024
+
+
 class Worker:
     def __init__(self, args: dict[str, Any]) -> None:
         self.args = args
@@ -86,11 +133,15 @@ class Worker:
         self.engine = create_engine(sync_url(args["register_url"]), pool_pre_ping=True)
         self.guard = FencingGuard()
         self.writes = 0
+        traced = os.environ.get("PERMITS_WORKER_TRACE")
+        self.trace = _AllocationTrace(Path(traced) / f"{args['proc']}.trace") if traced else None
 
     def run(self) -> None:
         round_ = 0
         while not self.stop_file.exists():
             round_ += 1
+            if self.trace is not None:
+                self.trace.tick()
             key = f"{self.owner}-{round_}"
             lease = self.acquire(key)
             if lease is None:
@@ -103,6 +154,8 @@ class Worker:
                 self.write(key, lease.token)
             time.sleep(self.rng.uniform(self.args.get("hold_min", 0.0), self.args["hold"]))
             self.release(key)
+        if self.trace is not None:
+            self.trace.write()
         self.client.close()
         self.engine.dispose()
         self.rec.close()
