@@ -10,7 +10,7 @@ with permits.connect() as client:                 # sqlite:///permits.db, or $PE
 
 from __future__ import annotations
 
-from sqlalchemy.engine import URL
+from typing import TYPE_CHECKING
 
 from permits._async.client import AsyncClient, AsyncHeld
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, DEFAULT_URL
@@ -60,6 +60,9 @@ from permits._models import (
     shared,
 )
 from permits._sync.client import Client, Held
+
+if TYPE_CHECKING:  # not imported otherwise: a client of a service needs no SQLAlchemy
+    from sqlalchemy.engine import URL
 
 __version__ = "0.1.0"
 

@@ -6,13 +6,15 @@ import getpass
 import os
 import socket
 from dataclasses import dataclass
-from typing import Literal
-
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
+from typing import TYPE_CHECKING, Literal
 
 from permits import _validate
 from permits._exceptions import ConfigurationError, InvalidArgument
+
+if TYPE_CHECKING:
+    # Imported where a database URL is parsed, not here: a client of a service never needs SQLAlchemy,
+    # and importing it is most of the start-up of a `permits run` through a service.
+    from sqlalchemy.engine import URL
 
 #: The embedded default: a SQLite file in the working directory.
 DEFAULT_URL = "sqlite:///permits.db"
@@ -28,6 +30,8 @@ DEFAULT_RETRIES = 5
 REPLY_GRACE_SECONDS = 10.0
 
 _SCHEME_ALIASES = {"postgres": "postgresql", "pg": "postgresql"}
+#: The schemes of a permits service's URL: served by the HTTP stores, parsed as a ``ServiceURL``.
+SERVICE_SCHEMES = ("http", "https")
 #: What the ``pooler`` parameter of a PostgreSQL URL may say: which kind of connection pooler (PgBouncer,
 #: pgcat, Supavisor, RDS Proxy...) stands between permits and the server (docs/deployment.md, "Poolers").
 Pooler = Literal["session", "transaction"]
@@ -47,18 +51,34 @@ def default_owner() -> str:
     return f"{user}@{socket.gethostname()}"[: _validate.MAX_OWNER_LENGTH]
 
 
-def parse_url(url: str | URL | None) -> URL:
-    """The URL to use: the argument, else ``$PERMITS_DATABASE_URL``, else the embedded default."""
+def parse_url(url: str | URL | ServiceURL | None) -> URL | ServiceURL:
+    """The URL to use: the argument, else ``$PERMITS_DATABASE_URL``, else the embedded default. A service's
+    URL becomes a ``ServiceURL``, any other a SQLAlchemy ``URL``."""
     if url is None:
         url = os.environ.get("PERMITS_DATABASE_URL") or DEFAULT_URL
-    if isinstance(url, URL):
+    if isinstance(url, ServiceURL):
         return url
-    if not isinstance(url, str) or not url.strip():
+    if not isinstance(url, str):
+        from sqlalchemy.engine import URL
+
+        if not isinstance(url, URL):
+            raise ConfigurationError("a database URL must be a non-empty string", field="url")
+        if url.drivername.lower() in SERVICE_SCHEMES:  # a URL object made for a service: parse it as one
+            return ServiceURL.parse(url.render_as_string(hide_password=False))
+        return url
+    if not url.strip():
         raise ConfigurationError("a database URL must be a non-empty string", field="url")
     scheme, sep, rest = url.partition("://")
     base, plus, driver = scheme.partition("+")
+    if sep and base.lower() in SERVICE_SCHEMES:
+        if plus:
+            raise ConfigurationError(f"a service's URL takes no driver: {base}://, not {scheme}://", field="url")
+        return ServiceURL.parse(url)
     if sep and base in _SCHEME_ALIASES:
         url = f"{_SCHEME_ALIASES[base]}{plus}{driver}{sep}{rest}"
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):  # ValueError: a port that is not a number, several hosts
@@ -70,7 +90,7 @@ def parse_url(url: str | URL | None) -> URL:
         ) from None
     if parsed.host is not None and "@" in parsed.host:
         # user:p@ss@host reads as the password "p" at the host "ss@host": the rest of the password would be
-        # shown wherever the URL is, as part of the host.
+        # shown wherever the URL is, as part of the host. (httpx reads a service's URL up to the last '@'.)
         raise ConfigurationError(
             "the database URL has an '@' before its host: percent-encode an '@' in a user name or password as %40",
             field="url",
@@ -78,13 +98,61 @@ def parse_url(url: str | URL | None) -> URL:
     return parsed
 
 
+@dataclass(frozen=True, slots=True)
+class ServiceURL:
+    """The URL of a permits service (``http://`` or ``https://``), parsed by httpx, which sends to it.
+
+    Not a SQLAlchemy ``URL``, so that a client of a service runs without importing SQLAlchemy. It answers
+    the two questions asked of any store's URL the way SQLAlchemy's does: ``get_backend_name()`` (the
+    scheme, which picks the store) and ``render_as_string()``."""
+
+    #: the URL as httpx renders it, password included
+    text: str
+
+    @classmethod
+    def parse(cls, url: str) -> ServiceURL:
+        import httpx
+
+        try:
+            parsed = httpx.URL(url)
+        except (httpx.InvalidURL, ValueError, TypeError):
+            raise ConfigurationError(
+                "cannot parse the service's URL (expected e.g. http://127.0.0.1:8080 or https://permits.example)",
+                field="url",
+            ) from None
+        if not parsed.host:
+            raise ConfigurationError("a service's URL needs a host, as in http://127.0.0.1:8080", field="url")
+        if parsed.port is not None and not 0 < parsed.port < 65536:
+            raise ConfigurationError(f"a service's port must be from 1 to 65535, not {parsed.port}", field="url")
+        return cls(str(parsed))
+
+    def get_backend_name(self) -> str:
+        return self.text.partition("://")[0]
+
+    def render_as_string(self, hide_password: bool = True) -> str:
+        if not hide_password:
+            return self.text
+        import httpx
+
+        url = httpx.URL(self.text)
+        if url.password:
+            url = url.copy_with(username=url.username, password="***")  # httpx drops what is not given
+        secret = [name for name in url.params if name.lower() in SECRET_PARAMETERS]
+        if secret:
+            url = url.copy_with(params=url.params.merge({name: "***" for name in secret}))
+        # httpx percent-encodes the mask in the query; shown as a password in its place is.
+        return str(url).replace("=%2A%2A%2A", "=***")
+
+
 #: Query parameters that carry a secret (libpq's and the MySQL drivers' spellings): masked like the password.
 SECRET_PARAMETERS = ("password", "sslpassword", "passwd")
 
 
-def redact(url: URL) -> str:
+def redact(url: URL | ServiceURL) -> str:
     """The URL as it may appear in a message or a log: without its password, in its place or as a query
     parameter."""
+    if isinstance(url, ServiceURL):
+        return url.render_as_string(hide_password=True)
     # Case-blind: a driver may refuse PASSWORD=, but the message that says so must not show it.
     hidden = {name: "HIDDEN" for name in url.query if name.lower() in SECRET_PARAMETERS}
     shown = (url.update_query_dict(hidden) if hidden else url).render_as_string(hide_password=True)
@@ -94,7 +162,8 @@ def redact(url: URL) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    url: URL
+    #: a database's URL, or a service's (``ServiceURL``)
+    url: URL | ServiceURL
     owner: str
     #: the TTL of a lease acquired without one
     ttl_ms: int
@@ -129,12 +198,21 @@ class Settings:
     def shown_url(self) -> str:
         """The URL for messages and logs: with ``pooler`` back (as SQLAlchemy renders a URL: parameters
         in name order), without the password."""
-        return redact(self.url if self.pooler is None else self.url.update_query_dict({"pooler": self.pooler}))
+        if self.pooler is None or isinstance(self.url, ServiceURL):
+            return redact(self.url)
+        return redact(self.url.update_query_dict({"pooler": self.pooler}))
+
+    @property
+    def database_url(self) -> URL:
+        """The URL, for a store that talks to the database itself (not to a service)."""
+        if isinstance(self.url, ServiceURL):
+            raise ConfigurationError(f"{self.shown_url} is a service's URL, not a database's", field="url")
+        return self.url
 
     @classmethod
     def build(
         cls,
-        url: str | URL | None,
+        url: str | URL | ServiceURL | None,
         *,
         owner: str | None,
         ttl: float | None,
@@ -146,19 +224,11 @@ class Settings:
         reply_timeout: float | None = None,
         max_ttl: float | None = None,
     ) -> Settings:
-        parsed, pooler = _take_pooler(parse_url(url))
-        if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
-            # Each connection of the pool would have a database of its own, and the client's threads (its
-            # listener, a watchdog, the caller's) would each see other permits, or no tables at all.
-            raise ConfigurationError(
-                "an in-memory SQLite database is private to one connection, and permits uses several: give a"
-                " file (sqlite:///permits.db; a temporary one for tests)",
-                field="url",
-            )
-        charset = parsed.query.get("charset")
-        if parsed.get_backend_name() in ("mysql", "mariadb") and charset not in (None, "utf8mb4"):
-            # Names, keys, owners and reasons are Unicode: another character set cannot hold them all.
-            raise ConfigurationError(f"permits needs charset=utf8mb4 on MariaDB/MySQL, not {charset}", field="url")
+        parsed = parse_url(url)
+        pooler: Pooler | None = None
+        if not isinstance(parsed, ServiceURL):
+            parsed, pooler = _take_pooler(parsed)
+            _check_database_url(parsed)
         wait = _validate.timeout(lock_wait_timeout, "lock_wait_timeout")
         if wait is None or wait <= 0:
             raise InvalidArgument("lock_wait_timeout must be a positive number of seconds", field="lock_wait_timeout")
@@ -183,6 +253,21 @@ class Settings:
             chosen_reply_timeout=replies,
             max_ttl_ms=None if max_ttl is None else _validate.ttl_ms(max_ttl),
         )
+
+
+def _check_database_url(url: URL) -> None:
+    if url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:"):
+        # Each connection of the pool would have a database of its own, and the client's threads (its
+        # listener, a watchdog, the caller's) would each see other permits, or no tables at all.
+        raise ConfigurationError(
+            "an in-memory SQLite database is private to one connection, and permits uses several: give a"
+            " file (sqlite:///permits.db; a temporary one for tests)",
+            field="url",
+        )
+    charset = url.query.get("charset")
+    if url.get_backend_name() in ("mysql", "mariadb") and charset not in (None, "utf8mb4"):
+        # Names, keys, owners and reasons are Unicode: another character set cannot hold them all.
+        raise ConfigurationError(f"permits needs charset=utf8mb4 on MariaDB/MySQL, not {charset}", field="url")
 
 
 def _take_pooler(url: URL) -> tuple[URL, Pooler | None]:

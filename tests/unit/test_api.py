@@ -19,7 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_all_is_sorted_and_complete() -> None:
-    public = {name for name in dir(permits) if not name.startswith("_") and name not in ("annotations", "URL")}
+    public = {
+        name
+        for name in dir(permits)
+        if not name.startswith("_") and name not in ("annotations", "TYPE_CHECKING", "URL")
+    }
     modules = {name for name in public if inspect.ismodule(getattr(permits, name))}
     assert set(permits.__all__) == (public - modules) | {"__version__"}
     assert permits.__all__ == sorted(permits.__all__, key=lambda n: (n.startswith("_"), n.islower(), n))
@@ -137,6 +141,9 @@ asyncio.run(main())
         pytest.param("mysql://u:s3cret@127.0.0.1:abc/test", id="mysql-port-not-a-number"),
         pytest.param("postgresql://u:s3cret@127.0.0.1:1,127.0.0.1:2/test", id="several-hosts"),
         pytest.param("https://u:s3cret@127.0.0.1:abc", id="service-port-not-a-number"),
+        pytest.param("https://u:s3cret@127.0.0.1:70000", id="service-port-out-of-range"),
+        pytest.param("http://", id="service-without-a-host"),
+        pytest.param("http+httpx://u:s3cret@127.0.0.1:8080", id="service-with-a-driver"),
         pytest.param("sqlite://host/x.db", id="sqlite-with-a-host"),
         pytest.param("postgresql://u:s3@cret@127.0.0.1:1/test", id="unencoded-at-in-password"),
     ],

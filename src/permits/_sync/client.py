@@ -9,9 +9,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
-
-from sqlalchemy.engine import URL
+from typing import TYPE_CHECKING, Any
 
 from permits import _validate
 from permits._sync.watchdog import Watchdog
@@ -34,6 +32,9 @@ from permits._pacing import CALLED_MAX_SLEEP, WaitPacer
 from permits._validate import Seconds, WantsLike
 from permits.stores import sync_store_for
 from permits.stores.base import Store
+
+if TYPE_CHECKING:  # not imported otherwise: a client of a service needs no SQLAlchemy
+    from sqlalchemy.engine import URL
 
 #: With no timeout, how long one attempt may wait for room in a store that can wait (the service).
 LONG_POLL_SECONDS = 30.0

@@ -197,7 +197,7 @@ class SQLStore:
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._dialect = dialect_for_url(settings.url)
+        self._dialect = dialect_for_url(settings.database_url)
         url, options = engine_args(self._dialect, settings, asynchronous=IS_ASYNC)
         try:
             self._engine = create_engine(url, **options)
@@ -205,7 +205,7 @@ class SQLStore:
         except (TypeError, ValueError, ArgumentError) as exc:
             what = "the form of the URL" if isinstance(exc, ArgumentError) else "a parameter of the URL"
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            password = str(settings.url.password or "")
+            password = str(settings.database_url.password or "")
             for shown in {password, quote(password, safe="")}:  # a driver's message may quote the URL it was given
                 if len(shown) >= 4:  # a shorter one would match all over the message, and tell little
                     first_line = first_line.replace(shown, "***")
@@ -271,7 +271,7 @@ class SQLStore:
         if self._dialect.name == "postgresql" and settings.pooler != "transaction":
             from permits._sync.listener import RoomListener  # psycopg: the postgresql extra
 
-            conninfo = settings.url.set(drivername="postgresql").render_as_string(hide_password=False)
+            conninfo = settings.database_url.set(drivername="postgresql").render_as_string(hide_password=False)
             self._listener = RoomListener(conninfo, mark_sql=self._driver_sql("LISTENED_MARK")[0])
         #: connections kept out of the pool between statements that run alone (``_Parked``), and their guard,
         #: shared by the sync store's threads

@@ -41,7 +41,7 @@ def engine_args(dialect: Dialect, settings: Settings, asynchronous: bool) -> tup
         options["connect_args"] = {**options.get("connect_args", {}), **bounded}
     if settings.pool_size is not None:
         options["pool_size"] = options["max_overflow"] = settings.pool_size
-    return dialect.engine_url(settings.url, asynchronous), options
+    return dialect.engine_url(settings.database_url, asynchronous), options
 
 
 def install_events(
