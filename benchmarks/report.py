@@ -381,10 +381,14 @@ def _targets_section(plan: Plan, results: dict[Key, RunResult]) -> list[str]:
                     rivals.append((r.cycles_per_s, peer))
             if rivals:
                 best, name = max(rivals)
+                # The lease floor beside it: whether any design that records a keyed, expiring lease row on
+                # this backend was ahead of that peer in this run.
+                leased = get("lease-floor", backend, "hot", clients)
+                beside = f"; lease floor {leased.cycles_per_s:.0f}" if leased else ""
                 rows.append(
                     (
                         f"{backend} hot {clients} clients: ahead of every durable peer",
-                        f"{mine.cycles_per_s:.0f} vs {best:.0f} ({name})",
+                        f"{mine.cycles_per_s:.0f} vs {best:.0f} ({name}){beside}",
                         mine.cycles_per_s > best,
                     )
                 )

@@ -64,6 +64,10 @@ def test_quick_benchmark_runs_every_system() -> None:
                 assert clients > 0 and store >= 0, row
         if PEERS[peer].backend is None:  # a peer on its own store: its table has the CPU column
             assert any("CPU ms/cycle clients / store" in r for r in mine), f"{peer}: no CPU figures"
+    # Each "ahead of every durable peer" target names the run's lease floor beside the best peer: whether a
+    # design that writes a keyed, expiring lease row was ahead of that peer at all.
+    ahead = [r for r in rows if r.get("target", "").endswith("ahead of every durable peer")]
+    assert ahead and all("; lease floor " in r["measured"] for r in ahead), ahead
 
 
 def _table_rows(report: str) -> list[dict[str, str]]:
