@@ -129,6 +129,11 @@ class ServiceURL:
     def get_backend_name(self) -> str:
         return self.text.partition("://")[0]
 
+    def has_parameter(self, name: str) -> bool:
+        import httpx
+
+        return name in httpx.URL(self.text).params
+
     def render_as_string(self, hide_password: bool = True) -> str:
         if not hide_password:
             return self.text
@@ -226,7 +231,10 @@ class Settings:
     ) -> Settings:
         parsed = parse_url(url)
         pooler: Pooler | None = None
-        if not isinstance(parsed, ServiceURL):
+        if isinstance(parsed, ServiceURL):
+            if parsed.has_parameter("pooler"):
+                raise _pooler_misplaced(parsed.get_backend_name())
+        else:
             parsed, pooler = _take_pooler(parsed)
             _check_database_url(parsed)
         wait = _validate.timeout(lock_wait_timeout, "lock_wait_timeout")
@@ -270,15 +278,19 @@ def _check_database_url(url: URL) -> None:
         raise ConfigurationError(f"permits needs charset=utf8mb4 on MariaDB/MySQL, not {charset}", field="url")
 
 
+def _pooler_misplaced(backend: str) -> ConfigurationError:
+    return ConfigurationError(
+        "the URL parameter pooler= applies to PostgreSQL URLs only", field="pooler", backend=backend
+    )
+
+
 def _take_pooler(url: URL) -> tuple[URL, Pooler | None]:
     """The URL without permits' own ``pooler`` parameter, which the driver would refuse, and its value."""
     value = url.query.get("pooler")
     if value is None:
         return url, None
     if url.get_backend_name() != "postgresql":
-        raise ConfigurationError(
-            "the URL parameter pooler= applies to PostgreSQL URLs only", field="pooler", backend=url.get_backend_name()
-        )
+        raise _pooler_misplaced(url.get_backend_name())
     if value == "statement":
         raise ConfigurationError(
             "pooler=statement cannot work: a statement pooler refuses transactions of several statements,"
