@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import sqlite3
-import ssl
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 from sqlalchemy import create_engine, event, make_url, text
 
 import permits
 from permits.stores._engine import sync_engine
 from tests._proxy import CuttingProxy
+from tests._tls import TLSFront
 from tests.conftest import AsyncFacade, in_thread, sqlalchemy_url
 
 pytestmark = pytest.mark.usefixtures("servers")
@@ -238,56 +237,6 @@ def _shut(client: Any) -> None:
         client.close()
 
 
-class _TLSFront:
-    """TLS in front of a service, as a load balancer terminates it (``permits serve`` speaks plain HTTP):
-    a self-signed certificate for 127.0.0.1, made with openssl, and a thread per connection each way."""
-
-    def __init__(self, tmp: Path, upstream: tuple[str, int]) -> None:
-        self.cert, key = tmp / "cert.pem", tmp / "key.pem"
-        request = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext"]
-        subprocess.run(
-            ["openssl", *request, "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(self.cert)],
-            check=True,
-            capture_output=True,
-        )
-        self._tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        self._tls.load_cert_chain(self.cert, key)
-        self._upstream = upstream
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                raw, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            threading.Thread(target=self._serve, args=(raw,), daemon=True).start()
-
-    def _serve(self, raw: socket.socket) -> None:
-        try:
-            front = self._tls.wrap_socket(raw, server_side=True)
-        except (OSError, ssl.SSLError):
-            raw.close()
-            return
-        back = socket.create_connection(self._upstream)
-        threading.Thread(target=_pump, args=(back, front), daemon=True).start()
-        _pump(front, back)
-
-    def close(self) -> None:
-        self._listener.close()
-
-
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        while data := src.recv(65536):
-            dst.sendall(data)
-    for sock in (src, dst):
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-
-
 @pytest.mark.parametrize("via", ["service"])
 @pytest.mark.parametrize("backend", ["sqlite"])  # the client's TLS is the point, not the database
 def test_a_long_poll_over_tls_ends_at_close(
@@ -297,8 +246,10 @@ def test_a_long_poll_over_tls_ends_at_close(
     reading through it still holds (shutting the TLS socket itself down would drop that state under it)."""
     service = make_url(client_url)
     assert service.host is not None and service.port is not None
-    front = _TLSFront(tmp_path, (service.host, service.port))
-    monkeypatch.setenv("SSL_CERT_FILE", str(front.cert))  # read as the client is made: trusts the front
+    ca = trustme.CA()
+    front = TLSFront((service.host, service.port), ca.issue_cert("127.0.0.1"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "ca.pem"))  # read as the client is made: trusts the front
     url = f"https://127.0.0.1:{front.port}"
     name = f"{ns}s"
     holder = _open(flavour, url, f"{ns}holder")

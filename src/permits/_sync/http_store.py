@@ -31,6 +31,7 @@ from permits._backoff import RETRY_BACKOFF
 from permits._config import DEFAULT_TTL, Settings
 from permits._exceptions import (
     AcquireTimeout,
+    ConfigurationError,
     InvalidArgument,
     LimitExceeded,
     PermitsError,
@@ -81,6 +82,16 @@ def path_part(value: str) -> str:
     """A name or key as one path segment: every reserved character percent-encoded, dots too, so that no
     client or proxy folds ``.`` or ``..`` segments."""
     return quote(value, safe="").replace(".", "%2E")
+
+
+def _certificate_refused(exc: BaseException) -> ssl.SSLCertVerificationError | None:
+    """The TLS verification failure behind a transport error (httpx wraps httpcore's, which wraps ssl's)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class _Requests:
@@ -513,6 +524,17 @@ class HTTPStore:
             try:
                 response = requests.send(method, path, timeout=timeout, **kwargs)
             except httpx.TransportError as exc:
+                refused = _certificate_refused(exc)
+                if refused is not None:
+                    # Not retried: an untrusted certificate or another host's stays so, and a caller that
+                    # retries a StorageUnavailable would wait on a misconfiguration for ever.
+                    raise ConfigurationError(
+                        f"the permits service at {self.url} presented a TLS certificate this client does not"
+                        f" trust ({refused.verify_message or refused.reason}); if a private CA signed it, point"
+                        " SSL_CERT_FILE (or SSL_CERT_DIR) at that CA's certificate",
+                        field="url",
+                        url=self.url,
+                    ) from exc
                 if requests is self._long_polls and self._closed:
                     raise UsageError(
                         "this client was closed while it waited for room: the service stops waiting for it (a lease"
