@@ -203,6 +203,20 @@ def test_a_failed_admin_action_leaves_no_log_entry(service: Service, ns: str) ->
         assert [e["action"] for e in admin.get("/v1/admin-log", params={"name": name}).json()["entries"]] == ["create"]
 
 
+def test_a_create_that_found_the_semaphore_there_is_not_recorded(service: Service, ns: str) -> None:
+    """``exist_ok`` answers with the semaphore that was there: it created nothing, so the log says nothing
+    was; a create refused as a conflict (another capacity) leaves no entry either."""
+    name = f"{ns}again"
+    with _http(service) as admin:
+        for _ in range(3):
+            made = admin.post("/v1/semaphores", json={"name": name, "capacity": 2, "exist_ok": True})
+            assert made.status_code == 201, made.text
+        clash = admin.post("/v1/semaphores", json={"name": name, "capacity": 3, "exist_ok": True})
+        assert clash.status_code == 409 and clash.json()["error"]["code"] == "semaphore_exists"
+        entries = admin.get("/v1/admin-log", params={"name": name}).json()["entries"]
+        assert [(e["action"], e["detail"]) for e in entries] == [("create", "capacity 2")]
+
+
 def test_revoking_a_lease_that_had_ended_is_not_recorded_as_a_revoke(service: Service, ns: str) -> None:
     """It is answered with the lease unchanged: nothing was done, so the log says nothing was."""
     name = f"{ns}ended"

@@ -206,14 +206,20 @@ def log_admin(
     )
 
 
-def audited(action: Flow[Any], entry: Stmt | Callable[[Any], Stmt | None]) -> Flow[Any]:
+def audited(
+    action: Flow[Any], entry: Stmt | Callable[[Any], Stmt | None], restart_does_nothing: bool = False
+) -> Flow[Any]:
     """Run an admin action's flow, then write its log entry (or the entry made from the action's answer;
     none when that says nothing was done) in the same transaction: the action and its record commit
     together or not at all. An action that goes on in another transaction (``Restart``, ``Then``) takes its
-    record along, to the transaction that finishes it."""
+    record along, to the transaction that finishes it; unless ``restart_does_nothing`` says that its
+    ``Restart`` only goes to find that there is nothing to do (a create of a semaphore that is there
+    already), and then it is not recorded: the log holds what was done."""
     try:
         done = yield from action
     except Restart as restart:
+        if restart_does_nothing:
+            raise
         goes_on = restart.flow
         raise Restart(lambda: audited(goes_on(), entry), restart.readonly) from None
     if isinstance(done, Then):

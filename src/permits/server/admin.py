@@ -41,7 +41,10 @@ async def create_semaphore(
         raise InvalidArgument("fair must be true or false", field="fair")
     entry = observe.log_admin(identity.name, "create", name, why, f"capacity {capacity}" + (", fair" if fair else ""))
     sem: Semaphore = await state.sql_store.run_flow(
-        lambda: observe.audited(flows.create_semaphore(name, capacity, who, bool(exist_ok), fair), entry)
+        # A semaphore found there already (exist_ok) was not created: nothing to record.
+        lambda: observe.audited(
+            flows.create_semaphore(name, capacity, who, bool(exist_ok), fair), entry, restart_does_nothing=True
+        )
     )
     return sem
 
