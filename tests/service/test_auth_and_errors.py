@@ -18,17 +18,19 @@ from tests._service import Service, module_db_url, running
 from tests.conftest import sqlalchemy_url
 
 ADMIN, ALICE, BOB = "admin-token-0123456789", "alice-token-0123456789", "bob-token-012345678901"
-CAROL = "carol-token-0123456789"
+CAROL, DAVE = "carol-token-0123456789", "dave-token-01234567890"
 # Identities of their own in this run: the servers' databases are shared by the whole session, and other
 # tests hold leases under owners such as "alice".
 RUN = uuid.uuid4().hex[:6]
 OPS, ALICE_ID, BOB_ID, CAROL_ID = f"ops-{RUN}", f"alice-{RUN}", f"bob-{RUN}", f"carol-{RUN}"
+DAVE_ID = f"dave-{RUN}"
 TOKENS = [
     {"name": OPS, "token": ADMIN, "admin": True},
     {"name": ALICE_ID, "token": ALICE},
     # A token may be configured by its SHA-256 alone, to keep the secret out of the config.
     {"name": BOB_ID, "token_sha256": hashlib.sha256(BOB.encode()).hexdigest()},
     {"name": CAROL_ID, "token": CAROL},
+    {"name": DAVE_ID, "token": DAVE},
 ]
 
 
@@ -79,9 +81,13 @@ def test_no_token_or_a_wrong_one_is_401(service: Service, method: str, path: str
         with _http(service, token) as http:
             response = http.request(method, path, json={})
         assert _error(response) == (401, "unauthorized")
+        assert response.headers["WWW-Authenticate"] == 'Bearer realm="permits"'
     with _http(service, None) as http:
         response = http.get("/v1/whoami", headers={"Authorization": f"Basic {ALICE}"})
-    assert _error(response) == (401, "unauthorized")
+        assert _error(response) == (401, "unauthorized")
+        assert response.headers["WWW-Authenticate"] == 'Bearer realm="permits"'
+        metrics = http.get("/metrics")
+        assert metrics.status_code == 401 and metrics.headers["WWW-Authenticate"] == 'Bearer realm="permits"'
 
 
 def test_wrong_token_through_the_client_raises_unauthorized(service: Service) -> None:
@@ -336,6 +342,63 @@ def test_bounds_are_refused_with_a_clear_status(service: Service, ns: str) -> No
             response = http.post("/v1/leases", json=body)
             assert _error(response) == (422, "invalid_argument"), (body, response.text)
             assert response.json()["error"]["details"]["field"] == field, response.text
+
+
+@pytest.mark.parametrize(
+    ("wants", "field", "says"),
+    [
+        ({"s": 0}, "wants.s", "greater than or equal to 1"),
+        ({"s": "1"}, "wants.s", "valid integer"),
+        ({"s": 1.5}, "wants.s", "valid integer"),
+        ({"": 1}, 'wants.""', "at least 1 character"),
+        ({"a.b": 0}, 'wants."a.b"', "greater than or equal to 1"),
+        ([{"name": "s", "count": 0}], "wants.0.count", "greater than or equal to 1"),
+        ([{"name": "s"}, {"count": 2}], "wants.1.name", "Field required"),
+        (42, "wants", 'a list ([{"name": "db", "count": 1}]) or a map ({"db": 1})'),
+        ("s", "wants", 'a list ([{"name": "db", "count": 1}]) or a map ({"db": 1})'),
+    ],
+)
+def test_a_bad_want_is_described_in_the_form_it_was_sent_in(
+    service: Service, wants: Any, field: str, says: str
+) -> None:
+    """``wants`` is a map or a list: a mistake in one is described in its own terms, never as a failure to
+    be the other form, and without the validator's names for the forms."""
+    with _http(service, ALICE) as http:
+        response = http.post("/v1/leases", json={"wants": wants})
+    assert _error(response) == (422, "invalid_argument")
+    error = response.json()["error"]
+    assert error["details"]["field"] == "wants"
+    assert error["message"].startswith(f"{field}: ") and says in error["message"], error["message"]
+    assert "list[" not in error["message"] and "dict[" not in error["message"]
+
+
+def test_the_lease_bound_counts_leases_held_not_grants_made(service: Service, ns: str) -> None:
+    """``max_leases_per_client`` (3 here) bounds the leases a client holds. Grants released since the
+    service last counted, and retries answered from a lease the client already holds, are no leases held:
+    a client that takes and gives back leases faster than that count is refreshed is never refused."""
+    with _http(service, ADMIN) as http:
+        http.post("/v1/semaphores", json={"name": f"{ns}s", "capacity": 10})
+    with _http(service, DAVE) as http:
+        for i in range(6):  # well within a second: one count of the held leases at most
+            granted = http.post("/v1/leases", json={"wants": {f"{ns}s": 1}, "ttl": 60, "key": f"{ns}c{i}"})
+            assert granted.status_code == 201, granted.text
+            assert http.post("/v1/leases/release", json={"key": f"{ns}c{i}"}).json() == {"outcome": "released"}
+        held = http.post("/v1/leases", json={"wants": {f"{ns}s": 1}, "ttl": 60, "key": f"{ns}h0"})
+        for _ in range(4):  # the reply was lost, say: the same request again, answered from the same lease
+            again = http.post("/v1/leases", json={"wants": {f"{ns}s": 1}, "ttl": 60, "key": f"{ns}h0"})
+            assert again.status_code == 201 and again.json()["tokens"] == held.json()["tokens"], again.text
+        for i in (1, 2):
+            more = http.post("/v1/leases", json={"wants": {f"{ns}s": 1}, "ttl": 60, "key": f"{ns}h{i}"})
+            assert more.status_code == 201, more.text
+        # Three held now: the bound.
+        refused = http.post("/v1/leases", json={"wants": {f"{ns}s": 1}, "ttl": 60, "key": f"{ns}h3"})
+        assert _error(refused) == (429, "limit_exceeded")
+        # One given back: room for one more at once, without waiting for the next count.
+        assert http.post("/v1/leases/release", json={"key": f"{ns}h1"}).json() == {"outcome": "released"}
+        again = http.post("/v1/leases", json={"wants": {f"{ns}s": 1}, "ttl": 60, "key": f"{ns}h3"})
+        assert again.status_code == 201, again.text
+        for i in (0, 2, 3):
+            http.post("/v1/leases/release", json={"key": f"{ns}h{i}"})
 
 
 def test_fencing_tokens_round_trip_exactly_up_to_2_63_minus_1(service: Service, servers: Any, ns: str) -> None:

@@ -94,6 +94,16 @@ def test_a_409_says_whether_the_service_kept_a_place(service: Service, full: str
             response = http.post("/v1/leases", json=asked)
             assert response.status_code == 409, response.text
             assert response.json()["error"]["details"]["kept_place"] is kept
+        # Every 409 acquire_timeout says it, in the same shape: one that did not ask to keep its place, or
+        # did not wait, keeps none.
+        for asked in (
+            {"wants": {full: 1}, "key": f"{ns}k-given-up", "wait": 0.3},
+            {"wants": {full: 1}, "key": f"{ns}k-no-wait", "keep_place": True},
+        ):
+            response = http.post("/v1/leases", json=asked)
+            assert response.status_code == 409, response.text
+            details = response.json()["error"]["details"]
+            assert details["kept_place"] is False and {"key", "owner", "timeout"} <= set(details), details
         holder.release(lease)
 
 

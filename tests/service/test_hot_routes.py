@@ -73,12 +73,13 @@ def _normal(body: Any) -> Any:
     return body
 
 
-def _send(service: Service, path: str, *, token: str | None = CLIENT, **request: Any) -> tuple[int, Any, str]:
+def _send(service: Service, path: str, *, token: str | None = CLIENT, **request: Any) -> tuple[Any, ...]:
     headers = {**_auth(token), **request.pop("headers", {})}
     answer = httpx.post(f"{service.url}{path}", headers=headers, timeout=30, **request)
     kind = answer.headers.get("content-type", "")
     body = answer.json() if kind.startswith("application/json") else answer.text
-    return answer.status_code, _normal(body), answer.headers.get("retry-after", "")
+    said = tuple(answer.headers.get(h, "") for h in ("retry-after", "location", "www-authenticate"))
+    return answer.status_code, _normal(body), said
 
 
 KEY = uuid.uuid4().hex
@@ -148,3 +149,27 @@ def test_the_path_in_docs_is_the_same(pair: tuple[Service, Service]) -> None:
     documents = [httpx.get(f"{s.url}/openapi.json", timeout=10).json()["paths"] for s in (hot, plain)]
     assert documents[0] == documents[1]
     assert {"/v1/leases", "/v1/leases/release"} <= set(documents[0])
+
+
+def test_a_grant_and_a_creation_say_where_to_read_them(pair: tuple[Service, Service]) -> None:
+    """201 comes with a ``Location`` that a ``GET`` reads the new lease or semaphore at: with the owner the
+    client named, or none, and the key percent-encoded, ``/`` included."""
+    for service in pair:
+        with httpx.Client(base_url=service.url, timeout=30) as http:
+            made = http.post("/v1/semaphores", json={"name": "team/loc", "capacity": 5}, headers=_auth(ADMIN))
+            assert made.headers["Location"] == "/v1/semaphores/team%2Floc"
+            assert http.get(made.headers["Location"], headers=_auth(CLIENT)).json()["name"] == "team/loc"
+            for asked in ({"key": "a/b c"}, {"key": "d?e", "owner": "w/1"}, {}):
+                granted = http.post("/v1/leases", json={"wants": {"team/loc": 1}, **asked}, headers=_auth(CLIENT))
+                assert granted.status_code == 201, granted.text
+                where = granted.headers["Location"]
+                assert where.startswith("/v1/leases/") and "/" not in where[len("/v1/leases/") :]
+                read = http.get(where, headers=_auth(CLIENT))
+                assert read.status_code == 200, (where, read.text)
+                assert read.json()["key"] == granted.json()["key"] and read.json()["held"] is True
+                assert read.json()["owner"] == granted.json()["owner"]
+                http.post(
+                    "/v1/leases/release",
+                    json={"key": granted.json()["key"], **({"owner": asked["owner"]} if "owner" in asked else {})},
+                    headers=_auth(CLIENT),
+                )

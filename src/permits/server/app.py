@@ -111,7 +111,14 @@ def create_app(
         "/metrics",
         tags=["service"],
         response_class=PlainTextResponse,
-        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+            # Spelt out: with "model", the route's own media type (text/plain) would be stated for it.
+            401: {
+                "description": "no token, or an unknown one (not in open mode)",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}},
+            },
+        },
     )
     async def metrics_endpoint(request: Request) -> Response:
         """Prometheus metrics. They name semaphores, so they need a token like the API (a scraper sends
@@ -163,6 +170,8 @@ def _document_limits(app: FastAPI, config: ServerConfig) -> None:
             limits = config.limits
             max_owner = None if config.open_mode else auth.SCOPED_OWNER_LENGTH
             schemas.state_limits(build(), limits.max_wants, limits.max_ttl, limits.max_wait, max_owner)
+            if not config.open_mode:
+                schemas.state_security(app.openapi_schema)  # type: ignore[arg-type]
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -8,6 +8,7 @@ unexpected is logged here and answered with a bare 500.
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ from permits._exceptions import (
 )
 from permits.server import body, routes
 from permits.server.metrics import Metrics
+from permits.server.schemas import TAGGED_FIELDS
 
 logger = logging.getLogger("permits.server")
 
@@ -113,6 +115,9 @@ def error_response(error: PermitsError) -> JSONResponse:
     else:
         body = error_body(error.code, error.message, _json_safe(error.details))
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status in (429, 503) else None
+    if isinstance(error, Unauthorized):
+        # RFC 9110 (11.6.1) and RFC 6750: a 401 names the scheme it wants.
+        headers = {"WWW-Authenticate": 'Bearer realm="permits"'}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -138,6 +143,16 @@ def leaf_routes(routes: list[Any]) -> Iterator[Any]:
         else:  # an included router, which FastAPI keeps whole as ``original_router``, or a mount
             inner = getattr(route, "original_router", route)
             yield from leaf_routes(list(getattr(inner, "routes", [])))
+
+
+def _location(loc: Any) -> list[str]:
+    """A validation error's location as the client wrote the request: without where it was (body, query,
+    path) and without the tag of the form a value took (``schemas.TAGGED_FIELDS``)."""
+    # "[key]" marks an error in a map's key rather than its value: the key is named all the same.
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "[key]")]
+    if len(parts) > 1 and parts[0] in TAGGED_FIELDS:
+        del parts[1]
+    return parts
 
 
 async def _unparsed_body(request: Request, why: str) -> JSONResponse:
@@ -180,9 +195,10 @@ def install(app: FastAPI) -> None:
             context = first.get("ctx")
             why = context.get("error") if isinstance(context, dict) else None
             return await _unparsed_body(request, str(why or first.get("msg")))
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        loc = _location(first.get("loc", ()))
         field = loc[0] if loc else "body"
-        where = ".".join(loc) or "the body"
+        # A name that is empty or holds a dot is quoted, so that the path reads unambiguously.
+        where = ".".join(p if p and "." not in p else json.dumps(p) for p in loc) or "the body"
         return error_response(InvalidArgument(f"{where}: {first.get('msg', 'invalid')}", field=field))
 
     @app.exception_handler(StarletteHTTPException)

@@ -96,7 +96,9 @@ class HotRoutes:
         response: JSONResponse
         try:
             async with gone.watching_if(hot.watches and bool(getattr(given, "wait", None)), receive):
-                response = JSONResponse(await hot.handler(given, identity, self.state), status_code=hot.status)
+                answer = await hot.handler(given, identity, self.state)
+            headers = routes.lease_location(answer, getattr(given, "owner", None)) if hot.status == 201 else None
+            response = JSONResponse(answer, status_code=hot.status, headers=headers)
         except PermitsError as exc:
             response = errors.permits_error_response(self.state.metrics, exc)
         except Exception as exc:

@@ -12,6 +12,7 @@ import dataclasses
 import uuid
 from collections.abc import Iterator
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
@@ -132,6 +133,13 @@ def _lease_json(lease: Lease, identity: Identity, asked_owner: str | None) -> di
     return _wire.lease_out(shown)
 
 
+def lease_location(lease: dict[str, Any], asked_owner: str | None, root_path: str = "") -> dict[str, str]:
+    """The ``Location`` of a lease just granted: where ``GET`` reads it, with the owner as the client named it
+    (none named: the identity's own leases, which a ``GET`` without one reads)."""
+    path = f"{root_path}/v1/leases/{quote(lease['key'], safe='')}"
+    return {"Location": path if asked_owner is None else f"{path}?owner={quote(asked_owner, safe='')}"}
+
+
 def _check_ttl(ttl: float | None, max_ttl: float) -> None:
     """The library's checks of a ttl, then this service's bound, in seconds as the document states it."""
     if ttl is not None:
@@ -177,7 +185,8 @@ async def acquire(body: schemas.AcquireIn, identity: Caller, state: State, reque
     stops waiting (and is not granted afterwards).
     """
     async with gone.watching_if(bool(body.wait), request.receive):
-        return JSONResponse(await acquire_lease(body, identity, state), status_code=201)
+        lease = await acquire_lease(body, identity, state)
+    return JSONResponse(lease, status_code=201, headers=lease_location(lease, body.owner, request.scope["root_path"]))
 
 
 async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: ServiceState) -> dict[str, Any]:
@@ -224,7 +233,7 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
             if found is None:
                 outcome = "refused"
                 described = ", ".join(f"{n}:{c}" for n, c in sorted(pairs))
-                raise AcquireTimeout(f"no room for {described}", key=key, timeout=0.0)
+                raise AcquireTimeout(f"no room for {described}", key=key, owner=owner, timeout=0.0)
             lease = found
         outcome = "granted"
     except AcquireTimeout as exc:
@@ -237,10 +246,11 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
             # give-up may have come before this request's last attempt renewed the place.
             with contextlib.suppress(PermitsError):
                 await state.sql_store.dequeue(owner, key)
-        elif wait > 0 and outcome == "timeout":
-            # Kept: say whether there is a place at all (a plain semaphore has none), so that a client that
-            # stops waiting sends its give-up, a request and a write, only when there is one to give up.
-            exc.details["kept_place"] = state.sql_store.holds_place(owner, key)
+        # Say whether a place was kept (a plain semaphore has none, and a request that did not ask to keep
+        # its place gave it up), so that a client that stops waiting sends its give-up, a request and a
+        # write, only when there is one to give up. Every 409 acquire_timeout says it, true or false.
+        kept = wait > 0 and outcome == "timeout" and body.keep_place
+        exc.details["kept_place"] = kept and state.sql_store.holds_place(owner, key)
         raise
     except ENDS_THE_REQUEST as exc:
         if isinstance(exc, IdempotencyConflict):
@@ -333,6 +343,7 @@ async def create_semaphore(
     body: schemas.CreateSemaphoreIn,
     identity: Annotated[Identity, Depends(_AdminOnly("creating a semaphore"))],
     state: State,
+    request: Request,
 ) -> JSONResponse:
     """Create a semaphore (admin). With ``exist_ok``, one of the same capacity is returned instead of 409."""
     sem = await admin.create_semaphore(
@@ -345,7 +356,8 @@ async def create_semaphore(
         who=_who(identity, body.who),
         reason=body.reason,
     )
-    return JSONResponse(_wire.semaphore_out(sem), status_code=201)
+    where = f"{request.scope['root_path']}/v1/semaphores/{quote(sem.name, safe='')}"
+    return JSONResponse(_wire.semaphore_out(sem), status_code=201, headers={"Location": where})
 
 
 @router.get("/semaphores/{name:text}", response_model=schemas.SemaphoreOut, responses=_ERRORS, tags=["semaphores"])

@@ -13,7 +13,17 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import Path, Query
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    Tag,
+)
 
 from permits import _validate
 
@@ -75,10 +85,20 @@ class WantIn(_Strict):
     count: Count = 1
 
 
+def _wants_form(value: Any) -> str | None:
+    return "list" if isinstance(value, list) else "map" if isinstance(value, dict) else None
+
+
+#: Fields whose value takes one of several forms, told apart by the value's JSON type: a mistake inside one
+#: form is reported in that form's terms alone, and the form's tag, which pydantic puts in an error's
+#: location after the field's name, is left out of the field named in the answer (server/errors.py).
+TAGGED_FIELDS = frozenset({"wants"})
+
+
 class AcquireIn(_Strict):
-    wants: (
+    wants: Annotated[
         # uniqueItems says part of what the library checks: no semaphore may be named twice, with any count.
-        Annotated[list[WantIn], documented(minItems=1, maxItems=_validate.MAX_WANTS, uniqueItems=True)]
+        Annotated[list[WantIn], documented(minItems=1, maxItems=_validate.MAX_WANTS, uniqueItems=True), Tag("list")]
         | Annotated[
             dict[Annotated[StrictStr, Field(min_length=1, max_length=_validate.MAX_NAME_LENGTH)], Count],
             documented(
@@ -86,8 +106,14 @@ class AcquireIn(_Strict):
                 maxProperties=_validate.MAX_WANTS,
                 propertyNames={"minLength": 1, "maxLength": _validate.MAX_NAME_LENGTH, "pattern": NO_NUL},
             ),
-        ]
-    ) = Field(description='the permits to take, all or nothing: [{"name": "db", "count": 1}] or {"db": 1}')
+            Tag("map"),
+        ],
+        Discriminator(
+            _wants_form,
+            custom_error_type="wants_form",
+            custom_error_message='Input should be a list ([{"name": "db", "count": 1}]) or a map ({"db": 1})',
+        ),
+    ] = Field(description='the permits to take, all or nothing: [{"name": "db", "count": 1}] or {"db": 1}')
     key: Key | None = Field(default=None, description="idempotency key: retrying with it never grants twice")
     owner: Owner | None = Field(default=None, description="scopes keys within your identity (default: the identity)")
     ttl: Ttl | None = Field(default=None, description="lease TTL in seconds (default: the service's)")
@@ -352,10 +378,26 @@ def state_limits(
                 if parameter["name"] == "owner" and parameter["in"] == "query":
                     parameter["schema"]["maxLength"] = max_owner
     acquire = bodies["AcquireIn"]["properties"]
-    for branch in acquire["wants"]["anyOf"]:
+    for branch in acquire["wants"]["oneOf"]:
         branch["maxItems" if branch["type"] == "array" else "maxProperties"] = max_wants
     for ttl in (acquire["ttl"], bodies["ExtendIn"]["properties"]["ttl"]):
         for branch in ttl["anyOf"]:
             if branch.get("type") == "number":
                 branch["maximum"] = min(branch["maximum"], max_ttl)
     acquire["wait"]["maximum"] = max_wait
+
+
+def state_security(document: dict[str, Any]) -> None:
+    """On a service with tokens, say in its OpenAPI document (in place) that every call but the health checks
+    needs a bearer token: ``/docs`` then offers to send one, and a generated client to take one."""
+    document.setdefault("components", {})["securitySchemes"] = {
+        "token": {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "a token from the service's tokens setting (docs/service.md: authentication)",
+        }
+    }
+    for path, operations in document["paths"].items():
+        if path.startswith("/v1/") or path == "/metrics":
+            for operation in operations.values():
+                operation["security"] = [{"token": []}]

@@ -115,20 +115,26 @@ class ServiceState:
     async def check_lease_quota(self, identity: Identity, owner: str, key: str | None) -> None:
         """Refuse a new acquire (429) when the identity holds ``max_leases_per_client`` leases already.
 
-        The count is read at most once a second per instance and advanced by the grants made here since,
-        so across several instances the bound can be passed by the grants of the last second. A retry of a
-        request that was granted (``key`` holds a live lease: the reply was lost) is not a new acquire: it is
-        let through, and answered from that lease.
+        The count is read at most once a second per instance and advanced by the grants made here since;
+        when that estimate reaches the bound, the count is read again before a refusal, so that releases
+        and retries since the last read never refuse a client below its bound. Across several instances the
+        bound can be passed by the grants of the last second. A retry of a request that was granted (``key``
+        holds a live lease: the reply was lost) is not a new acquire: it is let through, and answered from
+        that lease.
         """
         if not identity.scoped:
             return
         limit = self.config.limits.max_leases_per_client
         quota = self._quotas.get(identity.name)
         now = monotonic()
+        fresh = False
         if quota is None or now - quota.read_at > QUOTA_REFRESH_SECONDS:
-            quota = _Quota(await self.sql_store.count_held_leases(identity.name), now)
-            self._quotas[identity.name] = quota
-        if quota.count + quota.granted_since >= limit:
+            quota, fresh = await self._read_quota(identity.name, now), True
+        if quota.count + quota.granted_since >= limit and not fresh:
+            # The estimate only says the bound may be near: it counts every grant made here since the
+            # read, retries and leases released since included. A refusal rests on a count read now.
+            quota = await self._read_quota(identity.name, now)
+        if quota.count >= limit:
             # Checked before the lookup: the database must not be sent what it cannot take (a NUL in a key is
             # an error on PostgreSQL), and bad input is a 422 whatever the quota. Below the bound, the client
             # checks them as for any request.
@@ -141,6 +147,11 @@ class ServiceState:
                 f"{identity.name!r} holds {limit} leases, the most this service allows per client",
                 limit="max_leases_per_client",
             )
+
+    async def _read_quota(self, identity: str, now: float) -> _Quota:
+        quota = _Quota(await self.sql_store.count_held_leases(identity), now)
+        self._quotas[identity] = quota
+        return quota
 
     async def _holds(self, owner: str, key: str) -> bool:
         try:
