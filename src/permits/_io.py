@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import os
@@ -16,6 +17,21 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 logger = logging.getLogger("permits")
+
+
+#: Set, on a worker thread, while it runs an operation for an asyncio caller (stores/threaded.py): once the
+#: caller is cancelled, the operation tries no more, and the caller waits only for the try under way.
+GIVEN_UP: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar("permits_given_up", default=None)
+
+
+class GivenUp(Exception):
+    """An operation stopped before another try, because its caller was cancelled (``GIVEN_UP``)."""
+
+
+def check_given_up() -> None:
+    given_up = GIVEN_UP.get()
+    if given_up is not None and given_up.is_set():
+        raise GivenUp()
 
 
 async def async_sleep(seconds: float) -> None:

@@ -279,11 +279,11 @@ class AsyncClient:
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 # Cancelled, or Ctrl-C, while waiting: give up the places in fair queues now, as a timeout
-                # does, not when they lapse (5 s, holding up every waiter behind them meanwhile).
+                # does, not when they lapse (5 s, holding up every waiter behind them meanwhile), and release
+                # what the try under way may have got. Both under one shield: a second cancellation (a task
+                # group torn down after a timeout) must not stop the clean-up between the two.
                 with contextlib.suppress(Exception):
-                    await self._store.dequeue(owner_, key_)
-                with contextlib.suppress(Exception):
-                    await async_shield(self._release_interrupted(owner_, key_, key is None, made_up, request_id))
+                    await async_shield(self._give_up_interrupted(owner_, key_, key is None, made_up, request_id))
             elif isinstance(exc, ENDS_THE_REQUEST):
                 # A verdict on the request (another's lease under the key, the capacity lowered below its
                 # count, a semaphore deleted): it is over, and its places in fair queues with it, which would
@@ -292,6 +292,14 @@ class AsyncClient:
                 with contextlib.suppress(PermitsError):
                     await self._store.dequeue(owner_, key_)
             raise
+
+    async def _give_up_interrupted(
+        self, owner: str, key: str, key_made_up: bool, id_made_up: bool, request_id: str | None
+    ) -> ReleaseOutcome | None:
+        """An interrupted wait's places in fair queues given up, then ``_release_interrupted``."""
+        with contextlib.suppress(Exception):
+            await self._store.dequeue(owner, key)
+        return await self._release_interrupted(owner, key, key_made_up, id_made_up, request_id)
 
     async def _release_interrupted(
         self, owner: str, key: str, key_made_up: bool, id_made_up: bool, request_id: str | None

@@ -41,6 +41,7 @@ from permits._io import (
     async_try_lock,
     async_unwatch_reply,
     async_watch_reply,
+    check_given_up,
     forks,
     keep_inherited,
     monotonic,
@@ -169,6 +170,8 @@ class _CutSession:
     #: the operation whose attempt was cut is over (it gave up, or its answer came after all) and no longer
     #: waits for the ending itself: a call again with its key, or any other, must (``_end_cut_sessions``)
     abandoned: bool = False
+    #: not cut by the reply deadline: its caller was interrupted (cancelled, Ctrl-C) with the request sent
+    interrupted: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -1201,6 +1204,7 @@ class AsyncSQLStore:
         restarts = failures = 0
         first_flow, first_readonly = make_flow, readonly
         while True:
+            check_given_up()  # before each try: see GIVEN_UP
             try:
                 if self._cut:
                     await self._end_cut_sessions(own_cuts)
@@ -1314,20 +1318,22 @@ class AsyncSQLStore:
                     # shut down either way, and the connection must not go back to the pool.
                     await conn.invalidate()
 
-    def _note_cut(self, driver: Any, cuts: list[_CutSession]) -> None:
-        """The reply deadline cut the link under ``driver`` with a request in flight. The link may still hold
-        that request and deliver it once it recovers, and the server session would then run it, after the
-        caller had been answered from a retry: a grant nobody knows of, say, held until its TTL runs out. So
-        the session is listed for ending, and in ``cuts``, the operation's own list, for its retry to wait
-        on."""
-        if self.on_reply_cut is not None:
+    def _note_cut(self, driver: Any, cuts: list[_CutSession], interrupted: bool = False) -> None:
+        """The reply deadline cut the link under ``driver`` with a request in flight, or (``interrupted``) its
+        caller was cancelled or interrupted while it was. The link may still hold that request and deliver it
+        once it recovers, or the server may be running it still (a grant that waits for a row lock), and the
+        server session would then carry it out, up to its commit, after the caller had been answered from a
+        retry, or had released what it might have got: a grant nobody knows of, say, held until its TTL runs
+        out. So the session is listed for ending, and in ``cuts``, the operation's own list, for its retry
+        (or, once the operation is over, the next operation) to wait on."""
+        if self.on_reply_cut is not None and not interrupted:
             self.on_reply_cut("cut")
         where = self._sessions.get(driver)
         if where is None or not self._dialect.has("SESSION_END"):
             return
         cut = next((listed for listed in self._cut if listed.where == where), None)
         if cut is None:
-            cut = _CutSession(where)
+            cut = _CutSession(where, interrupted=interrupted)
             self._cut.append(cut)
         cuts.append(cut)
 
@@ -1395,22 +1401,24 @@ class AsyncSQLStore:
         cut.settled = True
         if cut in self._cut:
             self._cut.remove(cut)
-        if self.on_reply_cut is not None:
+        if self.on_reply_cut is not None and not cut.interrupted:
             self.on_reply_cut(outcome)
+        what = "an interrupted request" if cut.interrupted else "a request cut off by the reply deadline"
         if outcome == "other_server":
             logger.warning(
-                "a request cut off by the reply deadline may still run at %s: its server session is on a"
-                " server this connection did not reach",
+                "%s may still run at %s: its server session is on a server this connection did not reach",
+                what,
                 self.url,
             )
         elif outcome == "refused":
             logger.warning(
-                "a request cut off by the reply deadline may still run at %s: the server did not end its session (%s)",
+                "%s may still run at %s: the server did not end its session (%s)",
+                what,
                 self.url,
                 "no error" if refused is None else str(refused.orig).strip().splitlines()[0],
             )
         else:
-            logger.info("ended a server session at %s whose link the reply deadline cut", self.url)
+            logger.info("ended the server session of %s at %s", what, self.url)
 
     async def _drive_alone_parked(self, flow: Flow[T], first: Stmt, cuts: list[_CutSession]) -> T:
         """Send a statement that runs alone on a parked connection (``_Parked``), or on one checked out of the
@@ -1546,6 +1554,13 @@ class AsyncSQLStore:
         except BaseException as exc:
             error = driver_error(self._engine, exc)
             if error is None:  # this call stopped half-way: the connection's state is unknown
+                if not cut:
+                    # Interrupted (cancelled, Ctrl-C) with the request perhaps sent, which is a whole
+                    # transaction: the server may carry it out to its commit after the caller has moved on (a
+                    # grant waiting for a row lock commits once it has it), where the caller's next step
+                    # (releasing a lease under a key it made up) must see what it did. Its session is ended
+                    # first, as for a link the reply deadline cut.
+                    self._note_cut(driver, cuts, interrupted=True)
                 await conn.invalidate()
             elif self._dialect.classify(error) is Fault.UNAVAILABLE:
                 # The link was lost. The parked connections, and the pool's, likely lost theirs with it (the

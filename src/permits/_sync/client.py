@@ -280,11 +280,11 @@ class Client:
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 # Cancelled, or Ctrl-C, while waiting: give up the places in fair queues now, as a timeout
-                # does, not when they lapse (5 s, holding up every waiter behind them meanwhile).
+                # does, not when they lapse (5 s, holding up every waiter behind them meanwhile), and release
+                # what the try under way may have got. Both under one shield: a second cancellation (a task
+                # group torn down after a timeout) must not stop the clean-up between the two.
                 with contextlib.suppress(Exception):
-                    self._store.dequeue(owner_, key_)
-                with contextlib.suppress(Exception):
-                    sync_shield(self._release_interrupted(owner_, key_, key is None, made_up, request_id))
+                    sync_shield(self._give_up_interrupted(owner_, key_, key is None, made_up, request_id))
             elif isinstance(exc, ENDS_THE_REQUEST):
                 # A verdict on the request (another's lease under the key, the capacity lowered below its
                 # count, a semaphore deleted): it is over, and its places in fair queues with it, which would
@@ -293,6 +293,14 @@ class Client:
                 with contextlib.suppress(PermitsError):
                     self._store.dequeue(owner_, key_)
             raise
+
+    def _give_up_interrupted(
+        self, owner: str, key: str, key_made_up: bool, id_made_up: bool, request_id: str | None
+    ) -> ReleaseOutcome | None:
+        """An interrupted wait's places in fair queues given up, then ``_release_interrupted``."""
+        with contextlib.suppress(Exception):
+            self._store.dequeue(owner, key)
+        return self._release_interrupted(owner, key, key_made_up, id_made_up, request_id)
 
     def _release_interrupted(
         self, owner: str, key: str, key_made_up: bool, id_made_up: bool, request_id: str | None

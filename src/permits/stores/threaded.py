@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from permits._config import Settings
+from permits._io import GIVEN_UP
 from permits._sync.store import SQLStore
 
 
@@ -25,7 +27,6 @@ class ThreadedSQLStore:
 
     def __init__(self, settings: Settings) -> None:
         self._inner = SQLStore(settings)
-        self._lock_wait_timeout = settings.lock_wait_timeout
 
     @property
     def url(self) -> str:
@@ -67,17 +68,25 @@ class ThreadedSQLStore:
         return False
 
     async def try_acquire(self, *args: Any, **kwargs: Any) -> Any:
-        # Cancelled, the attempt goes on, on its thread (see __getattr__); the cancellation waits for it to end,
-        # within a lock wait, so that what the caller does next (give its place in a fair queue up, release
-        # a lease under a key it made up) sees what it did: a place committed after the caller's give-up held
-        # the queue up until it lapsed. An attempt that still waits for the write lock then has committed
-        # nothing yet, and the caller does not wait for it longer.
-        running = asyncio.ensure_future(asyncio.to_thread(self._inner.try_acquire, *args, **kwargs))
+        # Cancelled, the attempt goes on, on its thread (see __getattr__), but tries no more after the one
+        # under way (GIVEN_UP); the cancellation waits for that one to end, so that what the caller does next
+        # (give its place in a fair queue up, release a lease under a key it made up) sees what it did. A
+        # place committed after the caller's give-up held the queue up until it lapsed, and a grant committed
+        # after its release was held, by nobody, until its TTL ran out. One try waits for the write lock
+        # for a lock wait at most.
+        given_up = threading.Event()
+
+        def attempt() -> Any:
+            GIVEN_UP.set(given_up)  # in the worker's own copy of the context (asyncio.to_thread)
+            return self._inner.try_acquire(*args, **kwargs)
+
+        running = asyncio.ensure_future(asyncio.to_thread(attempt))
         try:
             return await asyncio.shield(running)
         except asyncio.CancelledError:
+            given_up.set()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(running), self._lock_wait_timeout)
+                await asyncio.shield(running)
             raise
 
     def queues_in_line(self, wants: Any) -> bool:
