@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -46,6 +47,10 @@ EXIT_NOT_ACQUIRED = 75  # EX_TEMPFAIL: try again later
 EXIT_LEASE_LOST = 76
 #: The signals ``permits run`` passes on to COMMAND, so a supervisor can stop it cleanly.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: How long ``permits run`` tries to release the lease once COMMAND has ended. A database that hangs would
+#: otherwise keep it there for minutes (every try waits for its reply, and a release is retried), after
+#: the work it guarded is done; the lease then runs out at its TTL instead.
+RELEASE_PATIENCE = 10.0
 PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
 
@@ -490,6 +495,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
     held_back: list[int] = []  # signals to pass on to COMMAND that came while it was being made
     stopping: list[float] = []  # when COMMAND was sent its signal for a lost lease
     signalled: list[_Process] = []  # the processes below COMMAND that got it: they must end too
+    passed_on: list[_Process] = []  # the processes below COMMAND that got a signal passed on: waited for
     stopped: list[int] = []  # the signal that stopped this run before COMMAND started
 
     def on_lost(why: str) -> None:
@@ -498,8 +504,13 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             return
         click.echo(f"permits: lease lost while the command ran ({why}); sending SIG{options.on_lost_signal}", err=True)
         stopping.append(monotonic())
+        signum = getattr(signal, f"SIG{options.on_lost_signal}")
         if child is not None and child.poll() is None:
-            signalled.extend(_signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}")))
+            signalled.extend(_signal_the_command(child, signum))
+        for process in passed_on:  # a process that outlived COMMAND, still waited for: it must stop too
+            if process not in signalled and process.running():
+                process.signal(signum)
+                signalled.append(process)
 
     def on_signal(signum: int, _frame: object) -> None:
         # One handler from the first request to the end, so that no signal finds the default one (which
@@ -516,7 +527,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
                 if child is None:
                     held_back.append(signum)
                 else:
-                    child.send_signal(signum)
+                    passed_on.extend(_signal_the_command(child, signum))
             return
         if not stopped:  # the first stops the run; the rest must not cut short the release that follows
             stopped.append(signum)
@@ -573,25 +584,52 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             finally:
                 starting = False
             for signum in held_back:
-                child.send_signal(signum)
+                passed_on.extend(_signal_the_command(child, signum))
             if held.lost and options.on_lost_signal != "NONE":  # lost before COMMAND started
                 signalled.extend(_signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}")))
-            status = _wait_for(child, stopping, signalled, options.kill_after)
+            status = _wait_for(child, stopping, signalled, options.kill_after, passed_on)
         except _Stopped as stop:  # granted, and stopped before COMMAND started: released below
             _exit_stopped(stop.signum)
         finally:
             releasing = True
             try:
-                held.__exit__(None, None, None)
+                _release_within(held, RELEASE_PATIENCE)
             except PermitsError as exc:
                 # COMMAND has run: its status is the outcome. The lease runs out at its TTL instead.
                 click.echo(f"permits: could not release the lease (it expires at its TTL): {exc.code}: {exc}", err=True)
+            except TimeoutError:
+                click.echo(
+                    f"permits: could not release the lease within {RELEASE_PATIENCE:g} s (the database did not"
+                    " answer); it expires at its TTL",
+                    err=True,
+                )
     except _Stopped as stop:  # before the lease was asked for (the check of --key), or as its grant came back
         stop_run(stop.signum)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return status, held.lost
+
+
+def _release_within(held: Held, seconds: float) -> None:
+    """Leave the lease's block (stop its watchdog, release the lease), for ``seconds`` at most: on a thread
+    of its own, which the process's exit ends if the database keeps it (``TimeoutError``)."""
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def release() -> None:
+        try:
+            held.__exit__(None, None, None)
+        except BaseException as exc:  # to the caller's thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=release, name="permits-release", daemon=True).start()
+    if not done.wait(seconds):
+        raise TimeoutError
+    if failed:
+        raise failed[0]
 
 
 class _Stopped(BaseException):
@@ -625,13 +663,21 @@ def _refuse_a_used_key(refused: KeyInUse, exit_code: int) -> NoReturn:
 
 
 def _wait_for(
-    child: subprocess.Popen[bytes], stopping: list[float], signalled: list[_Process], kill_after: float | None
+    child: subprocess.Popen[bytes],
+    stopping: list[float],
+    signalled: list[_Process],
+    kill_after: float | None,
+    passed_on: list[_Process],
 ) -> int:
     """COMMAND's status. Once it was sent its signal for a lost lease, it has ``kill_after`` seconds to
     end before SIGKILL, and so has every process below it that got the signal, also once COMMAND ended (a
-    shell that died of the signal leaves its jobs to init): none may work on unprotected."""
+    shell that died of the signal leaves its jobs to init): none may work on unprotected. The processes
+    below it that got a signal passed on (a supervisor's SIGTERM) are waited for too, however long they
+    take, with the lease held: ``sh -c 'job; next'`` dies of SIGTERM at once, and ``job`` may still be
+    finishing its work, which the permits protect."""
     killed = False
     status: int | None = None
+    told = False
     while True:
         if status is None:
             with suppress(subprocess.TimeoutExpired):  # the watchdog's thread may send the signal at any time
@@ -639,7 +685,18 @@ def _wait_for(
         else:
             time.sleep(0.05)
         running = [p for p in signalled if p.running()]
-        if status is not None and (not running or killed or kill_after is None or not stopping):
+        finishing = [p for p in passed_on if p.running()]
+        if status is not None and finishing and not told and not stopping:
+            click.echo(
+                f"permits: the command ended; {len(finishing)} process(es) it started, which got the signal"
+                " too, still run: the permits stay held until they end",
+                err=True,
+            )
+            told = True
+        signalled_gone = not running or killed or kill_after is None or not stopping
+        # Those that got a passed-on signal are waited for, unless a lost lease's SIGKILL went out (or never will).
+        finished = not finishing or (stopping and (killed or kill_after is None))
+        if status is not None and signalled_gone and finished:
             return status
         if stopping and not killed and kill_after is not None and monotonic() - stopping[0] >= kill_after:
             what = "the command still ran" if status is None else "processes the command started still ran"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import shlex
 import signal
 import subprocess
 import sys
@@ -278,6 +279,44 @@ def test_a_lost_lease_signals_every_process_of_the_command(db_url: str, ns: str,
         assert "processes the command started still ran 1 s after its signal: SIGKILL" in told, told
 
 
+def test_a_supervisors_sigterm_reaches_every_process_of_the_command_and_the_permits_wait_for_them(
+    db_url: str, ns: str, tmp_path: Path
+) -> None:
+    """``sh -c 'job; next'`` stopped by a supervisor's SIGTERM: sent to the shell alone, it ended the shell
+    at once and the run released the permits while ``job`` still worked (a second run got in beside it).
+    The signal goes to every process of the command, and the permits stay held until the last has ended:
+    here a job that takes 2 s to finish its work once told to stop."""
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    done = tmp_path / "done"
+    job = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(2), open(sys.argv[1], 'w').close(), sys.exit(0)))\n"
+        "print('working', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    script = f"{sys.executable} -c {shlex.quote(job)} {done}; echo next"
+    env = {**os.environ, "PERMITS_DATABASE_URL": db_url}
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "permits", "run", name, "--ttl", "30", "--", "sh", "-c", script],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "working\n"
+    holder.send_signal(signal.SIGTERM)
+    # While the job finishes, the permits are held: another run is refused.
+    time.sleep(0.5)
+    other = _permits(db_url, "run", name, "--timeout", "0", "--", "true", check=False)
+    assert other.returncode == 75, other.stderr
+    assert holder.wait(timeout=30) == 128 + signal.SIGTERM  # the shell's own status: it died of the signal
+    assert done.exists()  # the run ended only once the job had
+    assert holder.stderr is not None and "still run: the permits stay held until they end" in holder.stderr.read()
+    with permits.connect(db_url) as client:
+        assert client.get_semaphore(name).used == 0
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped by whoever inherited it, does not)."""
     try:
@@ -310,6 +349,36 @@ def test_run_keeps_the_commands_status_when_the_release_fails(db_url: str, backe
     assert holder.stderr is not None and "could not release the lease" in holder.stderr.read()
     with permits.connect(db_url) as client:
         assert client.get_semaphore(name).used == 1  # held until its TTL
+
+
+def test_run_does_not_outlive_its_command_by_more_than_the_release_patience_when_the_database_hangs(
+    db_url: str, backend: str, ns: str
+) -> None:
+    """The database stops answering (a hung server, a stalled link) while the command runs, and the command
+    ends: the release is tried for RELEASE_PATIENCE seconds, not for minutes of retries each waiting for its
+    reply, and the run exits with the command's status; the lease runs out at its TTL."""
+    if backend == "sqlite":
+        pytest.skip("the database is stalled through a TCP proxy")
+    from tests._proxy import CuttingProxy
+
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    with CuttingProxy.before(db_url) as proxy:
+        holder = subprocess.Popen(
+            [sys.executable, "-m", "permits", "run", name, "--ttl", "60", "--", "sh", "-c", "sleep 2; exit 3"],
+            env={**os.environ, "PERMITS_DATABASE_URL": proxy.url_for(db_url)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        _wait_until_held(db_url, name)
+        proxy.stall()  # nothing passes either way, and nothing is cut
+        stalled = time.monotonic()
+        assert holder.wait(timeout=120) == 3
+        took = time.monotonic() - stalled
+    assert took < 2 + permits.cli.RELEASE_PATIENCE + 5, took
+    assert holder.stderr is not None
+    told = holder.stderr.read()
+    assert f"could not release the lease within {permits.cli.RELEASE_PATIENCE:g} s" in told, told
 
 
 @pytest.mark.parametrize(
