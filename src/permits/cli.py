@@ -32,6 +32,7 @@ from permits._exceptions import (
     ConfigurationError,
     InvalidArgument,
     KeyInUse,
+    LeaseLost,
     PermitsError,
     UsageError,
 )
@@ -594,6 +595,10 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             releasing = True
             try:
                 _release_within(held, RELEASE_PATIENCE)
+            except LeaseLost:
+                # Lost while COMMAND ran: said already, and the exit status says it (76). Or ran out only
+                # after COMMAND ended (an extend held up past the TTL): held for all its run, so no loss.
+                pass
             except PermitsError as exc:
                 # COMMAND has run: its status is the outcome. The lease runs out at its TTL instead.
                 click.echo(f"permits: could not release the lease (it expires at its TTL): {exc.code}: {exc}", err=True)

@@ -179,3 +179,31 @@ def test_a_cancelled_request_for_a_new_lease_only_releases_its_own_grant_and_no_
             return after_own, after_other, (await client.get_semaphore(name)).used
 
     assert asyncio.run(scenario()) == (0, 1, 0)
+
+
+def test_a_block_that_outlived_its_lease_says_so_at_its_end(make_client: Callable[..., Any], ns: str) -> None:
+    """With no watchdog to extend it, a lease whose TTL ran out inside its block let its work go on
+    unprotected (another holder may have got in): the block's end raises ``LeaseLost`` (reason
+    ``expired``), as redis-py's release raises ``LockNotOwnedError``, rather than return as if all was well.
+    A block that raised says its own error instead; one that ended in time says nothing."""
+    client = make_client(owner=f"{ns}o")
+    client.create_mutex(f"{ns}m")
+    with pytest.raises(permits.LeaseLost) as lost, client.mutex(f"{ns}m", ttl=0.5) as lease:
+        time.sleep(1.2)
+        other = client.try_acquire(f"{ns}m", owner=f"{ns}other")
+        assert other is not None  # let in beside the block
+    assert lost.value.reason == "expired" and lost.value.details["key"] == lease.key
+    client.release(other, owner=f"{ns}other")
+    with pytest.raises(ZeroDivisionError), client.mutex(f"{ns}m", ttl=0.5):
+        time.sleep(1.2)
+        raise ZeroDivisionError
+    with client.mutex(f"{ns}m", ttl=30):
+        pass
+
+
+def test_a_revoked_lease_is_said_lost_at_the_end_of_its_block(make_client: Callable[..., Any], ns: str) -> None:
+    client = make_client(owner=f"{ns}o")
+    client.create_mutex(f"{ns}m")
+    with pytest.raises(permits.LeaseLost) as lost, client.mutex(f"{ns}m", ttl=30) as lease:
+        client.revoke(lease.key, owner=f"{ns}o", reason="runaway")
+    assert lost.value.reason == "revoked"

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 from permits import _validate
 from permits._sync.watchdog import Watchdog
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, Settings
-from permits._exceptions import ENDS_THE_REQUEST, AcquireTimeout, PermitsError, StorageConflict, UsageError
+from permits._exceptions import (
+    ENDS_THE_REQUEST,
+    AcquireTimeout,
+    LeaseLost,
+    PermitsError,
+    StorageConflict,
+    UsageError,
+)
 from permits._io import sync_lock, sync_shield, sync_sleep, sync_try_lock, monotonic
 from permits._models import (
     RWLOCK_READERS,
@@ -629,6 +636,8 @@ class Held:
         self.lease: Lease | None = None
         #: the watchdog while the block runs, when keepalive is on
         self.watchdog: Watchdog | None = None
+        #: when the lease runs out without extends (``monotonic()``), reckoned from the request that got it
+        self._deadline = 0.0
 
     @property
     def lost(self) -> bool:
@@ -657,6 +666,7 @@ class Held:
                 self._new_only,
                 ttl_at_most_ms=self._ttl_at_most_ms,
             )
+            self._deadline = asked + self.lease.expires_in  # reckoned from the request: never later than the lease's
             if self._watch.on:
                 self.watchdog = Watchdog(
                     self._client,
@@ -689,11 +699,42 @@ class Held:
             raise
 
     def __exit__(self, *exc_info: Any) -> None:
+        ended_at = monotonic()
         try:
             if self.watchdog is not None:
                 self.watchdog.stop()
             # The lease itself rather than its key: it says which semaphores it holds (see release).
             held: Lease | str = self._key if self.lease is None else self.lease
-            sync_shield(self._client.release(held, owner=self._owner))
+            outcome = sync_shield(self._client.release(held, owner=self._owner))
         finally:
             self._in_use.release()
+        if outcome is ReleaseOutcome.LOST and exc_info[0] is None and not self.lost:
+            # The block ran to its end, but the lease had ended before it did (it expired, say, with no
+            # watchdog to extend it), and nobody said so: part of the block's work ran unprotected, maybe
+            # beside another holder. Said now, as redis-py's LockNotOwnedError says it, rather than left for
+            # the caller to find. (A loss the watchdog found was told already: on_lost, lost, a cancel.)
+            lost = self._lost_before(ended_at)
+            if lost is not None:
+                raise lost
+
+    def _lost_before(self, ended_at: float) -> LeaseLost | None:
+        """The error for a lease found ended at the release of a block that ended at ``ended_at``
+        (``monotonic()``), unless it may have run out only after that: its TTL, reckoned from the request
+        that got it (or the watchdog's last extend), had not passed then. A release held up past the TTL
+        (a database slow to answer) does not make the block's work unprotected."""
+        reason = self.watchdog.reason if self.watchdog is not None and self.watchdog.reason else None
+        if reason is None:
+            with contextlib.suppress(PermitsError):
+                ended = self._client.get_lease(self._key, owner=self._owner)
+                reason = None if ended.end_reason is None else str(ended.end_reason)
+        reason = reason or "expired"
+        # The grant's own, or a later one an extend gave (an extend held up past the TTL may give an earlier).
+        deadline = max(self._deadline, self.watchdog.deadline if self.watchdog is not None else 0.0)
+        if reason in ("expired", "swept") and ended_at < deadline:
+            return None
+        return LeaseLost(
+            f"lease {self._key!r} ended ({reason}) before its block did: the block's work was not all done under it",
+            key=self._key,
+            owner=self._owner,
+            reason=reason,
+        )
