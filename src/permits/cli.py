@@ -27,6 +27,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 import permits
+from permits._config import DEFAULT_URL
 from permits._exceptions import (
     AcquireTimeout,
     ConfigurationError,
@@ -48,6 +49,8 @@ EXIT_NOT_ACQUIRED = 75  # EX_TEMPFAIL: try again later
 EXIT_LEASE_LOST = 76
 #: The signals ``permits run`` passes on to COMMAND, so a supervisor can stop it cleanly.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: The file of the default database, in the working directory.
+DEFAULT_DATABASE_FILE = DEFAULT_URL.removeprefix("sqlite:///")
 #: How long ``permits run`` tries to release the lease once COMMAND has ended. A database that hangs would
 #: otherwise keep it there for minutes (every try waits for its reply, and a release is retried), after
 #: the work it guarded is done; the lease then runs out at its TTL instead.
@@ -76,6 +79,14 @@ def _owner_option(fn: F) -> F:
 @contextmanager
 def _client(db: str | None, owner: str | None = None) -> Iterator[Client]:
     """A client whose errors become a one-line message and an exit code, never a traceback."""
+    if db is None and not os.environ.get("PERMITS_DATABASE_URL") and not os.path.exists(DEFAULT_DATABASE_FILE):
+        # A host whose cron line lacks the variable would otherwise get a private database without a word,
+        # and "one machine at a time" would quietly stop holding.
+        click.echo(
+            f"permits: no database named (--db, PERMITS_DATABASE_URL): making {DEFAULT_DATABASE_FILE} in"
+            f" {os.getcwd()}, which only commands run in this directory share",
+            err=True,
+        )
     try:
         with permits.connect(db, owner=owner) as client:
             yield client
@@ -410,7 +421,7 @@ def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> f
     type=click.IntRange(0, 255),
     default=EXIT_NOT_ACQUIRED,
     show_default=True,
-    help="Exit status when no permit could be had within --timeout.",
+    help="Exit status when no permit could be had within --timeout, or --key names a lease already.",
 )
 @click.option(
     "--max-hold", type=float, default=None, help="Keep the lease alive at most this many seconds (default: no cap)."

@@ -685,3 +685,18 @@ def test_a_ctrl_c_at_the_terminal_reaches_the_command_once(db_url: str, ns: str)
     _, status = os.waitpid(pid, 0)
     assert b"heard 1" in output, output
     assert os.waitstatus_to_exitcode(status) == 0, output
+
+
+def test_a_command_that_makes_the_default_database_says_so(tmp_path: Path) -> None:
+    """With no --db and no PERMITS_DATABASE_URL, the default is a file in the working directory: shared by
+    nothing else. Made silently, a cron line that lacks the variable would hold its lock alone."""
+    env = {k: v for k, v in os.environ.items() if k != "PERMITS_DATABASE_URL"}
+    first = subprocess.run(
+        [sys.executable, "-m", "permits", "sem", "ls"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr
+    assert f"making permits.db in {tmp_path}" in first.stderr and (tmp_path / "permits.db").exists()
+    again = subprocess.run(
+        [sys.executable, "-m", "permits", "sem", "ls"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert again.returncode == 0 and again.stderr == ""  # the file is there: nothing to say

@@ -853,7 +853,8 @@ def _change_from_row(row: Sequence[Any]) -> CapacityChange:
 
 def _in_use(name: str, leases: int) -> SemaphoreInUse:
     return SemaphoreInUse(
-        f"semaphore {name!r} has {leases} lease(s) holding permits; use force to revoke them",
+        f"semaphore {name!r} has {leases} lease(s) holding permits; delete it with force (--force, force=true)"
+        " to revoke them",
         name=name,
         leases=leases,
     )
