@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from permits._async.client import AsyncClient, AsyncHeld
+from permits._async.watchdog import AsyncWatchdog
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, DEFAULT_TTL, DEFAULT_URL
 from permits._exceptions import (
     AcquireTimeout,
@@ -60,6 +61,7 @@ from permits._models import (
     shared,
 )
 from permits._sync.client import Client, Held
+from permits._sync.watchdog import Watchdog
 
 if TYPE_CHECKING:  # not imported otherwise: a client of a service needs no SQLAlchemy
     from sqlalchemy.engine import URL
@@ -120,6 +122,7 @@ __all__ = [
     "AcquireTimeout",
     "AsyncClient",
     "AsyncHeld",
+    "AsyncWatchdog",
     "CapacityChange",
     "Client",
     "ConfigurationError",
@@ -162,6 +165,7 @@ __all__ = [
     "UsageError",
     "Waiter",
     "Want",
+    "Watchdog",
     "connect",
     "connect_async",
     "error_class",

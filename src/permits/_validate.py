@@ -29,7 +29,7 @@ MAX_CAPACITY = 2**53 - 1
 #: How many different semaphores one request may name.
 MAX_WANTS = 64
 
-WantsLike: TypeAlias = "str | Want | Mapping[str, int] | Iterable[Want | tuple[str, int] | str]"
+WantsLike: TypeAlias = "str | Want | tuple[str, int] | Mapping[str, int] | Iterable[Want | tuple[str, int] | str]"
 Seconds: TypeAlias = "float | int | timedelta"
 
 
