@@ -94,6 +94,11 @@ def _client(db: str | None, owner: str | None = None) -> Iterator[Client]:
         _fail(exc, EXIT_USAGE)
     except PermitsError as exc:
         _fail(exc, EXIT_FAILED)
+    except KeyboardInterrupt:
+        # Ctrl-C (a wait for room, say; the library has given up the call's places in fair queues): said as
+        # `permits run` says it, with the shell's status for it, rather than click's "Aborted!" and 1.
+        click.echo("permits: interrupted", err=True)
+        sys.exit(128 + signal.SIGINT)
 
 
 def _fail(exc: PermitsError, code: int) -> None:

@@ -700,3 +700,31 @@ def test_a_command_that_makes_the_default_database_says_so(tmp_path: Path) -> No
         [sys.executable, "-m", "permits", "sem", "ls"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert again.returncode == 0 and again.stderr == ""  # the file is there: nothing to say
+
+
+def test_ctrl_c_while_acquire_waits_says_so_exits_130_and_holds_nothing(db_url: str, ns: str) -> None:
+    name = f"{ns}full"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    # Ctrl-C reaches a foreground process; one started in the background by a shell without job control
+    # inherits SIGINT ignored, so the child takes Python's own handler back first.
+    code = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from permits.cli import main\n"
+        "main(sys.argv[1:], prog_name='permits')\n"
+    )
+    with permits.connect(db_url, owner=f"{ns}h") as client:
+        held = client.acquire(name, ttl=60)
+        waiting = subprocess.Popen(
+            [sys.executable, "-c", code, "acquire", name, "--key", f"{ns}k", "--timeout", "30", "--db", db_url],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(2)  # waiting for room
+        waiting.send_signal(signal.SIGINT)
+        assert waiting.wait(timeout=30) == 130
+        assert waiting.stderr is not None
+        told = waiting.stderr.read()
+        assert "permits: interrupted" in told and "Aborted" not in told, told
+        assert [h.key for h in client.holders(name)] == [held.key]
+        client.release(held)
