@@ -10,6 +10,8 @@
         proxy.stall(new_too=False)                         # only the connections open now stall: one path
                                                            #   through a load balancer hangs, new ones work
         proxy.stall_on(b"SELECT pid")                      # a connection stalls when its client sends this
+        proxy.down()                                       # cut every connection, and drop each new one at
+        proxy.up()                                         #   once, until up: the server is down
 
 
 A stall is a link that stops carrying anything without failing: no byte is lost, none is delivered, and
@@ -116,6 +118,7 @@ class CuttingProxy:
         self._closed = False
         self._stall_new = False  # new connections start stalled
         self._stall_marker: bytes | None = None  # a connection whose client sends this stalls
+        self._down = False  # new connections are dropped at once
         #: bytes sent by the server and forwarded to clients, over all connections
         self.server_bytes = 0
         #: packets (recv results) sent by clients and forwarded to the server, over all connections
@@ -190,6 +193,16 @@ class CuttingProxy:
         for link in links:
             link.shut()
 
+    def down(self) -> None:
+        """Cut every open connection, and drop every new one as soon as it is accepted, until ``up()``: to
+        the client, the server is down (restarting, failing over)."""
+        self._down = True
+        self.cut_all()
+
+    def up(self) -> None:
+        """Carry new connections again."""
+        self._down = False
+
     def close(self) -> None:
         self._closed = True
         self.resume()
@@ -215,6 +228,9 @@ class CuttingProxy:
                 continue
             except OSError:
                 return
+            if self._down:
+                client.close()
+                continue
             client.settimeout(None)
             try:
                 server = socket.create_connection(self.upstream, timeout=5)

@@ -27,3 +27,7 @@ class Backoff:
 RETRY_BACKOFF = Backoff(base=0.005, cap=0.5)
 #: Between attempts of an ``acquire`` that is waiting for room.
 WAIT_BACKOFF = Backoff(base=0.02, cap=1.0)
+#: Between attempts of a waiting ``acquire`` while the database (or the service) is unavailable: each
+#: attempt already spent the store's own quick retries, so these come back within seconds of a restart
+#: without a fleet of waiters reconnecting in step.
+OUTAGE_BACKOFF = Backoff(base=0.25, cap=4.0)

@@ -108,13 +108,34 @@ def sync_current() -> Any:
     return None
 
 
-def async_interrupt(task: Any) -> None:
-    if task is not None and not task.done():
-        task.cancel()
+def async_interrupt(task: Any) -> bool:
+    """Cancel ``task``; whether a cancellation was asked for."""
+    return task is not None and not task.done() and bool(task.cancel())
 
 
-def sync_interrupt(task: Any) -> None:
-    pass
+def sync_interrupt(task: Any) -> bool:
+    return False
+
+
+def async_take_back_cancel(task: Any, cancelling_before: int, exc: BaseException | None) -> bool:
+    """Take back the cancellation ``async_interrupt`` asked of ``task``, as ``asyncio.timeout()`` does its
+    own: whether ``exc`` is that cancellation and no other was asked for since (``task.cancelling()`` was
+    ``cancelling_before`` before it), so that the caller may raise its own error in its place. Another
+    cancellation (the task's group torn down, say) stays a cancellation."""
+    return task.uncancel() <= cancelling_before and isinstance(exc, asyncio.CancelledError)
+
+
+def sync_take_back_cancel(task: Any, cancelling_before: int, exc: BaseException | None) -> bool:
+    return False
+
+
+def async_cancelling(task: Any) -> int:
+    """How many cancellations of ``task`` are pending."""
+    return 0 if task is None else int(task.cancelling())
+
+
+def sync_cancelling(task: Any) -> int:
+    return 0
 
 
 def async_mutex() -> contextlib.AbstractContextManager[Any]:

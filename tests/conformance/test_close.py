@@ -260,3 +260,16 @@ def test_a_long_poll_over_tls_ends_at_close(
         _shut(client)
         _shut(holder)
         front.close()
+
+
+def test_keepalive_on_a_closed_client_is_refused_at_once(make_client: Callable[..., Any], ns: str) -> None:
+    """Not a watchdog whose first extend, a ttl/3 later, finds the client closed and reports a lease lost
+    that is still held."""
+    client = make_client(owner=f"{ns}o")
+    client.create_semaphore(f"{ns}s", 1)
+    lease = client.acquire(f"{ns}s", ttl=30)
+    client.close()
+    with pytest.raises(permits.UsageError, match="closed"):
+        client.keepalive(lease)
+    other = make_client(owner=f"{ns}o")
+    assert other.release(lease) is permits.ReleaseOutcome.RELEASED

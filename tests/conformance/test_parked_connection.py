@@ -280,8 +280,9 @@ def test_no_connection_free_in_time_is_a_typed_error_that_wrote_nothing(
     holder = threading.Thread(target=_cycle, args=(client, f"{ns}s"), name="slow")
     holder.start()
     assert started.acquire(timeout=30)  # the slow grant holds the pool's one connection
+    # try_acquire: a waiting acquire would wait for a connection, as for room, within its timeout.
     with pytest.raises(permits.StorageUnavailable, match=r"came free within 0\.3 s") as caught:
-        client.acquire(f"{ns}t", key="k", ttl=30, timeout=5)
+        client.try_acquire(f"{ns}t", key="k", ttl=30)
     holder.join(timeout=30)
     assert caught.value.code == "storage_unavailable"
     assert client.get_semaphore(f"{ns}t").used == 0

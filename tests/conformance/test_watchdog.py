@@ -91,34 +91,113 @@ def test_max_hold_does_not_extend_by_ever_shorter_ttls(
         assert min(asked) >= 0.1, asked
 
 
-def test_asyncio_holder_is_cancelled_when_its_lease_is_lost(client_url: str, ns: str) -> None:
-    async def scenario() -> tuple[bool, str | None, float]:
+@pytest.mark.parametrize("how", ["lease", "keepalive"])
+def test_asyncio_holder_is_cancelled_when_its_lease_is_lost_and_the_block_raises_lease_lost(
+    client_url: str, ns: str, how: str
+) -> None:
+    """The block's work stops at its next await, and the block raises LeaseLost (not a bare
+    CancelledError that tells the caller nothing), with the watchdog's own cancellation taken back: the task
+    is not left cancelling, so an ``asyncio.timeout()`` around the block neither fires nor breaks."""
+
+    async def scenario() -> tuple[BaseException | None, str | None, float, int, int, bool]:
         async with (
             permits.connect_async(client_url, owner=f"{ns}w") as client,
             permits.connect_async(client_url, owner=f"{ns}a") as admin,
         ):
             await client.create_semaphore(f"{ns}s", 1)
             entered = asyncio.Event()
-            held: Any = None
+            watched: Any = None
+            after: list[int] = []
+            timed_out_later = False
+
+            async def hold() -> None:
+                nonlocal watched
+                if how == "lease":
+                    watched = client.lease(f"{ns}s", ttl=0.6, keepalive=True)
+                    async with watched as lease:
+                        entered.set()
+                        await admin.revoke(lease.key, owner=f"{ns}w", reason="test")
+                        await asyncio.sleep(30)  # the watchdog cancels this
+                else:
+                    lease = await client.acquire(f"{ns}s", ttl=0.6)
+                    try:
+                        async with client.keepalive(lease) as watched:
+                            entered.set()
+                            await admin.revoke(lease.key, owner=f"{ns}w", reason="test")
+                            await asyncio.sleep(30)  # the watchdog cancels this
+                    finally:
+                        await client.release(lease)
 
             async def work() -> None:
-                nonlocal held
-                held = client.lease(f"{ns}s", ttl=0.6, keepalive=True)
-                async with held as lease:
-                    entered.set()
-                    await admin.revoke(lease.key, owner=f"{ns}w", reason="test")
-                    await asyncio.sleep(30)  # the watchdog cancels this
+                nonlocal timed_out_later
+                try:
+                    async with asyncio.timeout(20):
+                        await hold()
+                finally:
+                    task = asyncio.current_task()
+                    assert task is not None
+                    after.append(task.cancelling())
+                    try:  # a timeout of the task's own still works after the loss
+                        async with asyncio.timeout(0.05):
+                            await asyncio.sleep(5)
+                    except TimeoutError:
+                        timed_out_later = True
 
             task = asyncio.create_task(work())
             await entered.wait()
             started = asyncio.get_running_loop().time()
             await asyncio.wait({task}, timeout=10)
             took = asyncio.get_running_loop().time() - started
-            assert held is not None and held.watchdog is not None
-            return task.cancelled(), held.watchdog.reason, took
+            assert task.done() and not task.cancelled(), "the loss came out as a cancellation"
+            reason = watched.reason if how == "keepalive" else watched.watchdog.reason
+            used = (await client.get_semaphore(f"{ns}s")).used
+            return task.exception(), reason, took, after[0], used, timed_out_later
 
-    cancelled, reason, took = asyncio.run(scenario())
-    assert cancelled and reason == "revoked" and took < 2
+    raised, reason, took, cancelling, used, timed_out_later = asyncio.run(scenario())
+    assert isinstance(raised, permits.LeaseLost), repr(raised)
+    assert raised.reason == "revoked" and isinstance(raised.__cause__, asyncio.CancelledError)
+    assert reason == "revoked" and took < 2
+    assert cancelling == 0, "the watchdog's cancellation was left pending on the task"
+    assert timed_out_later
+    assert used == 0
+
+
+def test_a_cancellation_of_its_own_beside_the_loss_stays_a_cancellation(client_url: str, ns: str) -> None:
+    """The task was cancelled from elsewhere too (its task group torn down): that cancellation is what the
+    block raises, the watchdog's own is taken back, and the permits are still released."""
+
+    async def scenario() -> tuple[bool, int, int]:
+        async with (
+            permits.connect_async(client_url, owner=f"{ns}w") as client,
+            permits.connect_async(client_url, owner=f"{ns}a") as admin,
+        ):
+            await client.create_semaphore(f"{ns}s", 1)
+            pending: list[int] = []
+
+            async def work() -> None:
+                async with client.lease(f"{ns}s", ttl=0.6, keepalive=True) as lease:
+                    await admin.revoke(lease.key, owner=f"{ns}w", reason="test")
+                    try:
+                        await asyncio.sleep(30)  # the watchdog cancels this
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        assert task is not None
+                        task.cancel()  # and, as it is being cancelled, so does someone else
+                        pending.append(task.cancelling())
+                        raise
+
+            task = asyncio.create_task(work())
+            await asyncio.wait({task}, timeout=10)
+            assert task.done()
+            for _ in range(100):  # the release, shielded, may finish just after the block's cancellation
+                if (await client.get_semaphore(f"{ns}s")).used == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return task.cancelled(), pending[0], (await client.get_semaphore(f"{ns}s")).used
+
+    cancelled, pending, used = asyncio.run(scenario())
+    assert cancelled and pending == 2
+    assert used == 0
 
 
 def test_the_first_deadline_counts_from_the_request_that_got_the_lease(db_url: str, backend: str, ns: str) -> None:

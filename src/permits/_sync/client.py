@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import uuid
 from collections.abc import Callable
@@ -13,13 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from permits import _validate
 from permits._sync.watchdog import Watchdog
+from permits._backoff import OUTAGE_BACKOFF
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, Settings
 from permits._exceptions import (
     ENDS_THE_REQUEST,
     AcquireTimeout,
     LeaseLost,
     PermitsError,
+    ServiceUnavailable,
     StorageConflict,
+    StorageUnavailable,
     UsageError,
 )
 from permits._io import sync_lock, sync_shield, sync_sleep, sync_try_lock, monotonic
@@ -43,8 +47,12 @@ from permits.stores.base import Store
 if TYPE_CHECKING:  # not imported otherwise: a client of a service needs no SQLAlchemy
     from sqlalchemy.engine import URL
 
+logger = logging.getLogger("permits.client")
+
 #: With no timeout, how long one attempt may wait for room in a store that can wait (the service).
 LONG_POLL_SECONDS = 30.0
+#: What a waiting acquire rides out, within its timeout (see ``_acquire``).
+UNAVAILABLE = (StorageUnavailable, ServiceUnavailable)
 #: How many sets of semaphore names a client remembers the contention of.
 REMEMBERED_CONTENTION = 1024
 
@@ -189,7 +197,9 @@ class Client:
         waiter for one plain semaphore asks in the server's lock queue, which paces it; a waiter in a
         fair queue paces itself by its place, and waiters told of the same release spread their retries
         (see ``permits._pacing``). Every attempt uses the same key, so an attempt whose reply was lost can
-        never grant twice. Raises ``AcquireTimeout`` when the time is up.
+        never grant twice. Raises ``AcquireTimeout`` when the time is up. An outage while it waits (the
+        database or the service unavailable past the store's retries) is waited out too, within the timeout;
+        if it still lasts then, that ``StorageUnavailable`` is raised.
         With ``new_only``, a key that names a lease already, held or ended, is refused with ``KeyInUse`` instead of
         answered with that lease: two callers that chose the same key cannot both hold it (see docs/api.md).
         """
@@ -227,6 +237,8 @@ class Client:
         pacer = WaitPacer(lost_races=lost_races, quiet_until=quiet_until)
         # Whether the next attempt waits for its turn in the server's lock queue (see _pacing).
         in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
+        outage_since: float | None = None  # when the attempts began to find the database unavailable
+        outages = 0  # attempts in a row that did
         try:
             while True:
                 wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
@@ -251,6 +263,36 @@ class Client:
                     # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
                     lease, conflict = None, exc
                     pacer.force_recheck()
+                except UNAVAILABLE as exc:
+                    # An outage that outlasted the store's retries (a database restarting or failing over, a
+                    # service instance being replaced) is ridden out as the holders ride it out: the caller
+                    # asked to wait, and the database, once back, is where the room is. Every attempt carries
+                    # the same key, so one whose grant committed unseen is answered with that lease, not a
+                    # second one. The client opened before this loop, so its URL is right: a wrong one fails
+                    # there, at once. At the deadline the outage is raised, not AcquireTimeout: the caller
+                    # learns the database, not the semaphore, kept it waiting.
+                    if outage_since is None:
+                        outage_since = monotonic()
+                        logger.warning(
+                            "%s while waiting for %s; waiting for it to come back%s",
+                            exc.message,
+                            ", ".join(f"{w.name}:{w.count}" for w in wants_),
+                            "" if limit is None else f", within the timeout ({limit} s)",
+                        )
+                    remaining = None if deadline is None else deadline - monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise
+                    pause = OUTAGE_BACKOFF.delay(outages)
+                    outages += 1
+                    sync_sleep(pause if remaining is None else min(pause, remaining))
+                    in_line = False  # the server's lock queue is gone with the session that stood in it
+                    # The last attempt may have been granted, its reply lost: only the full check finds that
+                    # lease under the key (a quick one would see no room, its own grant holding it).
+                    pacer.force_recheck()
+                    continue
+                if outage_since is not None:
+                    logger.info("reached the database again after %.1f s without it", monotonic() - outage_since)
+                    outage_since, outages = None, 0
                 if lease is not None:
                     pacer.granted()
                     self._remember_contention(contended, pacer)
@@ -352,7 +394,8 @@ class Client:
         """``with client.lease("backups") as lease:`` acquires (waiting up to ``timeout``) and
         releases on exit, also when the body raises. With ``keepalive``, a watchdog extends the lease
         while the block runs (see ``keepalive()``; ``max_hold`` and ``on_lost`` go to it), and the block's
-        task is cancelled if the lease is lost; ``held.lost`` tells a sync holder. ``new_only``: as in
+        task is cancelled if the lease is lost (the block then raises ``LeaseLost``); ``held.lost`` tells a
+        sync holder. ``new_only``: as in
         ``acquire``."""
         # Checked now; a TTL left to the default is the store's, known once the client is open (a service's).
         owner_, key_, wants_, _ = self._request(wants, key, owner, ttl)
@@ -412,8 +455,12 @@ class Client:
     ) -> Watchdog:
         """A watchdog that extends ``lease`` about every ttl/3 while the holder works:
         ``with client.keepalive(lease) as dog:``. When the lease is lost, ``dog.lost`` is set,
-        ``on_lost(reason)`` is called, and the task that entered the block is cancelled. ``max_hold``
-        caps the total time it keeps the lease alive."""
+        ``on_lost(reason)`` is called, and the task that entered the block is cancelled (the block then
+        raises ``LeaseLost``). ``max_hold`` caps the total time it keeps the lease alive."""
+        if self._closed:
+            # Refused now: its first extend, a ttl/3 later in the background, would find the client closed
+            # and report the lease lost while it is still held.
+            raise UsageError("this client is closed: keepalive needs an open client to extend the lease")
         if not isinstance(lease, Lease):
             raise _validate.InvalidArgument("keepalive takes the Lease that acquire returned", field="lease")
         ttl_ = None if ttl is None else _validate.ttl_ms(ttl) / 1000
@@ -701,13 +748,18 @@ class Held:
     def __exit__(self, *exc_info: Any) -> None:
         ended_at = monotonic()
         try:
+            # Shielded whole: a cancellation that comes now (a task group torn down) must not stop the
+            # watchdog's stop short of the release, and leave the permits held until their TTL.
+            outcome = sync_shield(self._stop_and_release())
+        except BaseException as exc:
             if self.watchdog is not None:
-                self.watchdog.stop()
-            # The lease itself rather than its key: it says which semaphores it holds (see release).
-            held: Lease | str = self._key if self.lease is None else self.lease
-            outcome = sync_shield(self._client.release(held, owner=self._owner))
-        finally:
-            self._in_use.release()
+                self.watchdog.lost_in_place_of(exc)  # its own cancellation taken back; this one stays
+            raise
+        if self.watchdog is not None:
+            # A loss that cancelled the block is raised as LeaseLost (see Watchdog.lost_in_place_of).
+            lost = self.watchdog.lost_in_place_of(exc_info[1])
+            if lost is not None:
+                raise lost from exc_info[1]
         if outcome is ReleaseOutcome.LOST and exc_info[0] is None and not self.lost:
             # The block ran to its end, but the lease had ended before it did (it expired, say, with no
             # watchdog to extend it), and nobody said so: part of the block's work ran unprotected, maybe
@@ -716,6 +768,16 @@ class Held:
             lost = self._lost_before(ended_at)
             if lost is not None:
                 raise lost
+
+    def _stop_and_release(self) -> ReleaseOutcome:
+        try:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            # The lease itself rather than its key: it says which semaphores it holds (see release).
+            held: Lease | str = self._key if self.lease is None else self.lease
+            return self._client.release(held, owner=self._owner)
+        finally:
+            self._in_use.release()
 
     def _lost_before(self, ended_at: float) -> LeaseLost | None:
         """The error for a lease found ended at the release of a block that ended at ``ended_at``

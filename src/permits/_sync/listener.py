@@ -267,7 +267,9 @@ class RoomListener:
                     for waiter in ready:
                         waiter.event.set()
         except psycopg.Error as exc:
-            logger.warning("the LISTEN connection broke (waiters poll meanwhile): %s", exc)
+            # The first line: libpq's hint after it ("This probably means the server terminated...") is
+            # two more lines of guessing in an operator's log, or on a CLI user's terminal.
+            logger.warning("the LISTEN connection broke (waiters poll meanwhile): %s", str(exc).partition("\n")[0])
             self._failed_at = monotonic()
         finally:
             with self._mutex:

@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from permits._exceptions import LeaseLost, LeaseNotFound, PermitsError
 from permits._io import (
+    sync_cancelling,
     sync_current,
     sync_event,
     sync_interrupt,
     sync_join,
     sync_mutex,
     sync_spawn,
+    sync_take_back_cancel,
     sync_wait,
     monotonic,
 )
@@ -86,6 +88,9 @@ class Watchdog:
         self._stop = sync_event()
         self._losing = sync_mutex()
         self._guarded: Any = None
+        #: the guarded task's pending cancellations when the watchdog started, and whether it cancelled it
+        self._cancelling_before = 0
+        self._cancelled_guarded = False
         self._runner: Any = None
         self._expiry: Any = None
         self._started = 0.0
@@ -97,6 +102,8 @@ class Watchdog:
     def start(self) -> Watchdog:
         self._started = monotonic()
         self._guarded = sync_current() if self._cancel else None
+        self._cancelling_before = sync_cancelling(self._guarded)
+        self._cancelled_guarded = False
         self._runner = sync_spawn(self._run, "permits-watchdog")
         self._expiry = sync_spawn(self._guard_expiry, "permits-watchdog-expiry")
         return self
@@ -114,6 +121,27 @@ class Watchdog:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.stop()
+        lost = self.lost_in_place_of(exc_info[1])
+        if lost is not None:
+            raise lost from exc_info[1]
+
+    def lost_in_place_of(self, exc: BaseException | None) -> LeaseLost | None:
+        """At the end of the guarded block, which ended with ``exc``: the ``LeaseLost`` to raise in place of
+        the cancellation this watchdog caused, as ``asyncio.timeout()`` raises ``TimeoutError`` in place of
+        its own. A bare ``CancelledError`` out of a block would tell the caller nothing, and its task's
+        ``cancelling()`` would stay raised, so an ``asyncio.timeout()`` around it would never fire. ``None``
+        when the watchdog cancelled nothing, or when another cancellation came too (that one stays)."""
+        if not self._cancelled_guarded:
+            return None
+        self._cancelled_guarded = False
+        if not sync_take_back_cancel(self._guarded, self._cancelling_before, exc):
+            return None
+        return LeaseLost(
+            f"lease {self.lease.key!r} lost ({self.reason}) while its block ran: the block was cancelled",
+            key=self.lease.key,
+            owner=self.lease.owner,
+            reason=self.reason,
+        )
 
     def _run(self) -> None:
         # Every ttl/3, and sooner while the deadline is close: a grant that waited long for its row, or an
@@ -186,4 +214,7 @@ class Watchdog:
                 self._on_lost(reason)
             except Exception:
                 logger.exception("the on_lost callback of lease %r failed", self.lease.key)
-        sync_interrupt(self._guarded)
+        if self._stopped_at is None:
+            # Not once the holder has stopped the watchdog: its block is over, and a cancel would land in its
+            # exit instead, between the stop and the release, and skip the release.
+            self._cancelled_guarded = sync_interrupt(self._guarded)

@@ -1,0 +1,159 @@
+"""A waiting acquire rides out an outage, within its timeout, as the holders do.
+
+A database restart or fail-over, or a service instance being replaced, lasts longer than the store's
+quick retries (well under a second). A caller that asked to wait for room (``acquire(timeout=...)``,
+``permits run``) keeps waiting through it rather than fail: it asks again, backing off, with the same key,
+so an attempt whose grant committed unseen is answered with that lease and never a second one. If the
+outage still lasts at the deadline, the caller gets ``StorageUnavailable``, not ``AcquireTimeout``: the
+database, not the semaphore, kept it waiting.
+
+The outage is a TCP proxy that cuts every connection and drops each new one (``CuttingProxy.down``),
+between the waiter and the database, between a service and its database, or between the waiter and the
+service. The holder and the checks go to the database directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+
+import permits
+from permits import StorageUnavailable
+from tests._proxy import CuttingProxy
+from tests._service import ROOT, Service
+from tests.conftest import AsyncFacade, in_thread
+
+#: Each test cuts only its own proxy's links: they run beside the other tests. A bound on how late an
+#: answer may come on a loaded machine.
+pytestmark = pytest.mark.beside_others
+BOUND = 20.0
+#: Longer than the store's quick retries of a lost connection, so the waiting loop itself meets the outage.
+OUTAGE_SECONDS = 3.0
+
+
+@pytest.fixture(params=["mysql", "postgresql"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Overrides the conftest fixture: only the servers have an outage to ride out."""
+    return str(request.param)
+
+
+class _Setup:
+    """A semaphore of one permit, held directly; a waiter that reaches it through the proxy."""
+
+    def __init__(self, db_url: str, where: str, flavour: str, ns: str, stack: ExitStack) -> None:
+        self.sem = f"{ns}outage"
+        self.direct = stack.enter_context(permits.connect(db_url))
+        self.direct.create_semaphore(self.sem, 1)
+        self.holder = self.direct.acquire(self.sem, ttl=120)
+        if where == "db":  # waiter -> proxy -> database
+            self.proxy = stack.enter_context(CuttingProxy.before(db_url))
+            url = self.proxy.url_for(db_url)
+        elif where == "service-db":  # waiter -> service -> proxy -> database
+            self.proxy = stack.enter_context(CuttingProxy.before(db_url))
+            service = Service.started(self.proxy.url_for(db_url), env={"PERMITS_MAINTENANCE__ENABLED": "false"})
+            stack.callback(service.stop)
+            url = service.url
+        else:  # waiter -> proxy -> service -> database
+            service = Service.started(db_url, env={"PERMITS_MAINTENANCE__ENABLED": "false"})
+            stack.callback(service.stop)
+            host, port = service.url.removeprefix("http://").split(":")
+            self.proxy = stack.enter_context(CuttingProxy((host, int(port))))
+            url = f"http://127.0.0.1:{self.proxy.port}"
+        self.url = url
+        waiter: Any = permits.connect(url) if flavour == "sync" else AsyncFacade(permits.connect_async(url))
+        stack.callback(waiter.close if flavour == "sync" else waiter.shutdown)
+        self.waiter = waiter
+
+    def wait_in_thread(self, timeout: float) -> tuple[Any, dict[str, Any]]:
+        thread, outcome = in_thread(lambda: self.waiter.acquire(self.sem, ttl=60, timeout=timeout))
+        time.sleep(1.5)  # it found no room, and waits
+        assert "value" not in outcome and "error" not in outcome, outcome
+        return thread, outcome
+
+
+@pytest.fixture
+def setup(db_url: str, flavour: str, ns: str) -> Iterator[Callable[[str], _Setup]]:
+    with ExitStack() as stack:
+        yield lambda where: _Setup(db_url, where, flavour, ns, stack)
+
+
+@pytest.mark.parametrize("where", ["db", "service-db", "service"])
+def test_a_waiting_acquire_rides_out_an_outage(
+    setup: Callable[[str], _Setup], where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="permits.client")
+    bench = setup(where)
+    thread, outcome = bench.wait_in_thread(timeout=60)
+    bench.proxy.down()
+    time.sleep(OUTAGE_SECONDS)
+    # The room comes free during the outage, where the waiter cannot see it.
+    assert bench.direct.release(bench.holder) == permits.ReleaseOutcome.RELEASED
+    time.sleep(1.0)
+    assert "value" not in outcome and "error" not in outcome, f"the waiter gave up during the outage: {outcome}"
+    bench.proxy.up()
+    thread.join(BOUND)
+    assert not thread.is_alive(), "the waiter did not get the room once the outage ended"
+    assert "error" not in outcome, f"the waiter gave up: {outcome['error']!r}"
+    lease = outcome["value"]
+    assert lease.held and lease.counts == {bench.sem: 1}
+    # Granted once: one holder, one permit used, one token taken after the holder's.
+    assert [h.key for h in bench.direct.holders(bench.sem)] == [lease.key]
+    sem = bench.direct.get_semaphore(bench.sem)
+    assert sem.used == 1
+    assert sem.last_token == lease.tokens[bench.sem] == bench.holder.tokens[bench.sem] + 1
+    assert bench.direct.reconcile() == []
+    if where == "db":
+        # The waiting loop met the outage itself (not only the store's quick retries), and said so.
+        assert any("waiting for it to come back" in r.getMessage() for r in caplog.records), caplog.text
+    bench.waiter.release(lease)
+
+
+def test_an_outage_that_outlasts_the_timeout_is_raised(setup: Callable[[str], _Setup]) -> None:
+    bench = setup("db")
+    timeout = 4.0
+    started = time.monotonic()
+    thread, outcome = bench.wait_in_thread(timeout=timeout)
+    bench.proxy.down()
+    thread.join(timeout + BOUND)
+    took = time.monotonic() - started
+    assert not thread.is_alive()
+    assert isinstance(outcome.get("error"), StorageUnavailable), outcome
+    assert timeout <= took < timeout + BOUND, took
+    bench.proxy.up()
+    # Nothing was granted under the waiter's key, and the holder still holds.
+    assert [h.key for h in bench.direct.holders(bench.sem)] == [bench.holder.key]
+    assert bench.direct.reconcile() == []
+
+
+def test_permits_run_rides_out_an_outage(setup: Callable[[str], _Setup], flavour: str) -> None:
+    if flavour == "async":
+        pytest.skip("the CLI has one flavour")
+    bench = setup("db")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "permits", "run", "--db", bench.url, "--timeout", "60", bench.sem, "--", "true"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.5)  # started, and waits for room
+    assert run.poll() is None, run.communicate()
+    bench.proxy.down()
+    time.sleep(OUTAGE_SECONDS)
+    assert bench.direct.release(bench.holder) == permits.ReleaseOutcome.RELEASED
+    assert run.poll() is None, f"permits run gave up during the outage: {run.communicate()}"
+    bench.proxy.up()
+    _out, err = run.communicate(timeout=BOUND)
+    assert run.returncode == 0, err
+    assert "waiting for it to come back" in err
+    # One line per notice: not libpq's hints under the LISTEN connection's breaking.
+    assert all(line.startswith("permits: ") for line in err.splitlines()), err
+    assert bench.direct.get_semaphore(bench.sem).used == 0
+    assert bench.direct.reconcile() == []
