@@ -143,16 +143,26 @@ def ttl_ms(value: object) -> int:
     return math.ceil(round(seconds * 1000, 6))
 
 
-def timeout(value: object, field: str = "timeout") -> float | None:
+def timeout(value: object, field: str = "timeout", *, inf_is_none: bool = False) -> float | None:
     """``None`` waits for ever; otherwise a number of seconds >= 0. ``field`` names the argument in the
-    error (``max_hold`` is a span of seconds too)."""
-    if value is None:
+    error (``max_hold`` is a span of seconds too). With ``inf_is_none``, ``math.inf`` is for ever too, as
+    trio's and anyio's deadlines take it (a caller's ``timeout = math.inf if patient else 5``)."""
+    if value is None or (inf_is_none and isinstance(value, float) and value == math.inf):
         return None
     what = "a timeout" if field == "timeout" else field
     seconds = _seconds(value, field, what)
     if seconds < 0:
         raise InvalidArgument(f"{what} must not be negative, got {seconds}", field=field)
     return seconds
+
+
+def max_hold(value: object) -> float | None:
+    """``None`` (or ``math.inf``): no bound; otherwise a number of seconds > 0. Zero would grant a lease
+    that is lost as it starts."""
+    hold = timeout(value, "max_hold", inf_is_none=True)
+    if hold == 0:
+        raise InvalidArgument("max_hold must be more than 0 s (None: no bound)", field="max_hold")
+    return hold
 
 
 def reply_timeout(value: object, lock_wait_timeout: float) -> float | None:

@@ -429,7 +429,10 @@ def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> f
     help="Exit status when no permit could be had within --timeout, or --key names a lease already.",
 )
 @click.option(
-    "--max-hold", type=float, default=None, help="Keep the lease alive at most this many seconds (default: no cap)."
+    "--max-hold",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help="Keep the lease alive at most this many seconds (default: no cap).",
 )
 @click.option(
     "--on-lost-signal",

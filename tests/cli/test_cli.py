@@ -31,6 +31,17 @@ def _permits(db_url: str, *args: str, check: bool = True, timeout: float = 60) -
     return done
 
 
+@pytest.mark.parametrize("max_hold", ["0", "-1", "nan"])
+def test_run_refuses_a_max_hold_that_is_not_positive_before_it_acquires(db_url: str, ns: str, max_hold: str) -> None:
+    """A lease lost as it starts is never what was meant: a usage error (2), nothing taken, COMMAND not run."""
+    name = f"{ns}capped"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    done = _permits(db_url, "run", name, "--max-hold", max_hold, "--", "touch", "/nonexistent/ran", check=False)
+    assert done.returncode == 2 and ("--max-hold" in done.stderr or "max_hold" in done.stderr), done.stderr
+    with permits.connect(db_url) as client:
+        assert client.get_semaphore(name).used == 0 and client.holders(name) == []
+
+
 def test_semaphore_commands(db_url: str, ns: str) -> None:
     name = f"{ns}backups"
     created = json.loads(_permits(db_url, "sem", "create", name, "--capacity", "3").stdout)

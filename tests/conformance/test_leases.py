@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any
@@ -379,6 +380,22 @@ def test_acquire_waits_for_a_release(make_client: Any, ns: str) -> None:
     got = waiter.acquire(f"{ns}s", timeout=10)
     timer.join()
     assert got.token > lease.token
+
+
+def test_an_infinite_timeout_waits_for_ever(make_client: Any, ns: str) -> None:
+    """``math.inf`` is for ever, as ``None`` is (trio's and anyio's deadlines take it): not refused as a
+    number that is not finite."""
+    holder, waiter = make_client(), make_client()
+    holder.create_semaphore(f"{ns}s", 1)
+    lease = holder.try_acquire(f"{ns}s")
+    timer = threading.Timer(0.4, holder.release, args=(lease,))
+    timer.start()
+    got = waiter.acquire(f"{ns}s", timeout=math.inf)
+    timer.join()
+    assert got.token > lease.token
+    assert waiter.release(got) is ReleaseOutcome.RELEASED
+    with waiter.lease(f"{ns}s", key=f"{ns}forever", timeout=math.inf, max_hold=math.inf) as held:
+        assert held.held
 
 
 def test_context_manager_releases(client: Any, ns: str) -> None:

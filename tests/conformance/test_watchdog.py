@@ -286,7 +286,7 @@ def _hold_up_the_database(db_url: str, backend: str, key: str, seconds: float) -
     return let_go
 
 
-@pytest.mark.parametrize("max_hold", [-1, float("nan"), "10"])
+@pytest.mark.parametrize("max_hold", [-1, 0, float("nan"), float("-inf"), "10"])
 def test_a_bad_max_hold_is_named_and_nothing_is_held(client_url: str, ns: str, max_hold: Any) -> None:
     with permits.connect(client_url, owner=f"{ns}w") as client:
         client.create_semaphore(f"{ns}s", 1)

@@ -90,6 +90,36 @@ def test_no_token_or_a_wrong_one_is_401(service: Service, method: str, path: str
         assert metrics.status_code == 401 and metrics.headers["WWW-Authenticate"] == 'Bearer realm="permits"'
 
 
+def test_live_answers_are_never_stored_by_a_cache(service: Service, ns: str) -> None:
+    """Who holds what is true only now: every API answer says ``no-store``, errors and the event stream
+    included; the dashboard's page keeps its own ``no-cache`` (stored, but checked before it is used)."""
+    with _http(service, ALICE) as http:
+        for path in ("/v1/whoami", "/v1/semaphores", f"/v1/semaphores/{ns}none", "/v1/overview", "/healthz", "/readyz"):
+            response = http.get(path)
+            assert response.headers.get("Cache-Control") == "no-store", (path, response.status_code)
+        assert http.get("/metrics").headers.get("Cache-Control") == "no-store"
+        created = http.post("/v1/leases", json={"wants": {f"{ns}none": 1}})
+        assert created.headers.get("Cache-Control") == "no-store"
+        with http.stream("GET", "/v1/events/stream") as feed:
+            assert feed.headers.get("Cache-Control") == "no-store"
+        assert http.get("/").headers.get("Cache-Control") == "no-cache"
+
+
+def test_sweep_and_reconcile_take_no_body(service: Service) -> None:
+    """Every field of theirs has a default: ``curl -X POST .../v1/sweep`` with a token sweeps (it was a
+    422 for the missing body); without an admin token it is still refused first."""
+    with _http(service, ADMIN) as http:
+        swept = http.post("/v1/sweep")
+        assert swept.status_code == 200 and set(swept.json()) >= {"leases"}, swept.text
+        checked = http.post("/v1/reconcile")
+        assert checked.status_code == 200 and "drift" in checked.json(), checked.text
+        assert http.post("/v1/sweep", json={"batch_size": 0}).status_code == 422
+    with _http(service, ALICE) as http:
+        assert _error(http.post("/v1/sweep")) == (403, "forbidden")
+    with _http(service, None) as http:
+        assert _error(http.post("/v1/reconcile")) == (401, "unauthorized")
+
+
 def test_wrong_token_through_the_client_raises_unauthorized(service: Service) -> None:
     with pytest.raises(permits.Unauthorized):
         permits.connect(service.url, token="not-a-token-at-all-00000").list_semaphores()

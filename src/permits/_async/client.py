@@ -104,8 +104,15 @@ class AsyncClient:
         )
         self._store = async_store_for(self._settings) if store is None else store
         self._closed = False
+        #: whether a waiting acquire waits through an outage (see ``_acquire``); not in a service's own client,
+        #: which answers its callers at once (503), and they wait, or go to another instance
+        self._rides_out_outages = True
         #: semaphore names -> (races lost by its last waiter, no listening until) (see ``permits._pacing``)
         self._contention: dict[tuple[str, ...], tuple[int, float]] = {}
+
+    def __repr__(self) -> str:
+        # The URL without its password, as everywhere else this client names it.
+        return f"<{type(self).__name__} {self.url!r} owner={self.owner!r}{' closed' if self._closed else ''}>"
 
     @property
     def owner(self) -> str:
@@ -222,7 +229,7 @@ class AsyncClient:
         new_only = _validate.flag(new_only, "new_only") and key is not None
         made_up = request_id is None  # only then is every try of this request this call's own
         request_id = _request_id(new_only, request_id)
-        limit = _validate.timeout(timeout)
+        limit = _validate.timeout(timeout, inf_is_none=True)
         deadline = None if limit is None else monotonic() + limit
         # What the store can do (queues_in_line), and a service's default TTL, are known once it is open.
         await self._store.open()
@@ -263,6 +270,8 @@ class AsyncClient:
                     lease, conflict = None, exc
                     pacer.force_recheck()
                 except UNAVAILABLE as exc:
+                    if not self._rides_out_outages:
+                        raise
                     # An outage that outlasted the store's retries (a database restarting or failing over, a
                     # service instance being replaced) is ridden out as the holders ride it out: the caller
                     # asked to wait, and the database, once back, is where the room is. Every attempt carries
@@ -273,10 +282,10 @@ class AsyncClient:
                     if outage_since is None:
                         outage_since = monotonic()
                         logger.warning(
-                            "%s while waiting for %s; waiting for it to come back%s",
-                            exc.message,
+                            "waiting for %s through an outage: %s; asking again until %s",
                             ", ".join(f"{w.name}:{w.count}" for w in wants_),
-                            "" if limit is None else f", within the timeout ({limit} s)",
+                            exc.message,
+                            "it answers" if limit is None else f"the timeout ({limit:g} s)",
                         )
                     remaining = None if deadline is None else deadline - monotonic()
                     if remaining is not None and remaining <= 0:
@@ -398,7 +407,7 @@ class AsyncClient:
         ``acquire``."""
         # Checked now; a TTL left to the default is the store's, known once the client is open (a service's).
         owner_, key_, wants_, _ = self._request(wants, key, owner, ttl)
-        hold = None if max_hold is None else _validate.timeout(max_hold, "max_hold")
+        hold = _validate.max_hold(max_hold)
         # The lease must not outlive max_hold, and extends cannot shorten the grant's own TTL: so the grant
         # asks for no more than max_hold (at least the shortest TTL there is).
         ttl_at_most_ms = None if hold is None else max(1, math.ceil(min(hold, _validate.MAX_TTL_SECONDS) * 1000))
@@ -410,7 +419,7 @@ class AsyncClient:
             key_,
             owner_,
             ttl,
-            _validate.timeout(timeout),
+            _validate.timeout(timeout, inf_is_none=True),
             watch,
             fresh_keys=key is None,
             new_only=_validate.flag(new_only, "new_only") and key is not None,
@@ -463,7 +472,7 @@ class AsyncClient:
         if not isinstance(lease, Lease):
             raise _validate.InvalidArgument("keepalive takes the Lease that acquire returned", field="lease")
         ttl_ = None if ttl is None else _validate.ttl_ms(ttl) / 1000
-        hold = None if max_hold is None else _validate.timeout(max_hold, "max_hold")
+        hold = _validate.max_hold(max_hold)
         return AsyncWatchdog(self, lease, ttl=ttl_, max_hold=hold, on_lost=on_lost)
 
     async def release(
@@ -684,6 +693,11 @@ class AsyncHeld:
         self.watchdog: AsyncWatchdog | None = None
         #: when the lease runs out without extends (``monotonic()``), reckoned from the request that got it
         self._deadline = 0.0
+
+    def __repr__(self) -> str:
+        wanted = ", ".join(f"{w.name}:{w.count}" for w in self._wants)
+        state = "lost" if self.lost else "held" if self.lease is not None and self._in_use.locked() else "not held"
+        return f"<{type(self).__name__} {wanted} key={self._key!r} owner={self._owner!r} {state}>"
 
     @property
     def lost(self) -> bool:

@@ -98,6 +98,13 @@ class AsyncWatchdog:
         #: the last extend was cut short to end the lease at max_hold
         self._held_to_the_end = False
 
+    def __repr__(self) -> str:
+        if self.lost.is_set():
+            state = f"lost ({self.reason})"
+        else:
+            state = "stopped" if self._stop.is_set() else "watching" if self._runner is not None else "not started"
+        return f"<{type(self).__name__} lease={self.lease.key!r} ttl={self.ttl:g} {state}>"
+
     async def start(self) -> AsyncWatchdog:
         self._started = monotonic()
         self._guarded = async_current() if self._cancel else None

@@ -196,6 +196,11 @@ The API is at <a href="/docs">/docs</a>.</p></main></body></html>
 """
 
 
+#: The answers that say how things are now, never to be stored by a cache (the dashboard's page and its
+#: scripts, under / and /ui/, may be).
+_LIVE_PATHS = ("/v1/", "/healthz", "/readyz", "/metrics")
+
+
 class _AccessLog:
     """Logs and counts every request: route, status, duration and the caller's identity. A plain ASGI
     middleware: Starlette's BaseHTTPMiddleware costs a task and a stream per request."""
@@ -210,11 +215,18 @@ class _AccessLog:
             return
         started = time.monotonic()
         status = 500
+        live = scope["path"].startswith(_LIVE_PATHS)
 
         async def recording_send(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                headers = message.get("headers", [])
+                if live and not any(name.lower() == b"cache-control" for name, _ in headers):
+                    # Who holds what, and whether the instance is up, are true only now: a cache between a
+                    # caller and the service (a CDN, a corporate proxy, a browser's back button) must not
+                    # answer a later GET with them (RFC 9111 lets it store a 200 with no header at all).
+                    message = {**message, "headers": [*headers, (b"cache-control", b"no-store")]}
             await send(message)
 
         try:

@@ -103,6 +103,7 @@ class HotRoutes:
             response = errors.permits_error_response(self.state.metrics, exc)
         except Exception as exc:
             response = errors.unexpected_response(scope["method"], scope["path"], exc)
+        response.headers["cache-control"] = "no-store"  # as every /v1 answer (app._AccessLog)
         try:
             await response(scope, replay, send)
         finally:

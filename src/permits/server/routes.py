@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.convertors import PathConvertor, register_url_convertor
 
@@ -439,10 +439,14 @@ async def capacity_history(
 
 @router.post("/sweep", response_model=schemas.SweepOut, responses=_ERRORS, tags=["admin"])
 async def sweep(
-    body: schemas.SweepIn, identity: Annotated[Identity, Depends(_AdminOnly("sweeping"))], state: State
+    identity: Annotated[Identity, Depends(_AdminOnly("sweeping"))],
+    state: State,
+    body: Annotated[schemas.SweepIn | None, Body()] = None,
 ) -> dict[str, Any]:
-    """End every expired lease now, in short batches (admin). The service also does this on its own."""
+    """End every expired lease now, in short batches (admin). The service also does this on its own.
+    Every field has a default, so the body may be left out (``curl -X POST .../v1/sweep``)."""
     identity.require_admin("sweeping")  # again, as each admin action checks itself (see _AdminOnly)
+    body = body or schemas.SweepIn()
     result = await state.client.sweep(batch_size=body.batch_size, max_batches=body.max_batches)
     if result.leases:
         state.metrics.reclaims.labels("swept").inc(result.leases)
@@ -451,8 +455,12 @@ async def sweep(
 
 @router.post("/reconcile", response_model=schemas.ReconcileOut, responses=_ERRORS, tags=["admin"])
 async def reconcile(
-    body: schemas.ReconcileIn, identity: Annotated[Identity, Depends(_AdminOnly("reconciling"))], state: State
+    identity: Annotated[Identity, Depends(_AdminOnly("reconciling"))],
+    state: State,
+    body: Annotated[schemas.ReconcileIn | None, Body()] = None,
 ) -> dict[str, Any]:
-    """Compare each semaphore's count with its permit rows, and repair drift if asked (admin)."""
+    """Compare each semaphore's count with its permit rows, and repair drift if asked (admin). The body
+    may be left out: a check that repairs nothing."""
     identity.require_admin("reconciling")  # again, as each admin action checks itself (see _AdminOnly)
+    body = body or schemas.ReconcileIn()
     return {"drift": [_wire.drift_out(d) for d in await state.client.reconcile(repair=body.repair)]}

@@ -103,6 +103,9 @@ class ServiceState:
             retries=config.retries,
             store=cast(AsyncStore, instance_store),
         )
+        # A request waiting for room gets the outage (503 storage_unavailable) or the drain (503
+        # service_unavailable) at once, not ridden out here: its client rides it out, or asks another instance.
+        client._rides_out_outages = False
         metrics.prelock_waiting.set_function(lambda: prelock.waiting)
         metrics.waiters.set_function(lambda: waker.waiters)
         metrics.db_connections.set_function(lambda: sql_store.connections_in_use)

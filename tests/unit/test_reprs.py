@@ -1,0 +1,31 @@
+"""What a client, a held lease and a watchdog show in a log line or a debugger: what they are, never a
+password."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import permits
+
+
+def test_reprs_name_the_database_the_owner_and_the_state(tmp_path: Path) -> None:
+    client = permits.connect(f"sqlite:///{tmp_path / 'p.db'}", owner="repr-test")
+    assert repr(client) == f"<Client 'sqlite:///{tmp_path / 'p.db'}' owner='repr-test'>"
+    client.create_semaphore("backups", 2)
+    held = client.lease({"backups": 2}, key="nightly", keepalive=True)
+    assert repr(held) == "<Held backups:2 key='nightly' owner='repr-test' not held>"
+    with held as lease:
+        assert repr(held) == "<Held backups:2 key='nightly' owner='repr-test' held>"
+        assert held.watchdog is not None
+        assert repr(held.watchdog) == f"<Watchdog lease='nightly' ttl={lease.ttl:g} watching>"
+    assert repr(held.watchdog) == f"<Watchdog lease='nightly' ttl={lease.ttl:g} stopped>"
+    client.close()
+    assert repr(client).endswith("owner='repr-test' closed>")
+
+
+def test_a_clients_repr_hides_the_password() -> None:
+    client = permits.connect("postgresql://app:s3cret@127.0.0.1:1/nothing")
+    assert "s3cret" not in repr(client) and "***" in repr(client)
+    client.close()
+    remote = permits.connect_async("http://127.0.0.1:9", owner="o")
+    assert repr(remote) == "<AsyncClient 'http://127.0.0.1:9' owner='o'>"
