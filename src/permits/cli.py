@@ -58,6 +58,20 @@ RELEASE_PATIENCE = 10.0
 PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
 
+#: Where ``permits --db URL COMMAND`` keeps the URL given before the command, for the command's own --db.
+_GIVEN_FIRST = "permits.db"
+
+
+def _db_given_first(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    """A command's ``--db``: its own flag; else one given before the command (``permits --db URL sem ls``,
+    as kubectl takes --context); else ``$PERMITS_DATABASE_URL`` (or, for serve and maintain, their config)."""
+    source = ctx.get_parameter_source("db")
+    given_first = ctx.find_root().meta.get(_GIVEN_FIRST)
+    if given_first is not None and source is not click.core.ParameterSource.COMMANDLINE:
+        return str(given_first)
+    return value
+
+
 def _db_option(fn: F) -> F:
     return click.option(
         "--db",
@@ -65,6 +79,7 @@ def _db_option(fn: F) -> F:
         envvar="PERMITS_DATABASE_URL",
         default=None,
         metavar="URL",
+        callback=_db_given_first,
         help="Database URL, or a permits service's http(s):// URL (token in $PERMITS_TOKEN)"
         " (default: $PERMITS_DATABASE_URL, else sqlite:///permits.db).",
     )(fn)
@@ -124,9 +139,18 @@ def parse_wants(specs: tuple[str, ...]) -> list[Want]:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(permits.__version__, prog_name="permits")
+@click.option(
+    "--db",
+    "db",
+    default=None,
+    metavar="URL",
+    help="Database or service URL for the command that follows (as its own --db; that one wins if given too).",
+)
 @click.pass_context
-def main(ctx: click.Context) -> None:
+def main(ctx: click.Context, db: str | None) -> None:
     """Distributed counting semaphores, mutexes and leases on a SQL database."""
+    if db is not None:
+        ctx.meta[_GIVEN_FIRST] = db
     if ctx.invoked_subcommand not in SERVING_COMMANDS and not logging.getLogger().handlers:
         library = logging.getLogger("permits")
         handler = _ToStderr()
@@ -882,6 +906,7 @@ def _server_config(config_file: Path | None, **overrides: Any) -> Any:
     "db",
     default=None,
     metavar="URL",
+    callback=_db_given_first,
     help="Database URL (default: $PERMITS_DATABASE_URL, else sqlite:///permits.db).",
 )
 @click.option("--host", default=None, help="Address to listen on (default 127.0.0.1).")
@@ -915,6 +940,7 @@ def serve(
     "db",
     default=None,
     metavar="URL",
+    callback=_db_given_first,
     help="Database URL (default: $PERMITS_DATABASE_URL, else sqlite:///permits.db).",
 )
 @click.option(

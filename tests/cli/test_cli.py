@@ -42,6 +42,27 @@ def test_run_refuses_a_max_hold_that_is_not_positive_before_it_acquires(db_url: 
         assert client.get_semaphore(name).used == 0 and client.holders(name) == []
 
 
+def test_db_may_come_before_the_command_and_the_commands_own_wins(tmp_path: Path) -> None:
+    """``permits --db URL COMMAND``, as kubectl takes --context: it beats $PERMITS_DATABASE_URL, and the
+    command's own --db beats it."""
+    first, env, own = (f"sqlite:///{tmp_path / n}.db" for n in ("first", "env", "own"))
+    for url in (first, env, own):
+        with permits.connect(url) as client:
+            client.create_semaphore(url.rsplit("/", 1)[1].removesuffix(".db"), 1)
+
+    def names(*args: str) -> list[str]:
+        done = _permits(env, *args)
+        return [line.split()[0] for line in done.stdout.splitlines()[1:]]
+
+    assert names("--db", first, "sem", "ls") == ["first"]
+    assert names("sem", "ls") == ["env"]
+    assert names("--db", first, "sem", "ls", "--db", own) == ["own"]
+    ran = _permits(env, "--db", first, "run", "first", "--", sys.executable, "-c", "print('inside')")
+    assert ran.stdout.strip() == "inside"
+    with permits.connect(first) as client:
+        assert client.get_semaphore("first").last_token == 1  # the lease was taken there, not in env's
+
+
 def test_semaphore_commands(db_url: str, ns: str) -> None:
     name = f"{ns}backups"
     created = json.loads(_permits(db_url, "sem", "create", name, "--capacity", "3").stdout)
