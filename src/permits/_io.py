@@ -108,6 +108,15 @@ def sync_current() -> Any:
     return None
 
 
+def async_loop() -> Any:
+    """The running event loop, which an asyncio store's connections may belong to."""
+    return asyncio.get_running_loop()
+
+
+def sync_loop() -> Any:
+    return None
+
+
 def async_interrupt(task: Any) -> bool:
     """Cancel ``task``; whether a cancellation was asked for."""
     return task is not None and not task.done() and bool(task.cancel())

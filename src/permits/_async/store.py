@@ -36,6 +36,7 @@ from permits._exceptions import (
 )
 from permits._io import (
     async_lock,
+    async_loop,
     async_mutex,
     async_sleep,
     async_try_lock,
@@ -281,6 +282,8 @@ class AsyncSQLStore:
         self._park_mutex = async_mutex()
         #: ``forks()`` when this store's connections were made (see ``_renew_if_forked``)
         self._forks = forks()
+        #: the event loop of the first opening (asyncio; see ``_check_loop``)
+        self._loop: Any = None
 
     def _renew_if_forked(self) -> None:
         """In a forked child: forget the parent's connections and the state that went with them, kept
@@ -302,6 +305,21 @@ class AsyncSQLStore:
             keep_inherited(listener)
             self._listener = type(listener)(listener.conninfo, mark_sql=listener.mark_sql)
 
+    def _check_loop(self) -> None:
+        """On MariaDB and MySQL the driver's pooled connections belong to the event loop they were made in:
+        used in another (a second ``asyncio.run`` with a client made at import time), they fail with a
+        RuntimeError from deep inside the driver, and print more as they are collected. Said plainly
+        instead. (psycopg's connections, and the SQLite store's threads, serve any loop.)"""
+        loop = async_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop and self._dialect.name == "mysql":
+            raise UsageError(
+                "this AsyncClient was opened in another event loop (asyncio.run called again?), and on MariaDB"
+                " and MySQL the driver's connections cannot move between loops: make the client inside the"
+                " loop that uses it (async with permits.connect_async(...)), one per loop"
+            )
+
     @property
     def url(self) -> str:
         return self._settings.shown_url
@@ -321,6 +339,7 @@ class AsyncSQLStore:
         if self._closed:
             raise UsageError("this client is closed")
         self._renew_if_forked()
+        self._check_loop()
         if self._opened:
             return
         # One opening at a time. The threads (or tasks) of a first burst of calls would otherwise each probe

@@ -42,7 +42,7 @@ from permits._exceptions import (
     UsageError,
     error_class,
 )
-from permits._io import sync_sleep, forks, keep_inherited, monotonic, shut_down
+from permits._io import sync_loop, sync_sleep, forks, keep_inherited, monotonic, shut_down
 from permits._models import (
     CapacityChange,
     Drift,
@@ -198,6 +198,8 @@ class HTTPStore:
         self._long_polls = _Requests(*self._http_args, cut_at_close=True)
         self._fork_guard = threading.Lock()
         self._forks = forks()
+        #: the event loop the pools' connections were made in (asyncio; see ``_renew_if_other_loop``)
+        self._loop: Any = None
         self._opened = False
         self._closed = False
         self._max_wait = 0.0
@@ -222,6 +224,19 @@ class HTTPStore:
                     self._requests = _Requests(*self._http_args, cut_at_close=False)
                     self._long_polls = _Requests(*self._http_args, cut_at_close=True)
                     self._forks = forks()  # last: a close() that sees it closes the new pools
+
+    def _renew_if_other_loop(self) -> None:
+        """Pools of their own in another event loop (a second ``asyncio.run`` with a client made at import
+        time): httpx's pooled connections belong to the loop they were made in, and fail in another with
+        'Event loop is closed'. The old loop's are let go, not closed: that needs the old loop."""
+        loop = sync_loop()
+        if loop is self._loop:
+            return
+        with self._fork_guard:
+            if self._loop is not None and loop is not self._loop:
+                self._requests = _Requests(*self._http_args, cut_at_close=False)
+                self._long_polls = _Requests(*self._http_args, cut_at_close=True)
+            self._loop = loop
 
     @property
     def url(self) -> str:
@@ -491,6 +506,7 @@ class HTTPStore:
         if self._closed:
             raise UsageError("this client is closed")
         self._renew_if_forked()
+        self._renew_if_other_loop()
         sent = body() if body is not None else None
         # A request that waits for room is a long poll, and so are its resends: close() cuts those short.
         long_poll = sent is not None and float(sent.get("wait") or 0.0) > 0

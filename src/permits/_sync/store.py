@@ -37,6 +37,7 @@ from permits._exceptions import (
 )
 from permits._io import (
     sync_lock,
+    sync_loop,
     sync_mutex,
     sync_sleep,
     sync_try_lock,
@@ -282,6 +283,8 @@ class SQLStore:
         self._park_mutex = sync_mutex()
         #: ``forks()`` when this store's connections were made (see ``_renew_if_forked``)
         self._forks = forks()
+        #: the event loop of the first opening (asyncio; see ``_check_loop``)
+        self._loop: Any = None
 
     def _renew_if_forked(self) -> None:
         """In a forked child: forget the parent's connections and the state that went with them, kept
@@ -303,6 +306,21 @@ class SQLStore:
             keep_inherited(listener)
             self._listener = type(listener)(listener.conninfo, mark_sql=listener.mark_sql)
 
+    def _check_loop(self) -> None:
+        """On MariaDB and MySQL the driver's pooled connections belong to the event loop they were made in:
+        used in another (a second ``asyncio.run`` with a client made at import time), they fail with a
+        RuntimeError from deep inside the driver, and print more as they are collected. Said plainly
+        instead. (psycopg's connections, and the SQLite store's threads, serve any loop.)"""
+        loop = sync_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop and self._dialect.name == "mysql":
+            raise UsageError(
+                "this Client was opened in another event loop (asyncio.run called again?), and on MariaDB"
+                " and MySQL the driver's connections cannot move between loops: make the client inside the"
+                " loop that uses it (with permits.connect_async(...)), one per loop"
+            )
+
     @property
     def url(self) -> str:
         return self._settings.shown_url
@@ -322,6 +340,7 @@ class SQLStore:
         if self._closed:
             raise UsageError("this client is closed")
         self._renew_if_forked()
+        self._check_loop()
         if self._opened:
             return
         # One opening at a time. The threads (or tasks) of a first burst of calls would otherwise each probe
