@@ -41,3 +41,21 @@ def test_a_held_write_lock_is_a_storage_conflict_then_a_grant(tmp_path: pytest.T
         holder.join(10)
         assert lease.counts == {f"{ns}s": 1}
         client.release(lease)
+
+
+def test_a_timeout_spent_waiting_for_the_lock_says_so(tmp_path: pytest.TempPathFactory, ns: str) -> None:
+    """The semaphore had room, but the lock held elsewhere kept every attempt from asking: the
+    AcquireTimeout says what held it up, not only "no room", which would send its reader looking for holders
+    that do not exist."""
+    path = f"{tmp_path}/busy.db"
+    with permits.connect(f"sqlite:///{path}", owner=f"{ns}w", lock_wait_timeout=0.2, retries=1) as client:
+        client.create_semaphore(f"{ns}s", 1)
+        taken = threading.Event()
+        holder = threading.Thread(target=_hold_write_lock, args=(path, 3.0, taken))
+        holder.start()
+        taken.wait(5)
+        with pytest.raises(permits.AcquireTimeout, match="held up") as raised:
+            client.acquire(f"{ns}s", timeout=0.5)
+        holder.join(10)
+        assert isinstance(raised.value.__cause__, permits.StorageConflict)
+        assert client.get_semaphore(f"{ns}s").used == 0

@@ -317,8 +317,11 @@ class AsyncClient:
                         with contextlib.suppress(PermitsError):
                             await self._store.dequeue(owner_, key_)
                         described = ", ".join(f"{w.name}:{w.count}" for w in wants_)
+                        # Where the last attempt never learnt whether there was room, say what held it up:
+                        # "no room" alone would send its reader looking for holders that may not exist.
+                        why = "" if conflict is None else f" (the last attempt was held up: {conflict.message})"
                         raise AcquireTimeout(
-                            f"no room for {described} within {limit} s", key=key_, owner=owner_, timeout=limit
+                            f"no room for {described} within {limit:g} s{why}", key=key_, owner=owner_, timeout=limit
                         ) from conflict
                     delay = min(delay, remaining)
                 # Where the server has a lock queue for it, ask again at once, in that queue (see _pacing).
