@@ -9,10 +9,12 @@ lease was lost while the command ran.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -621,7 +623,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             # COMMAND did not exist to get it): a second one stops COMMAND. The window is Popen's own.
             starting = True
             try:
-                child = subprocess.Popen(command, env=environment, preexec_fn=before_exec)
+                child = _start(command, environment, before_exec)
             except OSError as exc:
                 click.echo(f"permits: cannot run {command[0]!r}: {exc}", err=True)
                 sys.exit(126 if isinstance(exc, PermissionError) else 127)
@@ -774,6 +776,20 @@ class _Process:
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
+
+
+def _start(
+    command: list[str], environment: dict[str, str], before_exec: Callable[[], None] | None
+) -> subprocess.Popen[bytes]:
+    """COMMAND, started. A file the kernel will not run (a script without ``#!``) is run with /bin/sh, as
+    execvp(3) does, and so flock(1), env(1) and every shell: Popen's own exec does not."""
+    try:
+        return subprocess.Popen(command, env=environment, preexec_fn=before_exec)
+    except OSError as exc:
+        if exc.errno != errno.ENOEXEC:
+            raise
+        found = shutil.which(command[0], path=environment.get("PATH")) if "/" not in command[0] else command[0]
+        return subprocess.Popen(["/bin/sh", found or command[0], *command[1:]], env=environment, preexec_fn=before_exec)
 
 
 def _signal_the_command(child: subprocess.Popen[bytes], signum: int) -> list[_Process]:

@@ -63,6 +63,27 @@ def test_db_may_come_before_the_command_and_the_commands_own_wins(tmp_path: Path
         assert client.get_semaphore("first").last_token == 1  # the lease was taken there, not in env's
 
 
+def test_run_starts_commands_as_a_shell_would(tmp_path: Path, ns: str) -> None:
+    """A script without ``#!`` runs with /bin/sh (as execvp does, so flock and env); a command that is not
+    there exits 127 and one that may not be run 126, the shell's codes; the lease is released each time."""
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    name = f"{ns}job"
+    _permits(url, "sem", "create", name, "--capacity", "1")
+    script = tmp_path / "no-shebang"
+    script.write_text('echo "$1 ran under sh"\n')
+    script.chmod(0o755)
+    plain = tmp_path / "not-executable"
+    plain.write_text("echo never\n")
+    ran = _permits(url, "run", name, "--", str(script), "it", check=False)
+    assert (ran.returncode, ran.stdout.strip()) == (0, "it ran under sh"), ran.stderr
+    missing = _permits(url, "run", name, "--", str(tmp_path / "nothing-here"), check=False)
+    assert missing.returncode == 127 and "cannot run" in missing.stderr
+    refused = _permits(url, "run", name, "--", str(plain), check=False)
+    assert refused.returncode == 126 and "cannot run" in refused.stderr
+    with permits.connect(url) as client:
+        assert client.get_semaphore(name).used == 0 and client.get_semaphore(name).last_token == 3
+
+
 def test_semaphore_commands(db_url: str, ns: str) -> None:
     name = f"{ns}backups"
     created = json.loads(_permits(db_url, "sem", "create", name, "--capacity", "3").stdout)
