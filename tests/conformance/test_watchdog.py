@@ -294,3 +294,61 @@ def test_a_bad_max_hold_is_named_and_nothing_is_held(client_url: str, ns: str, m
             client.lease(f"{ns}s", ttl=5, max_hold=max_hold)
         assert raised.value.details["field"] == "max_hold" and "max_hold" in str(raised.value)
         assert client.get_semaphore(f"{ns}s").used == 0
+
+
+def test_a_loss_found_as_the_block_ends_cancels_nothing_and_the_permits_go_back(tmp_path: Any) -> None:
+    """The watchdog's extend is answered "revoked" in the very turn of the loop in which the block ends:
+    the block ended normally, so nothing is cancelled (the exit is not the work), ``held.lost`` says so,
+    and the release still runs. (Before: a stray CancelledError out of the exit, once with no release.)"""
+
+    async def scenario() -> tuple[str, bool, list[permits.Holder]]:
+        async with permits.connect_async(f"sqlite:///{tmp_path / 'p.db'}") as client:
+            await client.create_semaphore("s", 1)
+            gate = asyncio.get_running_loop().create_future()
+            asked = asyncio.Event()
+
+            async def extend(lease: permits.Lease, ttl: float | None = None, **_: Any) -> permits.Lease:
+                asked.set()
+                await gate
+                raise permits.LeaseLost("revoked", key=lease.key, owner=lease.owner, reason="revoked")
+
+            client.extend = extend  # type: ignore[method-assign]
+            held = client.lease("s", ttl=0.6, keepalive=True)
+            try:
+                async with held:
+                    await asyncio.wait_for(asked.wait(), 5)  # the extend is on the wire
+                    gate.set_result(None)  # and its answer comes in as the block ends
+                ended = "normally"
+            except BaseException as exc:  # what came out is the finding
+                ended = type(exc).__name__
+            await asyncio.sleep(0.2)
+            return ended, held.lost, await client.holders("s")
+
+    assert asyncio.run(scenario()) == ("normally", True, [])
+
+
+def test_a_timeout_that_falls_due_as_a_keepalive_block_exits_is_still_a_timeout(tmp_path: Any) -> None:
+    """The lease is lost (the watchdog cancels the block), and an ``asyncio.timeout()`` around it falls due
+    while the block's exit waits for the watchdog to stop: the watchdog's own cancel is taken back, so the
+    timeout can tell its own, and raises TimeoutError, not a bare CancelledError."""
+
+    async def scenario() -> tuple[str, int]:
+        async with permits.connect_async(f"sqlite:///{tmp_path / 'p.db'}") as client:
+            await client.create_semaphore("s", 1)
+            lease = await client.acquire("s", ttl=0.6)
+            task = asyncio.current_task()
+            assert task is not None
+            try:
+                async with asyncio.timeout(30) as deadline, client.keepalive(lease):
+                    await client.revoke(lease, reason="test")  # the next extend finds it revoked
+                    try:
+                        await asyncio.sleep(10)
+                    except asyncio.CancelledError:
+                        deadline.reschedule(asyncio.get_running_loop().time())  # due now, in the exit
+                        raise
+                outcome = "no error"
+            except BaseException as exc:  # what came out is the finding
+                outcome = type(exc).__name__
+            return outcome, task.cancelling()
+
+    assert asyncio.run(scenario()) == ("TimeoutError", 0)

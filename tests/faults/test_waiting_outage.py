@@ -15,6 +15,7 @@ service. The holder and the checks go to the database directly.
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -157,3 +158,78 @@ def test_permits_run_rides_out_an_outage(setup: Callable[[str], _Setup], flavour
     assert all(line.startswith("permits: ") for line in err.splitlines()), err
     assert bench.direct.get_semaphore(bench.sem).used == 0
     assert bench.direct.reconcile() == []
+
+
+@pytest.mark.parametrize("how", ["acquire", "lease", "given-key"])
+def test_a_grant_whose_reply_was_lost_and_that_ran_out_during_the_outage(tmp_path: Any, how: str) -> None:
+    """The first attempt is granted, its reply lost; the outage then outlasts the lease's TTL. Under a key
+    the caller never saw (acquire without one, lease()), that ended lease is nobody's: the waiter asks anew
+    under a new key and is granted, rather than raise LeaseLost for a lease it was never handed. Under the
+    caller's own key the truth is told: its lease has ended (LeaseLost), as a retry after the outage would
+    have been told. (SQLite, with the outage simulated in the store: the rest of this file has real ones.)"""
+    client = permits.connect(f"sqlite:///{tmp_path / 'p.db'}")
+    client.create_semaphore("s", 2)
+    store: Any = client._store  # type: ignore[attr-defined]
+    real = store.try_acquire
+    calls = {"n": 0, "down_until": 0.0}
+
+    def try_acquire(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if time.monotonic() < calls["down_until"]:
+            raise StorageUnavailable("database unavailable (simulated)", url="sqlite")
+        lease = real(*args, **kwargs)
+        if calls["n"] == 1 and lease is not None:
+            calls["down_until"] = time.monotonic() + 2.0  # longer than the 1 s TTL
+            raise StorageUnavailable("the reply to COMMIT was lost (simulated)", url="sqlite")
+        return lease
+
+    store.try_acquire = try_acquire
+    try:
+        if how == "given-key":
+            with pytest.raises(permits.LeaseLost):
+                client.acquire("s", key="mine", ttl=1, timeout=30)
+            assert not client.get_lease("mine").held
+            return
+        if how == "acquire":
+            lease = client.acquire("s", ttl=1, timeout=30)
+        else:
+            with client.lease("s", ttl=1, timeout=30) as lease:
+                assert client.get_lease(lease.key).held
+        assert lease.counts == {"s": 1} and calls["n"] > 2
+        # The first grant ended at its TTL; the second is the waiter's own, under its new key.
+        assert lease.tokens["s"] == 2
+        assert client.reconcile() == []
+    finally:
+        client.close()
+
+
+def test_permits_run_stopped_during_an_outage_exits_at_once(setup: Callable[[str], _Setup], flavour: str) -> None:
+    """A supervisor's SIGTERM to a ``permits run`` that waits through an outage where the link hangs: it
+    exits at once (143), without spending the store's every retry on a clean-up against a database that
+    does not answer (a minute: past Kubernetes' 30 s grace). Its places lapse; a grant its last attempt may
+    have made runs out at its TTL."""
+    if flavour == "async":
+        pytest.skip("the CLI has one flavour")
+    bench = setup("db")
+    run = subprocess.Popen(
+        [sys.executable, "-m", "permits", "run", "--db", bench.url, "--timeout", "600", bench.sem, "--", "true"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.5)  # started, and waits for room
+    bench.proxy.down()
+    time.sleep(OUTAGE_SECONDS)  # riding it out
+    bench.proxy.up()
+    bench.proxy.stall()  # and now the link hangs: new connections too
+    time.sleep(1.0)
+    stopped = time.monotonic()
+    run.send_signal(signal.SIGTERM)
+    _out, err = run.communicate(timeout=120)
+    took = time.monotonic() - stopped
+    bench.proxy.resume()
+    assert run.returncode == 143, err
+    assert took < 10, f"{took:.1f} s from SIGTERM to exit: {err}"
+    assert "interrupted during an outage" in err
+    assert [h.key for h in bench.direct.holders(bench.sem)] == [bench.holder.key]

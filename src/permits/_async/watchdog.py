@@ -114,10 +114,16 @@ class AsyncWatchdog:
         self._expiry = async_spawn(self._guard_expiry, "permits-watchdog-expiry")
         return self
 
+    def stopping(self) -> None:
+        """Say that the holder is done, before anything awaits: a loss found from now on cancels nothing (the
+        cancel would land in the holder's exit, not in its work). ``stop`` starts with it."""
+        if self._stopped_at is None:
+            self._stopped_at = monotonic()
+        self._stop.set()
+
     async def stop(self) -> None:
         """Stop extending (the lease stays as it is; release it separately)."""
-        self._stopped_at = monotonic()
-        self._stop.set()
+        self.stopping()
         for runner in (self._runner, self._expiry):
             if runner is not None:
                 await async_join(runner)
@@ -126,7 +132,11 @@ class AsyncWatchdog:
         return await self.start()
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        await self.stop()
+        try:
+            await self.stop()
+        except BaseException as exc:  # cancelled while stopping: this watchdog's own cancel is taken back
+            self.lost_in_place_of(exc)
+            raise
         lost = self.lost_in_place_of(exc_info[1])
         if lost is not None:
             raise lost from exc_info[1]

@@ -53,6 +53,9 @@ logger = logging.getLogger("permits.client")
 LONG_POLL_SECONDS = 30.0
 #: What a waiting acquire rides out, within its timeout (see ``_acquire``).
 UNAVAILABLE = (StorageUnavailable, ServiceUnavailable)
+#: The attribute set on the interruption (CancelledError, KeyboardInterrupt) of an acquire that was riding
+#: out an outage: its clean-up is left to the TTL (see ``_acquire``).
+INTERRUPTED_IN_OUTAGE = "_permits_interrupted_in_outage"
 #: How many sets of semaphore names a client remembers the contention of.
 REMEMBERED_CONTENTION = 1024
 
@@ -206,7 +209,7 @@ class Client:
         (see ``permits._pacing``). Every attempt uses the same key, so an attempt whose reply was lost can
         never grant twice. Raises ``AcquireTimeout`` when the time is up. An outage while it waits (the
         database or the service unavailable past the store's retries) is waited out too, within the timeout;
-        if it still lasts then, that ``StorageUnavailable`` is raised.
+        if it still lasts then, that error is raised (``StorageUnavailable``, or ``ServiceUnavailable``).
         With ``new_only``, a key that names a lease already, held or ended, is refused with ``KeyInUse`` instead of
         answered with that lease: two callers that chose the same key cannot both hold it (see docs/api.md).
         """
@@ -223,9 +226,12 @@ class Client:
         new_only: bool = False,
         request_id: str | None = None,
         ttl_at_most_ms: int | None = None,
+        key_made_up: bool | None = None,
     ) -> tuple[Lease, float]:
         """``acquire``, and when the attempt that got the lease was sent (monotonic). ``ttl_at_most_ms``: a
-        bound on the TTL, whichever default it comes from (``lease``'s ``max_hold``)."""
+        bound on the TTL, whichever default it comes from (``lease``'s ``max_hold``). ``key_made_up``: the key
+        names no request of the caller's (default: none was given), so another may take its place."""
+        key_made_up = key is None if key_made_up is None else key_made_up
         owner_, key_, wants_, ttl_ms = self._request(wants, key, owner, ttl)
         new_only = _validate.flag(new_only, "new_only") and key is not None
         made_up = request_id is None  # only then is every try of this request this call's own
@@ -246,6 +252,7 @@ class Client:
         in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
         outage_since: float | None = None  # when the attempts began to find the database unavailable
         outages = 0  # attempts in a row that did
+        rode_out = False  # an outage came while this call waited
         try:
             while True:
                 wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
@@ -270,9 +277,23 @@ class Client:
                     # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
                     lease, conflict = None, exc
                     pacer.force_recheck()
+                except LeaseLost:
+                    if not (rode_out and key_made_up):
+                        raise
+                    # An attempt before or during the outage was granted, its reply lost, and the lease ran
+                    # out before the outage ended: the key names a lease that has ended. Under a key that
+                    # names no request of the caller's, nothing of it is held and nobody saw it: ask anew,
+                    # under a new key (one grant that ended, one live: never two at once).
+                    logger.warning("a grant made as the outage began ran out during it: asking anew under a new key")
+                    key_ = uuid.uuid4().hex
+                    if made_up:
+                        request_id = _request_id(new_only, None)
+                    pacer.force_recheck()
+                    continue
                 except UNAVAILABLE as exc:
                     if not self._rides_out_outages:
                         raise
+                    rode_out = True
                     # An outage that outlasted the store's retries (a database restarting or failing over, a
                     # service instance being replaced) is ridden out as the holders ride it out: the caller
                     # asked to wait, and the database, once back, is where the room is. Every attempt carries
@@ -280,6 +301,9 @@ class Client:
                     # second one. The client opened before this loop, so its URL is right: a wrong one fails
                     # there, at once. At the deadline the outage is raised, not AcquireTimeout: the caller
                     # learns the database, not the semaphore, kept it waiting.
+                    remaining = None if deadline is None else deadline - monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise
                     if outage_since is None:
                         outage_since = monotonic()
                         logger.warning(
@@ -288,9 +312,6 @@ class Client:
                             exc.message,
                             "it answers" if limit is None else f"the timeout ({limit:g} s)",
                         )
-                    remaining = None if deadline is None else deadline - monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise
                     pause = OUTAGE_BACKOFF.delay(outages)
                     outages += 1
                     sync_sleep(pause if remaining is None else min(pause, remaining))
@@ -339,12 +360,23 @@ class Client:
                         sync_sleep(spread)
                 in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
         except BaseException as exc:
-            if not isinstance(exc, Exception):
+            if not isinstance(exc, Exception) and outage_since is not None:
+                # Interrupted while the database does not answer: the clean-up below would spend the store's
+                # every retry on it (a minute, on a link that hangs: past a supervisor's grace), to give up
+                # places that lapse in seconds anyway. A grant the last attempt may have made runs out at
+                # its TTL instead, as the holder's own would. Said, and marked for lease(), which would
+                # otherwise release by key in the same way.
+                logger.warning(
+                    "interrupted during an outage: a grant the last attempt may have made runs out at its TTL"
+                )
+                setattr(exc, INTERRUPTED_IN_OUTAGE, True)
+            elif not isinstance(exc, Exception):
                 # Cancelled, or Ctrl-C, while waiting: give up the places in fair queues now, as a timeout
                 # does, not when they lapse (5 s, holding up every waiter behind them meanwhile), and release
                 # what the try under way may have got. Both under one shield: a second cancellation (a task
                 # group torn down after a timeout) must not stop the clean-up between the two.
                 with contextlib.suppress(Exception):
+                    # (lease() releases its own key itself: not twice.)
                     sync_shield(self._give_up_interrupted(owner_, key_, key is None, made_up, request_id))
             elif isinstance(exc, ENDS_THE_REQUEST):
                 # A verdict on the request (another's lease under the key, the capacity lowered below its
@@ -729,7 +761,9 @@ class Held:
                 self._timeout,
                 self._new_only,
                 ttl_at_most_ms=self._ttl_at_most_ms,
+                key_made_up=self._fresh_keys,
             )
+            self._key = self.lease.key  # a made-up key may have been made anew (see _acquire)
             self._deadline = asked + self.lease.expires_in  # reckoned from the request: never later than the lease's
             if self._watch.on:
                 self.watchdog = Watchdog(
@@ -749,7 +783,7 @@ class Held:
                     granted, self.lease = self.lease, None
                     with contextlib.suppress(Exception):
                         sync_shield(self._client.release(granted, owner=self._owner))
-                elif not isinstance(exc, Exception) and not self._new_only:
+                elif not isinstance(exc, Exception) and not self._new_only and not hasattr(exc, INTERRUPTED_IN_OUTAGE):
                     # Interrupted (cancelled, Ctrl-C) while the grant may have committed: release by key so
                     # the permits do not wait for the TTL. Releasing a key never granted changes nothing. Not
                     # for a request for a new lease only: the lease under its key may be another caller's (the
@@ -764,6 +798,10 @@ class Held:
 
     def __exit__(self, *exc_info: Any) -> None:
         ended_at = monotonic()
+        if self.watchdog is not None:
+            # Now, not in the shielded task below, which starts a turn of the loop later: a loss found in
+            # that turn would cancel this exit, not the block's work.
+            self.watchdog.stopping()
         try:
             # Shielded whole: a cancellation that comes now (a task group torn down) must not stop the
             # watchdog's stop short of the release, and leave the permits held until their TTL.

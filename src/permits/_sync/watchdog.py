@@ -115,10 +115,16 @@ class Watchdog:
         self._expiry = sync_spawn(self._guard_expiry, "permits-watchdog-expiry")
         return self
 
+    def stopping(self) -> None:
+        """Say that the holder is done, before anything awaits: a loss found from now on cancels nothing (the
+        cancel would land in the holder's exit, not in its work). ``stop`` starts with it."""
+        if self._stopped_at is None:
+            self._stopped_at = monotonic()
+        self._stop.set()
+
     def stop(self) -> None:
         """Stop extending (the lease stays as it is; release it separately)."""
-        self._stopped_at = monotonic()
-        self._stop.set()
+        self.stopping()
         for runner in (self._runner, self._expiry):
             if runner is not None:
                 sync_join(runner)
@@ -127,7 +133,11 @@ class Watchdog:
         return self.start()
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.stop()
+        try:
+            self.stop()
+        except BaseException as exc:  # cancelled while stopping: this watchdog's own cancel is taken back
+            self.lost_in_place_of(exc)
+            raise
         lost = self.lost_in_place_of(exc_info[1])
         if lost is not None:
             raise lost from exc_info[1]

@@ -215,7 +215,7 @@ class _AccessLog:
             return
         started = time.monotonic()
         status = 500
-        live = scope["path"].startswith(_LIVE_PATHS)
+        live = scope["path"].removeprefix(scope.get("root_path", "")).startswith(_LIVE_PATHS)
 
         async def recording_send(message: Message) -> None:
             nonlocal status
