@@ -72,6 +72,15 @@ class _Setup:
         stack.callback(waiter.close if flavour == "sync" else waiter.shutdown)
         self.waiter = waiter
 
+    def run_waiting(self, timeout: float) -> subprocess.Popen[str]:
+        """``permits run`` of the semaphore through the proxy, once it is waiting for room."""
+        argv = ["run", "--db", self.url, "--timeout", str(timeout), self.sem, "--", "true"]
+        pipe = subprocess.PIPE
+        run = subprocess.Popen([sys.executable, "-m", "permits", *argv], cwd=ROOT, stdout=pipe, stderr=pipe, text=True)
+        time.sleep(2.5)  # started, and waits for room
+        assert run.poll() is None, run.communicate()
+        return run
+
     def wait_in_thread(self, timeout: float) -> tuple[Any, dict[str, Any]]:
         thread, outcome = in_thread(lambda: self.waiter.acquire(self.sem, ttl=60, timeout=timeout))
         time.sleep(1.5)  # it found no room, and waits
@@ -137,15 +146,7 @@ def test_permits_run_rides_out_an_outage(setup: Callable[[str], _Setup], flavour
     if flavour == "async":
         pytest.skip("the CLI has one flavour")
     bench = setup("db")
-    run = subprocess.Popen(
-        [sys.executable, "-m", "permits", "run", "--db", bench.url, "--timeout", "60", bench.sem, "--", "true"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    time.sleep(2.5)  # started, and waits for room
-    assert run.poll() is None, run.communicate()
+    run = bench.run_waiting(timeout=60)
     bench.proxy.down()
     time.sleep(OUTAGE_SECONDS)
     assert bench.direct.release(bench.holder) == permits.ReleaseOutcome.RELEASED
@@ -211,14 +212,7 @@ def test_permits_run_stopped_during_an_outage_exits_at_once(setup: Callable[[str
     if flavour == "async":
         pytest.skip("the CLI has one flavour")
     bench = setup("db")
-    run = subprocess.Popen(
-        [sys.executable, "-m", "permits", "run", "--db", bench.url, "--timeout", "600", bench.sem, "--", "true"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    time.sleep(2.5)  # started, and waits for room
+    run = bench.run_waiting(timeout=600)
     bench.proxy.down()
     time.sleep(OUTAGE_SECONDS)  # riding it out
     bench.proxy.up()
