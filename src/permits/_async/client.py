@@ -307,7 +307,7 @@ class AsyncClient:
                         outage_since = monotonic()
                         logger.warning(
                             "waiting for %s through an outage: %s; asking again until %s",
-                            ", ".join(f"{w.name}:{w.count}" for w in wants_),
+                            _described(wants_),
                             exc.message,
                             "it answers" if limit is None else f"the timeout ({limit:g} s)",
                         )
@@ -337,7 +337,7 @@ class AsyncClient:
                         # Stop waiting for good: give up the places in fair queues now rather than at expiry.
                         with contextlib.suppress(PermitsError):
                             await self._store.dequeue(owner_, key_)
-                        described = ", ".join(f"{w.name}:{w.count}" for w in wants_)
+                        described = _described(wants_)
                         # Where the last attempt never learnt whether there was room, say what held it up:
                         # "no room" alone would send its reader looking for holders that may not exist.
                         why = "" if conflict is None else f" (the last attempt was held up: {conflict.message})"
@@ -438,8 +438,7 @@ class AsyncClient:
         releases on exit, also when the body raises. With ``keepalive``, a watchdog extends the lease
         while the block runs (see ``keepalive()``; ``max_hold`` and ``on_lost`` go to it), and the block's
         task is cancelled if the lease is lost (the block then raises ``LeaseLost``); ``held.lost`` tells a
-        sync holder. ``new_only``: as in
-        ``acquire``."""
+        sync holder. ``new_only``: as in ``acquire``."""
         # Checked now; a TTL left to the default is the store's, known once the client is open (a service's).
         owner_, key_, wants_, _ = self._request(wants, key, owner, ttl)
         hold = _validate.max_hold(max_hold)
@@ -674,6 +673,11 @@ class AsyncClient:
         return (self.owner if owner is None else _validate.owner(owner)), _validate.key(lease)
 
 
+def _described(wants: tuple[Want, ...]) -> str:
+    """``backups:1, db:2``: wants as messages and reprs name them."""
+    return ", ".join(f"{w.name}:{w.count}" for w in wants)
+
+
 def _request_id(new_only: bool, given: str | None) -> str | None:
     """The id a request for a new lease only is known by in each of its tries (``flows.Request.request_id``):
     the caller's (a service relays its client's), else one made up for this call. Other requests need none."""
@@ -730,7 +734,7 @@ class AsyncHeld:
         self._deadline = 0.0
 
     def __repr__(self) -> str:
-        wanted = ", ".join(f"{w.name}:{w.count}" for w in self._wants)
+        wanted = _described(self._wants)
         state = "lost" if self.lost else "held" if self.lease is not None and self._in_use.locked() else "not held"
         return f"<{type(self).__name__} {wanted} key={self._key!r} owner={self._owner!r} {state}>"
 

@@ -194,8 +194,7 @@ class HTTPStore:
         # One TLS context for both httpx clients (each would load the CA bundle again), and for a forked
         # child's: a plain http:// URL never uses it.
         self._http_args = (base, headers, httpx.create_ssl_context())
-        self._requests = _Requests(*self._http_args, cut_at_close=False)
-        self._long_polls = _Requests(*self._http_args, cut_at_close=True)
+        self._requests, self._long_polls = self._new_pools()
         self._fork_guard = threading.Lock()
         self._forks = forks()
         #: the event loop the pools' connections were made in (asyncio; see ``_renew_if_other_loop``)
@@ -214,6 +213,10 @@ class HTTPStore:
         #: semaphore's, say): their give-up would find nothing, so it is not sent
         self._placeless: set[tuple[str, str]] = set()
 
+    def _new_pools(self) -> tuple[_Requests, _Requests]:
+        """The connection pools: for plain requests, and for long polls (which close() cuts short)."""
+        return _Requests(*self._http_args, cut_at_close=False), _Requests(*self._http_args, cut_at_close=True)
+
     def _renew_if_forked(self) -> None:
         """In a forked child: a connection pool of its own (see ``_io.forks``). The parent's is kept
         unclosed: closing would end the parent's connections."""
@@ -221,8 +224,7 @@ class HTTPStore:
             with self._fork_guard:  # against another thread renewing, or closing, at the same time
                 if self._forks != forks():
                     keep_inherited((self._requests, self._long_polls))
-                    self._requests = _Requests(*self._http_args, cut_at_close=False)
-                    self._long_polls = _Requests(*self._http_args, cut_at_close=True)
+                    self._requests, self._long_polls = self._new_pools()
                     self._forks = forks()  # last: a close() that sees it closes the new pools
 
     def _renew_if_other_loop(self) -> None:
@@ -234,8 +236,7 @@ class HTTPStore:
             return
         with self._fork_guard:
             if self._loop is not None and loop is not self._loop:
-                self._requests = _Requests(*self._http_args, cut_at_close=False)
-                self._long_polls = _Requests(*self._http_args, cut_at_close=True)
+                self._requests, self._long_polls = self._new_pools()
             self._loop = loop
 
     @property
