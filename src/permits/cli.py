@@ -440,7 +440,10 @@ def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> f
     default=None,
     help="Lease TTL; renewed every ttl/3 (default 60, or through a service the service's default).",
 )
-@click.option("--timeout", type=float, default=None, help="Seconds to wait for room (default: for ever).")
+@click.option(
+    "-w", "--timeout", type=float, default=None, help="Seconds to wait for room (default: for ever), as flock's -w."
+)
+@click.option("-n", "--nonblock", is_flag=True, help="Do not wait: the same as --timeout 0, as flock's -n.")
 @click.option(
     "--key",
     default=None,
@@ -448,6 +451,7 @@ def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> f
     " runs on several hosts that must exclude each other by key need the same --owner. (Default: a new key.)",
 )
 @click.option(
+    "-E",
     "--conflict-exit-code",
     type=click.IntRange(0, 255),
     default=EXIT_NOT_ACQUIRED,
@@ -482,6 +486,7 @@ def run(
     wants: tuple[str, ...],
     ttl: float | None,
     timeout: float | None,
+    nonblock: bool,
     key: str | None,
     conflict_exit_code: int,
     max_hold: float | None,
@@ -505,6 +510,10 @@ def run(
     specs = list(wants)
     if not specs or not command:
         raise click.UsageError("permits run needs NAME[:COUNT]... -- COMMAND")
+    if nonblock:
+        if timeout not in (None, 0):
+            raise click.UsageError("-n/--nonblock means --timeout 0: give one or the other")
+        timeout = 0.0
     options = _RunOptions(
         ttl=ttl,
         timeout=timeout,

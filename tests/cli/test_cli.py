@@ -42,6 +42,26 @@ def test_run_refuses_a_max_hold_that_is_not_positive_before_it_acquires(db_url: 
         assert client.get_semaphore(name).used == 0 and client.holders(name) == []
 
 
+def test_run_takes_flocks_short_options(db_url: str, ns: str, tmp_path: Path) -> None:
+    """-n (do not wait), -w SECONDS and -E STATUS, as flock(1) spells them, so a crontab line moves from
+    flock to permits run by its lock's name alone."""
+    name = f"{ns}short"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    with permits.connect(db_url) as client:
+        held = client.acquire(name, timeout=5)
+        started = time.monotonic()
+        assert _permits(db_url, "run", "-n", name, "--", "touch", str(tmp_path / "n"), check=False).returncode == 75
+        assert time.monotonic() - started < 10
+        waited = _permits(db_url, "run", "-w", "0.5", "-E", "9", name, "--", "touch", str(tmp_path / "w"), check=False)
+        assert waited.returncode == 9, waited.stderr
+        assert not (tmp_path / "n").exists() and not (tmp_path / "w").exists()
+        both = _permits(db_url, "run", "-n", "-w", "5", name, "--", "true", check=False)
+        assert both.returncode == 2 and "--nonblock" in both.stderr, both.stderr
+        client.release(held)
+    assert _permits(db_url, "run", "-n", name, "--", "touch", str(tmp_path / "ran")).returncode == 0
+    assert (tmp_path / "ran").exists()
+
+
 def test_db_may_come_before_the_command_and_the_commands_own_wins(tmp_path: Path) -> None:
     """``permits --db URL COMMAND``, as kubectl takes --context: it beats $PERMITS_DATABASE_URL, and the
     command's own --db beats it."""
