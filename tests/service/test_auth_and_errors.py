@@ -4,8 +4,9 @@ wire. One service per backend for the module; every test keeps to its own semaph
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -513,3 +514,49 @@ def test_a_path_that_is_not_utf8_is_bad_input(service: Service) -> None:
             assert _error(response) == (422, "invalid_argument"), response.text
             assert response.json()["error"]["details"]["field"] == "path"
         assert http.get("/v1/semaphores/caf%C3%A9").status_code == 404  # UTF-8 text is a name
+
+
+def test_head_answers_wherever_get_does(tmp_path: Path) -> None:
+    """HTTP asks every server for HEAD wherever it has GET (RFC 9110): a monitor, a load balancer or
+    ``curl -I`` gets the GET's status and headers and no body. An event stream's HEAD ends at once and
+    leaves no stream behind (two HEADs with room for one stream, then the GET still gets it)."""
+    url = f"sqlite:///{tmp_path / 'permits.db'}"
+    env = {"PERMITS_MAINTENANCE__ENABLED": "false", "PERMITS_DASHBOARD__MAX_STREAMS": "1"}
+    with running(url, env=env) as svc, _http(svc, None) as http:
+        assert http.post("/v1/semaphores", json={"name": "s", "capacity": 2}).status_code == 201
+        for path in ("/v1/semaphores/s", "/v1/semaphores", "/v1/holders/s", "/metrics", "/healthz", "/", "/v1/nope"):
+            got, head = http.get(path), http.head(path)
+            assert head.status_code == got.status_code, path
+            assert head.content == b"", path
+            if path != "/metrics":  # its counters count the GET just made
+                assert head.headers["content-length"] == got.headers["content-length"], path
+            assert head.headers["content-type"] == got.headers["content-type"], path
+            assert head.headers.get("cache-control") == got.headers.get("cache-control"), path
+        for _ in range(3):
+            streamed = _when_a_stream_is_free(lambda: http.head("/v1/events/stream", timeout=5))
+            assert streamed.status_code == 200 and streamed.content == b""
+            assert streamed.headers["content-type"].startswith("text/event-stream")
+        # Every HEAD let its stream go: the one stream this instance allows is free for a GET.
+        deadline = time.monotonic() + 5
+        while True:
+            with http.stream("GET", "/v1/events/stream", timeout=5) as stream:
+                if stream.status_code != 429:
+                    assert stream.status_code == 200
+                    assert next(stream.iter_lines()) == ": connected"
+                    break
+            assert time.monotonic() < deadline, "a HEAD's event stream was never let go"
+            time.sleep(0.05)
+        # HEAD is served, so a 405 lists it beside GET; a HEAD where GET is not allowed is still a 405.
+        assert http.post("/v1/semaphores/s").headers["allow"] == "DELETE, GET, PATCH, HEAD"
+        refused = http.head("/v1/sweep")
+        assert refused.status_code == 405 and "GET" not in refused.headers["allow"]
+
+
+def _when_a_stream_is_free(ask: Callable[[], httpx.Response]) -> httpx.Response:
+    """The answer of ``ask`` once it is not a 429 for want of a free stream: a HEAD's stream ends just
+    after its answer is sent, so the next request may find it still there for a moment, never for long."""
+    deadline = time.monotonic() + 5
+    while (answer := ask()).status_code == 429:
+        assert time.monotonic() < deadline, "a HEAD's event stream was never let go"
+        time.sleep(0.05)
+    return answer

@@ -81,19 +81,16 @@ def create_app(
         async def index() -> Response:
             return HTMLResponse(_NO_DASHBOARD)
 
+    app.add_middleware(_Head)
     app.add_middleware(_BodyLimit, max_bytes=config.limits.max_body_bytes)
 
     app.add_middleware(_AccessLog, metrics=state.metrics)
 
-    # HEAD as well as GET: a load balancer's health check may send either. A route of its own, kept out
-    # of the document: one route with both methods gets an operationId from whichever its set lists first.
-    @app.head("/healthz", include_in_schema=False)
     @app.get("/healthz", tags=["service"])
     async def healthz() -> dict[str, str]:
         """The process is up (liveness)."""
         return {"status": "ok"}
 
-    @app.head("/readyz", include_in_schema=False)
     @app.get("/readyz", tags=["service"])
     async def readyz() -> JSONResponse:
         """The database answers and the instance is not shutting down (readiness)."""
@@ -235,6 +232,69 @@ class _AccessLog:
             route = getattr(scope.get("route"), "path", "unmatched")
             identity = getattr(scope.get("state", {}).get("identity"), "name", None)
             self.metrics.record_request(scope["method"], route, status, started, identity)
+
+
+class _Head:
+    """HEAD wherever GET is, as HTTP asks of every server (RFC 9110, 9.3.2): a load balancer's check, a
+    monitor or ``curl -I`` gets the GET's status and headers, Content-Length included, and no body.
+
+    The app answers a GET; the server, which knows the request was a HEAD, sends no body. An event stream
+    never ends by itself, so once the headers are out the app is told the client has gone, as it is told
+    when a browser closes the tab. Done here rather than as HEAD routes: those would double every GET in
+    the OpenAPI document."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] != "HEAD":
+            await self.app(scope, receive, _allowing_head(send))
+            return
+        as_get = {**scope, "method": "GET"}
+        answered = asyncio.Event()
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                await _allowing_head(send)(message)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                answered.set()
+            # the body of the GET is dropped: the server sends none for a HEAD
+
+        async def gone_once_answered() -> Message:
+            if answered.is_set():
+                return {"type": "http.disconnect"}
+            received = asyncio.ensure_future(receive())
+            waited = asyncio.ensure_future(answered.wait())
+            await asyncio.wait((received, waited), return_when=asyncio.FIRST_COMPLETED)
+            waited.cancel()
+            if received.done():
+                return received.result()
+            received.cancel()
+            return {"type": "http.disconnect"}
+
+        try:
+            await self.app(as_get, gone_once_answered, headers_only)
+        finally:
+            if "route" in as_get:  # the access log and the metrics name the request by its route
+                scope["route"] = as_get["route"]
+
+
+def _allowing_head(send: Send) -> Send:
+    """A 405's ``Allow`` lists HEAD where it lists GET (the routes name GET only; ``_Head`` serves HEAD)."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start" and message["status"] == 405:
+            headers = [
+                (name, value + b", HEAD" if name.lower() == b"allow" and b"GET" in value.split(b", ") else value)
+                for name, value in message.get("headers", [])
+            ]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
 
 
 class _BodyLimit:
