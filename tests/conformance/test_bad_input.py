@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -176,6 +177,38 @@ def test_sqlite_file_that_cannot_be_opened(tmp_path: Any) -> None:
 def test_bad_url(url: str) -> None:
     with pytest.raises((permits.ConfigurationError, permits.InvalidArgument)):
         permits.connect(url).try_acquire("x")
+
+
+@pytest.mark.parametrize("query", ["mode=ro", "cache=shared&mode=ro", "immutable=1"])
+def test_sqlites_own_parameters_outside_a_file_uri_are_refused(tmp_path: Path, query: str) -> None:
+    """SQLite reads mode=ro and the like only from a file: URI. SQLAlchemy drops them from a plain URL with
+    a warning nobody sees, so ``?mode=ro`` opened the file read-write: it is refused, with the form to use,
+    and nothing is made."""
+    path = tmp_path / "permits.db"
+    with (
+        pytest.raises(permits.ConfigurationError, match=r"only from a file: URI") as refused,
+        permits.connect(f"sqlite:///{path}?{query}") as client,
+    ):
+        client.list_semaphores()
+    assert refused.value.details == {"field": "url"}
+    assert f"sqlite:///file:{path}?{query}&uri=true" in str(refused.value)
+    assert not path.exists()
+
+
+def test_a_read_only_sqlite_file_uri_reads_and_refuses_writes(tmp_path: Path) -> None:
+    path = tmp_path / "permits.db"
+    with permits.connect(f"sqlite:///{path}") as client:
+        client.create_semaphore("s", capacity=1)
+    with permits.connect(f"sqlite:///file:{path}?mode=ro&uri=true") as client:
+        assert [s.name for s in client.list_semaphores() if s.name == "s"] == ["s"]
+        with pytest.raises(permits.StorageReadOnly, match="opened read-only"):
+            client.acquire("s", timeout=1)
+        with pytest.raises(permits.StorageReadOnly):
+            client.create_semaphore("t", capacity=1)
+    with permits.connect(f"sqlite:///{path}") as client:
+        assert client.get_semaphore("s").used == 0
+        with pytest.raises(permits.SemaphoreNotFound):
+            client.get_semaphore("t")
 
 
 def test_server_without_schema_says_how_to_fix(servers: Any, backend: str) -> None:

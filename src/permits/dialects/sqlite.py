@@ -13,13 +13,20 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import quote
 
+from sqlalchemy.engine import URL
+
+from permits._exceptions import ConfigurationError
 from permits.dialects.base import Dialect, Fault
 
 _CONFLICT = {sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED}
 _UNAVAILABLE = {sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_IOERR}
 _READ_ONLY = {sqlite3.SQLITE_READONLY}
 
+
+#: what the sqlite3 driver takes from a URL's query; SQLite's own parameters need a file: URI (uri=true)
+_DRIVER_PARAMETERS = {"uri", "timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements"}
 
 _NOW_SQL = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
 
@@ -42,6 +49,21 @@ class SQLite(Dialect):
     # Only so that a URL naming it (sqlite+aiosqlite://) is accepted: the asyncio client runs pysqlite on
     # a worker thread, and aiosqlite need not be installed.
     async_driver = "aiosqlite"
+
+    def engine_url(self, url: URL, asynchronous: bool) -> URL:
+        # SQLite reads mode=ro, cache=, immutable= ... only from a file: URI (uri=true). In a plain URL
+        # SQLAlchemy drops them with a warning nobody sees, so ?mode=ro would open the file read-write.
+        uri = str(url.query.get("uri", "")).lower() in ("true", "1", "yes", "on")
+        ignored = sorted(set(url.query) - _DRIVER_PARAMETERS)
+        if ignored and not uri:
+            query = "&".join(f"{name}={url.query[name]}" for name in sorted(url.query))
+            as_uri = f"sqlite:///file:{quote(url.database or '', safe='/')}?{query}&uri=true"
+            raise ConfigurationError(
+                f"SQLite reads {', '.join(ignored)} only from a file: URI, so the URL's would be ignored"
+                f" (a read-only mode would open the file read-write): write it {as_uri}",
+                field="url",
+            )
+        return super().engine_url(url, asynchronous)
 
     def engine_options(self, lock_wait_timeout: float, pooler: str | None = None) -> dict[str, Any]:
         # The driver's own transaction handling is turned off (isolation_level=None) so that the store

@@ -194,6 +194,12 @@ def translate(exc: DBAPIError, fault: Fault, dialect: Dialect, settings: Setting
         return StorageUnavailable(f"database unavailable at {where}{detail}", url=where)
     if fault is Fault.CONFLICT:
         return StorageConflict(f"database kept reporting conflicts at {where}{detail}", url=where)
+    if fault is Fault.READ_ONLY and dialect.name == "sqlite":
+        return StorageReadOnly(
+            f"the SQLite database at {where} refused a write: it was opened read-only (mode=ro), or its file"
+            f" or directory may not be written by this user{detail}",
+            url=where,
+        )
     if fault is Fault.READ_ONLY:
         return StorageReadOnly(
             f"the database at {where} is a read-only replica; point permits at the primary", url=where
