@@ -68,6 +68,11 @@ class Lease:
     #: lease granted before the database kept TTLs (schema revision 0008)
     ttl: float | None = None
 
+    def __hash__(self) -> int:
+        # By what names the lease, so that leases go in sets and dict keys: equal leases have the same
+        # owner and key, and the fields' dicts cannot be hashed.
+        return hash((self.owner, self.key))
+
     @property
     def held(self) -> bool:
         return self.end_reason is None and self.expires_in > 0

@@ -29,3 +29,20 @@ def test_a_clients_repr_hides_the_password() -> None:
     client.close()
     remote = permits.connect_async("http://127.0.0.1:9", owner="o")
     assert repr(remote) == "<AsyncClient 'http://127.0.0.1:9' owner='o'>"
+
+
+def test_leases_go_in_sets_and_survive_pickling(tmp_path: Path) -> None:
+    """A lease is a value: it hashes by what names it (owner and key), so a caller can keep the leases it
+    holds in a set or key a dict by them, and it pickles (a worker process hands it back to its parent)."""
+    import pickle
+
+    with permits.connect(f"sqlite:///{tmp_path / 'p.db'}", owner="o") as client:
+        client.create_semaphore("s", 3)
+        first, second = client.acquire("s", key="a"), client.acquire("s", key="b")
+        copied = pickle.loads(pickle.dumps(first))
+        assert copied == first and hash(copied) == hash(first)
+        assert {first, second, copied} == {first, second}
+        held = {first: "backup of a", second: "backup of b"}
+        assert held[copied] == "backup of a"
+        # A later read of the same lease is another state of it (its expires_in moved): not equal.
+        assert client.get_lease("a").key == first.key
