@@ -514,6 +514,21 @@ def test_a_path_that_is_not_utf8_is_bad_input(service: Service) -> None:
             assert _error(response) == (422, "invalid_argument"), response.text
             assert response.json()["error"]["details"]["field"] == "path"
         assert http.get("/v1/semaphores/caf%C3%A9").status_code == 404  # UTF-8 text is a name
+        for query, field in (("prefix=%ff", "prefix"), ("%ff=1", "query"), ("prefix=a&prefix=b", "prefix")):
+            response = http.get(f"/v1/semaphores?{query}")
+            assert _error(response) == (422, "invalid_argument"), response.text
+            assert response.json()["error"]["details"]["field"] == field
+        assert http.get("/v1/semaphores?prefix=caf%C3%A9&x=1").json() == {"semaphores": []}
+
+
+def test_a_bad_last_event_id_is_named_as_the_header(service: Service) -> None:
+    """A browser's EventSource resumes with the header, not with ``since``: the error names what was sent."""
+    with _http(service, ADMIN) as http:
+        response = http.get("/v1/events/stream", headers={"Last-Event-ID": "garbage"})
+        assert _error(response) == (422, "invalid_argument")
+        assert response.json()["error"]["details"]["field"] == "last-event-id"
+        response = http.get("/v1/events/stream?since=garbage", headers={"Last-Event-ID": "garbage"})
+        assert response.json()["error"]["details"]["field"] == "since"  # since= wins over the header
 
 
 def test_head_answers_wherever_get_does(tmp_path: Path) -> None:

@@ -294,6 +294,8 @@ CASES: dict[str, Case] = {
         lambda ctx: ("POST", "/v1/semaphores", {"name": ctx.s, "capacity": 3, "exist_ok": "no"}),
     ),
     "path-not-utf8": Case(None, lambda ctx: ("GET", "/v1/holders/%ff", None)),
+    "query-not-utf8": Case(None, lambda ctx: ("GET", "/v1/semaphores?prefix=%ff", None)),
+    "query-twice": Case(None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}?force=false&force=true", None)),
     "delete-reason-too-long": Case(
         None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}?force=true&reason={'r' * 1001}", None)
     ),

@@ -141,6 +141,11 @@ class _Service(FastAPI):
             bad = InvalidArgument("the path is not percent-encoded UTF-8 text", field="path")
             await errors.error_response(bad)(scope, receive, send)
             return
+        if scope["type"] == "http" and scope.get("query_string"):
+            bad_query = _query_problem(scope["query_string"])
+            if bad_query is not None:
+                await errors.error_response(bad_query)(scope, receive, send)
+                return
         if self.hot is not None and scope["type"] == "http":
             await self.hot(scope, receive, send)
         else:
@@ -156,6 +161,30 @@ def _path_is_text(scope: Scope) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def _query_problem(query: bytes) -> InvalidArgument | None:
+    """What is wrong with a query string, as a body's faults are: a value that is not UTF-8 text (the
+    framework would read ``?prefix=%ff`` as U+FFFD and list nothing), or a parameter given twice
+    (``?force=false&force=true``: the framework keeps the last, and a reader of the URL may see the first,
+    as with a JSON name given twice)."""
+    seen: set[str] = set()
+    for part in query.split(b"&"):
+        if not part:
+            continue
+        raw_name, _, raw_value = part.partition(b"=")
+        try:
+            name = urllib.parse.unquote_to_bytes(raw_name.replace(b"+", b" ")).decode("utf-8")
+        except UnicodeDecodeError:
+            return InvalidArgument("the query is not percent-encoded UTF-8 text", field="query")
+        try:
+            urllib.parse.unquote_to_bytes(raw_value.replace(b"+", b" ")).decode("utf-8")
+        except UnicodeDecodeError:
+            return InvalidArgument(f"the query's {name!r} is not percent-encoded UTF-8 text", field=name)
+        if name in seen:
+            return InvalidArgument(f"the query gives {name!r} more than once: give it once", field=name)
+        seen.add(name)
+    return None
 
 
 def _document_limits(app: FastAPI, config: ServerConfig) -> None:

@@ -227,11 +227,12 @@ async def events_stream(
 ) -> StreamingResponse:
     """The event feed as server-sent events: ``id:`` is the cursor to resume from (``since=`` or
     ``Last-Event-ID``, on any instance), ``event:`` the type, ``data:`` the event as JSON."""
-    resume = since if since is not None else last_event_id
-    if resume is None:
-        start = await state.sql_store.run_flow(events.head, readonly=True)
+    if since is not None:
+        start = events.Cursor.parse(since)
+    elif last_event_id is not None:  # a browser's EventSource resuming: the error names the header
+        start = events.Cursor.parse(last_event_id, field="last-event-id")
     else:
-        start = events.Cursor.parse(resume)
+        start = await state.sql_store.run_flow(events.head, readonly=True)
     subscriber = await state.broadcaster.subscribe(identity, start)
 
     async def stream() -> AsyncIterator[str]:

@@ -56,12 +56,13 @@ class Cursor:
         return f"g{self.lease_id}.e{self.ended_ms}.c{self.change_id}.a{self.admin_id}"
 
     @classmethod
-    def parse(cls, text: str) -> Cursor:
+    def parse(cls, text: str, field: str = "since") -> Cursor:
+        """``text`` as a cursor; ``field``: where it came from, for the error that names it."""
         found = _CURSOR.fullmatch(text)
         parts = [] if found is None else [int(part) for part in found.groups()]
         # Nineteen digits can still overflow the signed 64-bit columns they are compared with.
         if found is None or max(parts) > MAX_CURSOR_PART:
-            raise InvalidArgument("not an event cursor: use the cursor an event feed gave", field="since")
+            raise InvalidArgument("not an event cursor: use the cursor an event feed gave", field=field)
         return cls(*parts)
 
 
