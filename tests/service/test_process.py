@@ -208,11 +208,18 @@ def test_metrics_count_what_happened(sqlite_url: str, ns: str) -> None:
             assert client.try_acquire(f"{ns}m") is None
             with pytest.raises(permits.AcquireTimeout):
                 client.acquire(f"{ns}m", timeout=0.3)
+            # A caller's mistakes are "rejected", never "error", which an operator alerts on.
+            with pytest.raises(permits.SemaphoreNotFound):
+                client.acquire(f"{ns}missing", timeout=1)
+            with pytest.raises(permits.CountExceedsCapacity):
+                client.acquire({f"{ns}m": 3}, timeout=1)
             client.release(held)
         wait_until(lambda: metric(service, f'permits_semaphore_leases{{semaphore="{ns}m"}}') == 1.0, timeout=15)
         assert metric(service, 'permits_acquire_total{outcome="granted"}') == 2
         assert metric(service, 'permits_acquire_total{outcome="refused"}') == 1
         assert (metric(service, 'permits_acquire_total{outcome="timeout"}') or 0) >= 1
+        assert metric(service, 'permits_acquire_total{outcome="rejected"}') == 2
+        assert (metric(service, 'permits_acquire_total{outcome="error"}') or 0) == 0
         assert metric(service, 'permits_release_total{outcome="released"}') == 1
         assert metric(service, "permits_hold_seconds_count") == 1
         assert metric(service, f'permits_semaphore_capacity{{semaphore="{ns}m"}}') == 2

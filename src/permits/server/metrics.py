@@ -45,7 +45,9 @@ class Metrics:
             "permits_acquire_total",
             "Acquire requests by outcome: granted, refused (no room, no wait), timeout (no room within the wait),"
             " gone (the client closed its connection while waiting), conflict (idempotency conflict), limited"
-            " (a bound of this service: max_waiters, max_leases_per_client), error",
+            " (a bound of this service: max_waiters, max_leases_per_client), rejected (the caller's mistake: no"
+            " such semaphore, a count over its capacity, bad input, a key whose lease has ended), error (the"
+            " database or the service failed)",
             ["outcome"],
             registry=r,
         )

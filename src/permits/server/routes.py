@@ -253,8 +253,8 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
         exc.details["kept_place"] = kept and state.sql_store.holds_place(owner, key)
         raise
     except ENDS_THE_REQUEST as exc:
-        if isinstance(exc, IdempotencyConflict):
-            outcome = "conflict"
+        # The caller's mistake, not the service's: "error" is kept for what an operator must look at.
+        outcome = "conflict" if isinstance(exc, IdempotencyConflict) else "rejected"
         if wait > 0:
             # A verdict (another's lease under the key, the capacity lowered below the count, a semaphore
             # deleted) ends the request, kept place or not: its places go now, not when they lapse.
