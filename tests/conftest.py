@@ -31,6 +31,10 @@ SERVER_URLS = {
 }
 BACKENDS = ["sqlite", "mysql", "postgresql"]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+#: PERMITS_THOROUGH=1: the few tests that sample a space of faults (every byte at which a connection can be
+#: cut, rounds of a stall) sample it densely, as before a release; by default they take a sparser sample,
+#: to keep the whole run short.
+THOROUGH = os.environ.get("PERMITS_THOROUGH", "").lower() in ("1", "true", "yes")
 _SESSION_DB = f"permits_t_{os.getpid()}_{uuid.uuid4().hex[:6]}"
 #: Test directories whose tests need the machine to themselves: they start many processes and time them,
 #: kill servers, measure throughput, or change a shared server's global settings (the isolation level).
@@ -188,6 +192,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         parts = item.path.relative_to(tests_dir).parts if item.path.is_relative_to(tests_dir) else ()
         if parts and parts[0] in ALONE and item.get_closest_marker("beside_others") is None:
             item.add_marker(alone)
+    # The slow tests first (a stable sort: the rest keep their order). The parallel workers are handed tests
+    # in this order, so the long ones start at once, spread over the workers, and none is left running one
+    # at the end while the others have nothing to do.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 class _Servers:

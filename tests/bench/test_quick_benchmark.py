@@ -127,6 +127,7 @@ def test_the_statement_and_client_cost_measurements_run() -> None:
 
 
 @pytest.mark.beside_others  # it counts instructions, which other tests' load does not change
+@pytest.mark.slow
 def test_the_instruction_count_runs(tmp_path: Path) -> None:
     """benchmarks/client_instructions.py, behind "a connection kept for the statements that run
     alone" in docs/benchmarks.md: two short

@@ -342,12 +342,12 @@ def test_a_lost_lease_signals_every_process_of_the_command(db_url: str, ns: str,
     with permits.connect(db_url) as client:
         assert client.delete_semaphore(name, force=True) == 1  # an administrator revokes it
     assert holder.wait(timeout=30) == 76
-    deadline = time.monotonic() + 5  # a SIGKILL sent as permits run ends takes effect a moment later
-    while _running(job_process):
-        assert time.monotonic() < deadline, "the job went on after the lease was lost"
-        time.sleep(0.05)
     assert holder.stderr is not None
     told = holder.stderr.read()
+    deadline = time.monotonic() + 5  # a SIGKILL sent as permits run ends takes effect a moment later
+    while _running(job_process):
+        assert time.monotonic() < deadline, f"the job went on after the lease was lost: {_family(job_process)}\n{told}"
+        time.sleep(0.05)
     if job == "ignores":
         assert "processes the command started still ran 1 s after its signal: SIGKILL" in told, told
 
@@ -390,6 +390,16 @@ def test_a_supervisors_sigterm_reaches_every_process_of_the_command_and_the_perm
         assert client.get_semaphore(name).used == 0
 
 
+def _family(pid: int) -> str:
+    """``pid``'s /proc/PID/stat and its children's, for a failure's message."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().split(" ")[:5]
+        children = [Path(f"/proc/{pid}/task/{t}/children").read_text() for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError as exc:
+        return f"pid {pid}: {exc}"
+    return f"pid {pid}: stat {' '.join(stat)}; children {children}"
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped by whoever inherited it, does not)."""
     try:
@@ -424,6 +434,7 @@ def test_run_keeps_the_commands_status_when_the_release_fails(db_url: str, backe
         assert client.get_semaphore(name).used == 1  # held until its TTL
 
 
+@pytest.mark.slow
 def test_run_does_not_outlive_its_command_by_more_than_the_release_patience_when_the_database_hangs(
     db_url: str, backend: str, ns: str
 ) -> None:
@@ -514,6 +525,7 @@ def test_a_second_run_under_a_held_key_is_refused(db_url: str, ns: str, tmp_path
         assert first.wait(timeout=30) == 0
 
 
+@pytest.mark.slow
 def test_runs_under_one_key_that_get_room_at_once_run_one_command(db_url: str, ns: str, tmp_path: Path) -> None:
     """Four `permits run --key J` wait on a semaphore with room for all four, which comes at once. Each
     looked for a lease under J before it waited, and found none; the first grant makes one, and every other
@@ -568,6 +580,7 @@ def test_a_count_in_other_digits_is_not_read_as_a_count(db_url: str, ns: str) ->
         assert done.returncode == 1 and "semaphore_not_found" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_an_inner_run_over_several_semaphores_drops_the_outer_fencing_token(db_url: str, ns: str) -> None:
     for name in ("outer", "d", "e"):
         _permits(db_url, "sem", "create", f"{ns}{name}", "--capacity", "1")

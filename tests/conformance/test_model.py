@@ -413,6 +413,7 @@ def _run(client: Any, clock: OffsetClock | ServerOffsetClock | None, examples: i
     return seen
 
 
+@pytest.mark.slow
 def test_model_on_sqlite_with_a_moving_clock(tmp_path: Path) -> None:
     """The full model, time included, on a SQLite file of its own (a sweep on a clock hours ahead would
     end other tests' leases on a shared one)."""
@@ -445,6 +446,7 @@ MYSQL_FAMILY = {
         *(f"mysql-{variant}" for variant in MYSQL_FAMILY),
     ],
 )
+@pytest.mark.slow
 def test_model_on_a_server_with_a_moving_clock(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The full model, time included, on MariaDB and PostgreSQL: each runs its own statements for sweeps,
     reclaims and extends, and its own reading of the clock. On a database of the test's own, for the same

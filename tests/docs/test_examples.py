@@ -48,6 +48,7 @@ SAYS = {"api.md": ("refused: ", "lease TTL kept: 30 s")}
 
 
 @pytest.mark.parametrize("doc", [p for p in DOCS if _blocks(p, "sh")], ids=lambda p: p.name)
+@pytest.mark.slow
 def test_shell_examples(doc: Path, tmp_path: Path) -> None:
     for block in _blocks(doc, "sh"):
         if block.lstrip().startswith("./scripts/"):

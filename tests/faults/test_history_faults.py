@@ -24,7 +24,7 @@ from sqlalchemy.engine import make_url
 
 import permits
 from tests._proxy import CuttingProxy
-from tests.conftest import IN_CI
+from tests.conftest import IN_CI, THOROUGH
 from tests.faults.harness import LIBFAKETIME, SWEEP_INTERVAL, FaultRun, describe
 from tests.faults.history import FAIL, OK, History
 
@@ -290,7 +290,7 @@ def test_partial_stall_of_one_instance_and_two_clients(tmp_path: Path, db_url: s
             (faulty,) = run.services({"db_url": via, "env": faulty_env})
             through = [*run.workers(2, faulty.url), *run.workers(2, via, reply_timeout=WORKER_REPLY_TIMEOUT)]
             run.wait_for(lambda: run.acquired() >= 4, what="the first grants")
-            for round_ in range(3):
+            for round_ in range(3 if THOROUGH else 2):
                 run.rec.event("partial_stall")
                 stalled = time.monotonic()
                 proxy.stall(new_too=False)

@@ -23,11 +23,13 @@ TOKENS = [{"name": "ops", "token": ADMIN, "admin": True}, {"name": "app", "token
 
 
 @pytest.mark.parametrize("token", [None, ADMIN, CLIENT], ids=["open-mode", "admin-token", "client-token"])
+@pytest.mark.slow
 def test_no_generated_request_makes_the_service_fail(tmp_path: Path, token: str | None) -> None:
     _run_schemathesis(f"sqlite:///{tmp_path / 'permits.db'}", token, tmp_path)
 
 
 @pytest.mark.parametrize("backend", ["mysql", "postgresql"])
+@pytest.mark.slow
 def test_no_generated_request_makes_the_service_fail_on_a_server(tmp_path: Path, backend: str) -> None:
     """The same, as an admin, on MariaDB and PostgreSQL, each in a database of its own: what their drivers
     and columns refuse (a string too long, a character a column cannot hold) must be a 4xx there too."""
