@@ -141,6 +141,19 @@ def test_openapi_document_describes_every_route(sqlite_url: str) -> None:
         assert path in paths, path
     token = document["components"]["schemas"]["LeaseOut"]["properties"]["tokens"]
     assert token["additionalProperties"]["type"] == "string"
+    # Every 429 and 503 carries Retry-After, and the document says so (a generated client can honour it);
+    # readiness declares its 503.
+    declared = [
+        (path, method, status, answer)
+        for path, item in paths.items()
+        for method, operation in item.items()
+        for status, answer in operation["responses"].items()
+        if status in ("429", "503")
+    ]
+    assert ("/readyz", "get", "503") in {(p, m, s) for p, m, s, _ in declared}
+    assert len(declared) > 20
+    for path, method, status, answer in declared:
+        assert answer["headers"]["Retry-After"]["required"] is True, (path, method, status)
 
 
 @pytest.mark.parametrize("server", ["mysql", "postgresql"])

@@ -91,7 +91,7 @@ def create_app(
         """The process is up (liveness)."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["service"])
+    @app.get("/readyz", tags=["service"], responses=schemas.error_responses(503))
     async def readyz() -> JSONResponse:
         """The database answers and the instance is not shutting down (readiness)."""
         if state.waker.draining.is_set():

@@ -46,7 +46,7 @@ from permits._exceptions import (
     Unauthorized,
     UsageError,
 )
-from permits.server import body, routes
+from permits.server import body, routes, schemas
 from permits.server.metrics import Metrics
 from permits.server.schemas import TAGGED_FIELDS
 
@@ -92,9 +92,6 @@ _STORAGE_MESSAGES: dict[str, str] = {
     StorageError.code: "the database failed; see the service log",
 }
 
-#: Seconds a client should wait before retrying a 503 or a 429.
-RETRY_AFTER_SECONDS = 1
-
 
 def status_for(error: PermitsError) -> int:
     for cls in type(error).__mro__:
@@ -114,7 +111,7 @@ def error_response(error: PermitsError) -> JSONResponse:
         body = error_body(error.code, _STORAGE_MESSAGES.get(error.code, _STORAGE_MESSAGES[StorageError.code]))
     else:
         body = error_body(error.code, error.message, _json_safe(error.details))
-    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status in (429, 503) else None
+    headers = {"Retry-After": str(schemas.RETRY_AFTER_SECONDS)} if status in (429, 503) else None
     if isinstance(error, Unauthorized):
         # RFC 9110 (11.6.1) and RFC 6750: a 401 names the scheme it wants.
         headers = {"WWW-Authenticate": 'Bearer realm="permits"'}

@@ -53,9 +53,7 @@ router = APIRouter(prefix="/v1", route_class=body.Route)
 #: ``request_id`` (an acquire's field: a ``new_only`` request's retries know its lease as their own);
 #: ``release_own`` (a release's ``request_id``: only the lease that request got).
 FEATURES = ("keep_place", "new_only", "lease_ttl", "request_id", "release_own")
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": schemas.ErrorOut} for status in (401, 403, 404, 409, 410, 413, 422, 429, 503)
-}
+_ERRORS = schemas.error_responses(401, 403, 404, 409, 410, 413, 422, 429, 503)
 
 
 async def _state(request: Request) -> ServiceState:

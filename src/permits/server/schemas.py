@@ -340,6 +340,25 @@ class ErrorOut(BaseModel):
     error: ErrorDetail
 
 
+#: Seconds a client should wait before retrying a 503 or a 429 (errors.py sends it on every one).
+RETRY_AFTER_SECONDS = 1
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI responses of these error statuses: an ``ErrorOut`` body, and on a 429 or a 503 the
+    ``Retry-After`` header that every one of them carries."""
+    retry_after = {
+        "Retry-After": {
+            "description": "seconds to wait before sending the request again (then with the same key)",
+            "required": True,
+            "schema": {"type": "integer", "minimum": 0},
+        }
+    }
+    return {
+        status: {"model": ErrorOut, **({"headers": retry_after} if status in (429, 503) else {})} for status in statuses
+    }
+
+
 # ------------------------------------------------------------------------------ path and query parameters
 #
 # Checked by the library (or the event feed's parser) like the bodies' fields; stated here for the
