@@ -445,6 +445,15 @@ def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> f
 )
 @click.option("-n", "--nonblock", is_flag=True, help="Do not wait: the same as --timeout 0, as flock's -n.")
 @click.option(
+    "--create",
+    "create_capacity",
+    type=click.IntRange(1),
+    default=None,
+    metavar="CAPACITY",
+    help="Create each semaphore that does not exist with CAPACITY permits first (as `permits sem create"
+    " --exist-ok`: one that exists with another capacity is an error), as flock creates its lock file.",
+)
+@click.option(
     "--key",
     default=None,
     help="Names the lease; a key that names one already is refused. Keys are per owner (user@host by default):"
@@ -487,6 +496,7 @@ def run(
     ttl: float | None,
     timeout: float | None,
     nonblock: bool,
+    create_capacity: int | None,
     key: str | None,
     conflict_exit_code: int,
     max_hold: float | None,
@@ -523,8 +533,12 @@ def run(
         on_lost_signal=on_lost_signal,
         kill_after=kill_after,
     )
+    parsed = parse_wants(tuple(specs))
     with _client(db, owner) as client:
-        status, lost = _run_holding(client, parse_wants(tuple(specs)), command, options)
+        if create_capacity is not None:
+            for want in parsed:
+                client.create_semaphore(want.name, create_capacity, exist_ok=True)
+        status, lost = _run_holding(client, parsed, command, options)
     if lost:
         sys.exit(EXIT_LEASE_LOST)
     sys.exit(status if status >= 0 else 128 - status)

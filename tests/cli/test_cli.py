@@ -62,6 +62,24 @@ def test_run_takes_flocks_short_options(db_url: str, ns: str, tmp_path: Path) ->
     assert (tmp_path / "ran").exists()
 
 
+def test_run_creates_missing_semaphores_with_create(db_url: str, ns: str, tmp_path: Path) -> None:
+    """``--create N``: a cron line needs no setup step, as flock creates its lock file. A semaphore that
+    exists with another capacity is an error, as with ``sem create --exist-ok``, and nothing runs."""
+    names = [f"{ns}made", f"{ns}also"]
+    ran = tmp_path / "ran"
+    done = _permits(db_url, "run", "--create", "1", *names, "--", "touch", str(ran))
+    assert done.returncode == 0 and ran.exists()
+    with permits.connect(db_url) as client:
+        assert [client.get_semaphore(n).capacity for n in names] == [1, 1]
+        assert [client.get_semaphore(n).used for n in names] == [0, 0]
+    assert _permits(db_url, "run", "--create", "1", names[0], "--", "true").returncode == 0  # exists: fine
+    other = _permits(db_url, "run", "--create", "2", names[0], "--", "touch", str(tmp_path / "no"), check=False)
+    assert other.returncode == 1 and "semaphore_exists" in other.stderr, other.stderr
+    assert not (tmp_path / "no").exists()
+    zero = _permits(db_url, "run", "--create", "0", names[0], "--", "true", check=False)
+    assert zero.returncode == 2
+
+
 def test_db_may_come_before_the_command_and_the_commands_own_wins(tmp_path: Path) -> None:
     """``permits --db URL COMMAND``, as kubectl takes --context: it beats $PERMITS_DATABASE_URL, and the
     command's own --db beats it."""
