@@ -192,10 +192,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         parts = item.path.relative_to(tests_dir).parts if item.path.is_relative_to(tests_dir) else ()
         if parts and parts[0] in ALONE and item.get_closest_marker("beside_others") is None:
             item.add_marker(alone)
-    # The slow tests first (a stable sort: the rest keep their order). The parallel workers are handed tests
-    # in this order, so the long ones start at once, spread over the workers, and none is left running one
-    # at the end while the others have nothing to do.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 class _Servers:

@@ -179,7 +179,7 @@ def test_bad_url(url: str) -> None:
         permits.connect(url).try_acquire("x")
 
 
-@pytest.mark.parametrize("query", ["mode=ro", "cache=shared&mode=ro", "immutable=1"])
+@pytest.mark.parametrize("query", ["mode=ro", "cache=shared&mode=ro", "vfs=unix-dotfile"])
 def test_sqlites_own_parameters_outside_a_file_uri_are_refused(tmp_path: Path, query: str) -> None:
     """SQLite reads mode=ro and the like only from a file: URI. SQLAlchemy drops them from a plain URL with
     a warning nobody sees, so ``?mode=ro`` opened the file read-write: it is refused, with the form to use,
@@ -193,6 +193,29 @@ def test_sqlites_own_parameters_outside_a_file_uri_are_refused(tmp_path: Path, q
     assert refused.value.details == {"field": "url"}
     assert f"sqlite:///file:{path}?{query}&uri=true" in str(refused.value)
     assert not path.exists()
+
+
+@pytest.mark.parametrize("query", ["immutable=1", "nolock=1&uri=true", "mode=ro&immutable=1&uri=true"])
+def test_sqlite_parameters_that_drop_its_locking_are_refused(tmp_path: Path, query: str) -> None:
+    path = tmp_path / "permits.db"
+    with (
+        pytest.raises(permits.ConfigurationError, match="turn off the file locking") as refused,
+        permits.connect(f"sqlite:///file:{path}?{query}") as client,
+    ):
+        client.list_semaphores()
+    assert refused.value.details == {"field": "url"} and not path.exists()
+
+
+def test_the_file_uri_suggested_for_an_odd_path_opens_that_file(tmp_path: Path) -> None:
+    """The path is quoted twice in the suggestion: SQLAlchemy unquotes it once, and SQLite the URI again."""
+    path = tmp_path / "a b%20c#d.db"
+    with permits.connect(f"sqlite:///{path}") as client:
+        client.create_semaphore("s", capacity=1)
+    with pytest.raises(permits.ConfigurationError) as refused, permits.connect(f"sqlite:///{path}?mode=ro") as client:
+        client.list_semaphores()
+    suggested = str(refused.value).rsplit("write it ", 1)[1]
+    with permits.connect(suggested) as client:
+        assert [s.name for s in client.list_semaphores()] == ["s"]
 
 
 def test_a_read_only_sqlite_file_uri_reads_and_refuses_writes(tmp_path: Path) -> None:

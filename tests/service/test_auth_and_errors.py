@@ -513,6 +513,7 @@ def test_a_path_that_is_not_utf8_is_bad_input(service: Service) -> None:
             response = http.request(method, path)
             assert _error(response) == (422, "invalid_argument"), response.text
             assert response.json()["error"]["details"]["field"] == "path"
+            assert response.headers["cache-control"] == "no-store"
         assert http.get("/v1/semaphores/caf%C3%A9").status_code == 404  # UTF-8 text is a name
         for query, field in (("prefix=%ff", "prefix"), ("%ff=1", "query"), ("prefix=a&prefix=b", "prefix")):
             response = http.get(f"/v1/semaphores?{query}")

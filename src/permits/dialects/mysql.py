@@ -28,12 +28,12 @@ _CONFLICT = {
 }
 _UNAVAILABLE = {
     1040,  # ER_CON_COUNT_ERROR: too many connections
-    # Refused at connect: no such database, or not this user (1698: no password given). PostgreSQL's
-    # driver reports these as a failed connection too, so both engines raise StorageUnavailable for them.
+    # Refused at connect: no such database, or none this user may use. PostgreSQL's driver reports a
+    # missing database as a failed connection too, so both engines raise StorageUnavailable for it. A wrong
+    # password (1045, 1698) is not retried: each retry would count against max_password_errors (MariaDB)
+    # or FAILED_LOGIN_ATTEMPTS (MySQL), and could lock the account for every client that shares it.
     1044,  # ER_DBACCESS_DENIED_ERROR
-    1045,  # ER_ACCESS_DENIED_ERROR
     1049,  # ER_BAD_DB_ERROR
-    1698,  # ER_ACCESS_DENIED_NO_PASSWORD_ERROR
     1047,  # ER_UNKNOWN_COM_ERROR: Galera node not ready ("WSREP has not yet prepared node")
     3100,  # ER_RUN_HOOK_ERROR: a Group Replication member that is not ONLINE (no quorum) refused a commit
     1053,  # ER_SERVER_SHUTDOWN

@@ -27,6 +27,8 @@ _READ_ONLY = {sqlite3.SQLITE_READONLY}
 
 #: what the sqlite3 driver takes from a URL's query; SQLite's own parameters need a file: URI (uri=true)
 _DRIVER_PARAMETERS = {"uri", "timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements"}
+#: SQLite URI parameters that drop its locking: a second process would read and write the file unguarded
+_UNLOCKED = {"immutable", "nolock"}
 
 _NOW_SQL = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
 
@@ -53,11 +55,20 @@ class SQLite(Dialect):
     def engine_url(self, url: URL, asynchronous: bool) -> URL:
         # SQLite reads mode=ro, cache=, immutable= ... only from a file: URI (uri=true). In a plain URL
         # SQLAlchemy drops them with a warning nobody sees, so ?mode=ro would open the file read-write.
-        uri = str(url.query.get("uri", "")).lower() in ("true", "1", "yes", "on")
+        unlocked = sorted(_UNLOCKED & set(url.query))
+        if unlocked:
+            raise ConfigurationError(
+                f"SQLite's {', '.join(unlocked)} turn off the file locking that keeps several processes' grants"
+                " apart: permits refuses them (to look without writing, open it with mode=ro)",
+                field="url",
+            )
+        uri = str(url.query.get("uri", "")).lower() in ("true", "yes", "on", "y", "t", "1")  # as SQLAlchemy reads it
         ignored = sorted(set(url.query) - _DRIVER_PARAMETERS)
         if ignored and not uri:
             query = "&".join(f"{name}={url.query[name]}" for name in sorted(url.query))
-            as_uri = f"sqlite:///file:{quote(url.database or '', safe='/')}?{query}&uri=true"
+            # Quoted twice: SQLAlchemy unquotes the URL's path once, and SQLite the file: URI's once more.
+            path = quote(quote(url.database or "", safe="/"), safe="/%")
+            as_uri = f"sqlite:///file:{path}?{query}&uri=true"
             raise ConfigurationError(
                 f"SQLite reads {', '.join(ignored)} only from a file: URI, so the URL's would be ignored"
                 f" (a read-only mode would open the file read-write): write it {as_uri}",

@@ -135,21 +135,29 @@ class _Service(FastAPI):
     hot: HotRoutes | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not _path_is_text(scope):
-            # The framework decodes it with U+FFFD for what is not UTF-8: "%ff" would name the semaphore
-            # "\ufffd", and a DELETE act on it. A name that cannot be text is bad input, as in a body.
-            bad = InvalidArgument("the path is not percent-encoded UTF-8 text", field="path")
-            await errors.error_response(bad)(scope, receive, send)
+        bad = _url_problem(scope) if scope["type"] == "http" else None
+        if bad is not None:
+            # Refused before routing, so before the access log's middleware: logged and counted here.
+            started = time.monotonic()
+            refusal = errors.error_response(bad)
+            refusal.headers["cache-control"] = "no-store"
+            await refusal(scope, receive, send)
+            self.state.permits.metrics.record_request(scope["method"], "unmatched", refusal.status_code, started, None)
             return
-        if scope["type"] == "http" and scope.get("query_string"):
-            bad_query = _query_problem(scope["query_string"])
-            if bad_query is not None:
-                await errors.error_response(bad_query)(scope, receive, send)
-                return
         if self.hot is not None and scope["type"] == "http":
             await self.hot(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
+
+
+def _url_problem(scope: Scope) -> InvalidArgument | None:
+    """What makes a request's URL unreadable as one request, before it is routed: a path that is not
+    UTF-8 text (the framework decodes it with U+FFFD, so "%ff" would name the semaphore "\ufffd", and a
+    DELETE act on it), or a query with such a value or a parameter given twice (``_query_problem``)."""
+    if not _path_is_text(scope):
+        return InvalidArgument("the path is not percent-encoded UTF-8 text", field="path")
+    query = scope.get("query_string")
+    return _query_problem(query) if query else None
 
 
 def _path_is_text(scope: Scope) -> bool:
@@ -267,10 +275,10 @@ class _Head:
     """HEAD wherever GET is, as HTTP asks of every server (RFC 9110, 9.3.2): a load balancer's check, a
     monitor or ``curl -I`` gets the GET's status and headers, Content-Length included, and no body.
 
-    The app answers a GET; the server, which knows the request was a HEAD, sends no body. An event stream
-    never ends by itself, so once the headers are out the app is told the client has gone, as it is told
-    when a browser closes the tab. Done here rather than as HEAD routes: those would double every GET in
-    the OpenAPI document."""
+    The app answers a GET; its body is dropped (the server, which knows the request was a HEAD, sends
+    none). An event stream never ends by itself, so once it sends its first part the app is cancelled, as
+    a GET's is when its client goes away. Done here rather than as HEAD routes: those would double every
+    GET in the OpenAPI document."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -282,33 +290,30 @@ class _Head:
         if scope["method"] != "HEAD":
             await self.app(scope, receive, _allowing_head(send))
             return
+        scope.setdefault("state", {})  # shared with the copy: the access log finds the caller's identity there
         as_get = {**scope, "method": "GET"}
-        answered = asyncio.Event()
+        streaming = asyncio.Event()
 
         async def headers_only(message: Message) -> None:
             if message["type"] == "http.response.start":
                 await _allowing_head(send)(message)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-                answered.set()
-            # the body of the GET is dropped: the server sends none for a HEAD
+            elif message["type"] == "http.response.body" and message.get("more_body", False):
+                streaming.set()  # a body in parts, perhaps without end: nothing of it is sent
 
-        async def gone_once_answered() -> Message:
-            if answered.is_set():
-                return {"type": "http.disconnect"}
-            received = asyncio.ensure_future(receive())
-            waited = asyncio.ensure_future(answered.wait())
-            await asyncio.wait((received, waited), return_when=asyncio.FIRST_COMPLETED)
-            waited.cancel()
-            if received.done():
-                return received.result()
-            received.cancel()
-            return {"type": "http.disconnect"}
-
+        answering = asyncio.ensure_future(self.app(as_get, receive, headers_only))
+        stream_began = asyncio.ensure_future(streaming.wait())
         try:
-            await self.app(as_get, gone_once_answered, headers_only)
+            await asyncio.wait((answering, stream_began), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            stream_began.cancel()
+            if not answering.done():
+                answering.cancel()
+                await asyncio.wait((answering,))  # its clean-up (a stream's subscription) runs before we return
             if "route" in as_get:  # the access log and the metrics name the request by its route
                 scope["route"] = as_get["route"]
+        if not answering.cancelled():
+            answering.result()  # the app's own error, if it raised one
 
 
 def _allowing_head(send: Send) -> Send:
@@ -317,13 +322,18 @@ def _allowing_head(send: Send) -> Send:
     async def sending(message: Message) -> None:
         if message["type"] == "http.response.start" and message["status"] == 405:
             headers = [
-                (name, value + b", HEAD" if name.lower() == b"allow" and b"GET" in value.split(b", ") else value)
+                (name, value + b", HEAD" if name.lower() == b"allow" and _lists_get_alone(value) else value)
                 for name, value in message.get("headers", [])
             ]
             message = {**message, "headers": headers}
         await send(message)
 
     return sending
+
+
+def _lists_get_alone(allow: bytes) -> bool:
+    methods = [method.strip() for method in allow.split(b",")]
+    return b"GET" in methods and b"HEAD" not in methods
 
 
 class _BodyLimit:

@@ -192,14 +192,18 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
     Shared with the hot routes (``permits.server.hot``), which call it without the framework."""
     limits = state.config.limits
     pairs = body.want_pairs()
-    if len(pairs) > limits.max_wants:
-        raise InvalidArgument(
-            f"a request may name at most {limits.max_wants} semaphores on this service", field="wants"
-        )
-    wait = _validate.timeout(body.wait, "wait") or 0.0
-    if wait > limits.max_wait:
-        raise InvalidArgument(f"wait is at most {limits.max_wait:g} s on this service", field="wait")
-    _check_ttl(body.ttl, limits.max_ttl)
+    try:
+        if len(pairs) > limits.max_wants:
+            raise InvalidArgument(
+                f"a request may name at most {limits.max_wants} semaphores on this service", field="wants"
+            )
+        wait = _validate.timeout(body.wait, "wait") or 0.0
+        if wait > limits.max_wait:
+            raise InvalidArgument(f"wait is at most {limits.max_wait:g} s on this service", field="wait")
+        _check_ttl(body.ttl, limits.max_ttl)
+    except InvalidArgument:
+        state.metrics.acquires.labels("rejected").inc()  # as bad input the database refuses (below)
+        raise
     owner = identity.db_owner(body.owner)
     key = body.key if body.key is not None else uuid.uuid4().hex
     try:
