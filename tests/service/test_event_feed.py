@@ -4,8 +4,10 @@ a newcomer's catch-up that a running service only hits by chance."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -217,3 +219,49 @@ def test_a_newcomer_caught_up_when_the_instance_stops_is_not_left_waiting(db_url
             await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_stream_whose_headers_never_went_out_lets_its_subscription_go(tmp_path: Path) -> None:
+    """The stream subscribes before its response starts (a 429 must come before the headers). A client
+    gone while the headers are sent ends the response before its generator starts, whose own clean-up then
+    never runs: the response lets the subscription go itself, or every such client would hold one of the
+    instance's ``max_streams`` until it restarts. In process, the ASGI way: the server's send fails."""
+    from permits.server import ServerConfig, create_app
+
+    async def scenario() -> int:
+        config = ServerConfig(database_url=f"sqlite:///{tmp_path / 'p.db'}", maintenance={"enabled": False})
+        app = create_app(config)
+        async with app.router.lifespan_context(app):
+            broadcaster = app.state.permits.broadcaster
+
+            received: list[bool] = []
+
+            async def receive() -> dict[str, Any]:
+                if received:
+                    await asyncio.Event().wait()  # as a server's: nothing more until the client goes
+                received.append(True)
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            async def send(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    raise OSError("the client went away")
+
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0", "spec_version": "2.3"},
+                "http_version": "1.1",
+                "method": "GET",
+                "scheme": "http",
+                "path": "/v1/events/stream",
+                "raw_path": b"/v1/events/stream",
+                "root_path": "",
+                "query_string": b"",
+                "headers": [(b"host", b"permits.test")],
+                "client": ("127.0.0.1", 1),
+                "server": ("127.0.0.1", 80),
+            }
+            with contextlib.suppress(OSError):
+                await app(scope, receive, send)
+            return len(broadcaster._subscribers)
+
+    assert asyncio.run(scenario()) == 0

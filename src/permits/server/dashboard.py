@@ -8,13 +8,15 @@ a token like the rest of the API (none in open mode, which listens on loopback o
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, HTTPException, Query
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from permits import _validate
 from permits._core import observe
@@ -213,6 +215,22 @@ async def events_poll(identity: Caller, state: State, since: schemas.CursorInQue
     }
 
 
+class _Stream(StreamingResponse):
+    """A stream that lets its subscription go however it ends: the generator's own clean-up runs only if
+    it started, and a response cancelled before its first part (its client gone while the headers were
+    being sent) never starts it."""
+
+    def __init__(self, *args: Any, on_end: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+
+
 @router.get(
     "/v1/events/stream",
     responses={**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}},
@@ -259,4 +277,5 @@ async def events_stream(
             state.broadcaster.unsubscribe(subscriber)
 
     headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+    let_go = functools.partial(state.broadcaster.unsubscribe, subscriber)
+    return _Stream(stream(), media_type="text/event-stream", headers=headers, on_end=let_go)
