@@ -325,7 +325,14 @@ class AsyncHTTPStore:
             try:
                 # A request for a new lease only without a request id is not sent again once it may have
                 # been granted: its own lease, granted with the reply lost, would come back as another's.
-                data = await self._call("POST", "/v1/leases", body=asked_now, deadline=deadline, idempotent=resendable)
+                data = await self._call(
+                    "POST",
+                    "/v1/leases",
+                    body=asked_now,
+                    deadline=deadline,
+                    idempotent=resendable,
+                    conflicts_final=wait == 0,
+                )
             except AcquireTimeout as exc:
                 if body.get("keep_place"):
                     # A service that does not say (an older version) may have kept one: give it up.
@@ -494,6 +501,7 @@ class AsyncHTTPStore:
         body: Callable[[], dict[str, Any]] | None = None,
         deadline: float | None = None,
         idempotent: bool = True,
+        conflicts_final: bool = False,
         **kwargs: Any,
     ) -> Any:
         """One request, retried on a dropped connection or a retryable refusal; returns the JSON body.
@@ -502,7 +510,8 @@ class AsyncHTTPStore:
         timeout. Until ``deadline`` (``monotonic()`` time; an acquire's end of wait) a service that cannot be
         connected to is tried again past ``retries``, and pauses end there. ``idempotent=False``: after a
         failure that may have come once the request was sent (the reply lost), it is not sent again, and
-        the caller learns that its outcome is unknown."""
+        the caller learns that its outcome is unknown. ``conflicts_final``: a ``StorageConflict`` is raised,
+        not sent again (a try that does not wait: the service retried it for a lock wait's time already)."""
         if self._closed:
             raise UsageError("this client is closed")
         self._renew_if_forked()
@@ -513,7 +522,7 @@ class AsyncHTTPStore:
         requests = self._long_polls if long_poll else self._requests
         requests.admit()
         try:
-            return await self._send(requests, method, path, sent, body, deadline, idempotent, kwargs)
+            return await self._send(requests, method, path, sent, body, deadline, idempotent, conflicts_final, kwargs)
         finally:
             await requests.done()
 
@@ -526,6 +535,7 @@ class AsyncHTTPStore:
         body: Callable[[], dict[str, Any]] | None,
         deadline: float | None,
         idempotent: bool,
+        conflicts_final: bool,
         kwargs: dict[str, Any],
     ) -> Any:
         """``_call``'s sends, the first with ``sent`` as its body."""
@@ -592,6 +602,7 @@ class AsyncHTTPStore:
                 not error.retryable
                 or failures >= self._settings.retries
                 or isinstance(error, AcquireTimeout)
+                or (conflicts_final and isinstance(error, StorageConflict))
                 or not (idempotent or isinstance(error, NOT_CARRIED_OUT))
             ):
                 raise error

@@ -742,14 +742,18 @@ class SQLStore:
             return flows.try_acquire(self._dialect, request, recheck=full)
 
         faults: list[Fault] = []
+        # A try that does not wait retries conflicts for one lock wait's time, not for every retry's: behind
+        # a row lock that a frozen or forgotten session holds, each attempt waits the whole lock wait, and
+        # try_acquire (permits run -n) took 30 s to say StorageConflict where it should answer at once.
+        retry_until = deadline if deadline is not None else monotonic() + self._settings.lock_wait_timeout
         with self._kept_if_interrupted(owner, key, queue_ms):
             try:
-                result: Any = self._run(attempt, deadline=deadline, faults=faults)
+                result: Any = self._run(attempt, deadline=retry_until, faults=faults)
                 if isinstance(result, flows.AskInLine):
                     # Not granted outside the line, and nothing written: ask in it, as a first attempt.
                     self._note_line_busy(wants[0].name)
                     tries, line_free_first = 0, False
-                    result = self._run(attempt, deadline=deadline, faults=faults)
+                    result = self._run(attempt, deadline=retry_until, faults=faults)
             except KeyInUse as exc:
                 if request_id is not None or Fault.UNAVAILABLE not in faults:
                     raise
