@@ -38,10 +38,16 @@ def test_a_try_behind_a_held_row_lock_answers_within_one_lock_wait(
             with pytest.raises(permits.StorageConflict):
                 client.try_acquire(name, key=f"{ns}try")
             took = time.monotonic() - started
+            # acquire(timeout=0), as permits run -n asks: no room could be seen, and it says why
+            started = time.monotonic()
+            with pytest.raises(permits.AcquireTimeout, match="held up"):
+                client.acquire(name, key=f"{ns}try", timeout=0)
+            took_acquire = time.monotonic() - started
             conn.rollback()
     finally:
         holder.dispose()
     assert lock_wait * 0.8 <= took < 2 * lock_wait + 1.5, took
+    assert took_acquire < 2 * lock_wait + 1.5, took_acquire
     # Nothing was granted under the key; once the lock is let go the same try is granted, once.
     lease = client.try_acquire(name, key=f"{ns}try")
     assert lease is not None and client.get_semaphore(name).used == 1

@@ -109,6 +109,10 @@ IS_ASYNC = False
 MAX_RESTARTS = 10
 #: How long a release or an extend keeps retrying conflicts (see ``_run``'s ``persist``).
 PERSIST_SECONDS = 30.0
+#: A conflict that came after its attempt ran this share of lock_wait_timeout made that attempt wait for a
+#: lock: a try that does not wait is not retried after one (``_try_acquire``). Half, since MariaDB counts
+#: its lock wait in whole seconds.
+SLOW_CONFLICT_SHARE = 0.5
 #: How long a waiter's place in a fair queue lasts unless it asks again. A waiting client asks at least
 #: every second (the wait backoff's cap), so a live waiter never loses its place; a dead one frees it
 #: within this many milliseconds.
@@ -742,18 +746,19 @@ class SQLStore:
             return flows.try_acquire(self._dialect, request, recheck=full)
 
         faults: list[Fault] = []
-        # A try that does not wait retries conflicts for one lock wait's time, not for every retry's: behind
-        # a row lock that a frozen or forgotten session holds, each attempt waits the whole lock wait, and
-        # try_acquire (permits run -n) took 30 s to say StorageConflict where it should answer at once.
-        retry_until = deadline if deadline is not None else monotonic() + self._settings.lock_wait_timeout
+        # A try that does not wait is not retried after a conflict that made its attempt wait (about a lock
+        # wait: a row lock that a frozen or forgotten session holds): each retry would wait the whole lock wait
+        # again, and try_acquire took 30 s to say StorageConflict. A quick conflict (a deadlock, a
+        # serialization failure) is still retried.
+        slow = None if deadline is not None else SLOW_CONFLICT_SHARE * self._settings.lock_wait_timeout
         with self._kept_if_interrupted(owner, key, queue_ms):
             try:
-                result: Any = self._run(attempt, deadline=retry_until, faults=faults)
+                result: Any = self._run(attempt, deadline=deadline, faults=faults, slow_conflict=slow)
                 if isinstance(result, flows.AskInLine):
                     # Not granted outside the line, and nothing written: ask in it, as a first attempt.
                     self._note_line_busy(wants[0].name)
                     tries, line_free_first = 0, False
-                    result = self._run(attempt, deadline=retry_until, faults=faults)
+                    result = self._run(attempt, deadline=deadline, faults=faults, slow_conflict=slow)
             except KeyInUse as exc:
                 if request_id is not None or Fault.UNAVAILABLE not in faults:
                     raise
@@ -1193,6 +1198,7 @@ class SQLStore:
         deadline: float | None = None,
         persist: bool = False,
         faults: list[Fault] | None = None,
+        slow_conflict: float | None = None,
     ) -> T:
         """Run a flow in a transaction of its own.
 
@@ -1200,7 +1206,8 @@ class SQLStore:
         That is safe because every write is idempotent: an acquire is keyed, a release and an extend check
         the lease's state, so a commit whose reply was lost is answered by the retry from what is stored.
         ``faults`` collects the faults that were retried.
-        With a ``deadline`` (``monotonic()`` time), conflicts are not retried past it. With ``persist``,
+        With a ``deadline`` (``monotonic()`` time), conflicts are not retried past it; with ``slow_conflict``
+        (seconds), a conflict that came after its attempt ran that long is not retried. With ``persist``,
         conflicts are retried past ``retries``, for up to PERSIST_SECONDS: giving permits back must not
         fail because others are busy with the same semaphore (at REPEATABLE READ or SERIALIZABLE, every
         concurrent write to its row is a serialization failure).
@@ -1210,7 +1217,7 @@ class SQLStore:
             deadline = monotonic() + PERSIST_SECONDS
         own_cuts: list[_CutSession] = []  # this operation's attempts that the reply deadline cut
         try:
-            return self._retrying(make_flow, readonly, deadline, persist, own_cuts, faults)
+            return self._retrying(make_flow, readonly, deadline, persist, own_cuts, faults, slow_conflict)
         finally:
             for cut in own_cuts:
                 cut.abandoned = True
@@ -1223,12 +1230,14 @@ class SQLStore:
         persist: bool,
         own_cuts: list[_CutSession],
         faults: list[Fault] | None = None,
+        slow_conflict: float | None = None,
     ) -> T:
         """``_run``'s loop; the attempts the reply deadline cuts are noted in ``own_cuts``."""
         restarts = failures = 0
         first_flow, first_readonly = make_flow, readonly
         while True:
             check_given_up()  # before each try: see GIVEN_UP
+            attempt_started = monotonic()
             try:
                 if self._cut:
                     self._end_cut_sessions(own_cuts)
@@ -1269,7 +1278,8 @@ class SQLStore:
                     self.on_retry(Fault.CONFLICT.value)
                 sync_sleep(RETRY_BACKOFF.delay(failures))
             except DBAPIError as exc:
-                failures = self._backoff_or_raise(exc, failures, deadline, persist)
+                waited = slow_conflict is not None and monotonic() - attempt_started >= slow_conflict
+                failures = self._backoff_or_raise(exc, failures, deadline, persist, final_conflict=waited)
                 if faults is not None:
                     faults.append(self._dialect.classify(exc))
             except PoolTimeout as exc:
@@ -1297,11 +1307,18 @@ class SQLStore:
         )
 
     def _backoff_or_raise(
-        self, exc: DBAPIError, failures: int, deadline: float | None = None, persist: bool = False
+        self,
+        exc: DBAPIError,
+        failures: int,
+        deadline: float | None = None,
+        persist: bool = False,
+        final_conflict: bool = False,
     ) -> int:
         fault = self._dialect.classify(exc)
         delay = RETRY_BACKOFF.delay(failures)
-        past_deadline = deadline is not None and fault is Fault.CONFLICT and monotonic() + delay >= deadline
+        past_deadline = fault is Fault.CONFLICT and (
+            final_conflict or (deadline is not None and monotonic() + delay >= deadline)
+        )
         out_of_retries = failures >= self._settings.retries and not (persist and fault is Fault.CONFLICT)
         if not fault.retryable or out_of_retries or past_deadline:
             raise translate(exc, fault, self._dialect, self._settings) from exc

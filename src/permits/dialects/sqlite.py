@@ -65,9 +65,10 @@ class SQLite(Dialect):
         uri = str(url.query.get("uri", "")).lower() in ("true", "yes", "on", "y", "t", "1")  # as SQLAlchemy reads it
         ignored = sorted(set(url.query) - _DRIVER_PARAMETERS)
         if ignored and not uri:
-            query = "&".join(f"{name}={url.query[name]}" for name in sorted(url.query))
-            # Quoted twice: SQLAlchemy unquotes the URL's path once, and SQLite the file: URI's once more.
-            path = quote(quote(url.database or "", safe="/"), safe="/%")
+            query = "&".join(f"{name}={url.query[name]}" for name in sorted(url.query) if name != "uri")
+            # Quoted twice: SQLAlchemy unquotes the URL's path once, and SQLite the file: URI's once more
+            # (a "#" or "?" left bare would end the file's name there, and drop mode=ro with the rest).
+            path = quote(quote(url.database or "", safe="/"), safe="/")
             as_uri = f"sqlite:///file:{path}?{query}&uri=true"
             raise ConfigurationError(
                 f"SQLite reads {', '.join(ignored)} only from a file: URI, so the URL's would be ignored"

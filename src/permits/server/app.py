@@ -141,8 +141,11 @@ class _Service(FastAPI):
             started = time.monotonic()
             refusal = errors.error_response(bad)
             refusal.headers["cache-control"] = "no-store"
-            await refusal(scope, receive, send)
-            self.state.permits.metrics.record_request(scope["method"], "unmatched", refusal.status_code, started, None)
+            try:
+                await refusal(scope, receive, send)
+            finally:  # counted even when its client has gone
+                metrics = self.state.permits.metrics
+                metrics.record_request(scope["method"], "unmatched", refusal.status_code, started, None)
             return
         if self.hot is not None and scope["type"] == "http":
             await self.hot(scope, receive, send)
@@ -310,6 +313,8 @@ class _Head:
             if not answering.done():
                 answering.cancel()
                 await asyncio.wait((answering,))  # its clean-up (a stream's subscription) runs before we return
+            elif not answering.cancelled():
+                answering.exception()  # retrieved: never reported as unretrieved if this request is cancelled
             if "route" in as_get:  # the access log and the metrics name the request by its route
                 scope["route"] = as_get["route"]
         if not answering.cancelled():

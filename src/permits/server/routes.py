@@ -201,16 +201,16 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
         if wait > limits.max_wait:
             raise InvalidArgument(f"wait is at most {limits.max_wait:g} s on this service", field="wait")
         _check_ttl(body.ttl, limits.max_ttl)
+        owner = identity.db_owner(body.owner)
+        key = body.key if body.key is not None else uuid.uuid4().hex
+        try:
+            await state.check_lease_quota(identity, owner, body.key)
+        except LimitExceeded:
+            _validate.wants(pairs)  # bad input is a 422 whatever the quota: a 429 would say "retry"
+            state.metrics.acquires.labels("limited").inc()
+            raise
     except InvalidArgument:
         state.metrics.acquires.labels("rejected").inc()  # as bad input the database refuses (below)
-        raise
-    owner = identity.db_owner(body.owner)
-    key = body.key if body.key is not None else uuid.uuid4().hex
-    try:
-        await state.check_lease_quota(identity, owner, body.key)
-    except LimitExceeded:
-        _validate.wants(pairs)  # bad input is a 422 whatever the quota: a 429 would say "retry"
-        state.metrics.acquires.labels("limited").inc()
         raise
 
     started = monotonic()
