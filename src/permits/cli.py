@@ -574,12 +574,15 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
         click.echo(f"permits: lease lost while the command ran ({why}); sending SIG{options.on_lost_signal}", err=True)
         stopping.append(monotonic())
         signum = getattr(signal, f"SIG{options.on_lost_signal}")
+        # This runs on the watchdog's thread while the main one waits for COMMAND: each process goes on the
+        # list before its signal, since a shell the signal ends returns the main thread's wait at once, and a
+        # job missing from the list then was never killed (it ran on, unprotected, after permits run ended).
         if child is not None and child.poll() is None:
-            signalled.extend(_signal_the_command(child, signum))
+            _signal_the_command(child, signum, signalled)
         for process in passed_on:  # a process that outlived COMMAND, still waited for: it must stop too
             if process not in signalled and process.running():
-                process.signal(signum)
                 signalled.append(process)
+                process.signal(signum)
 
     def on_signal(signum: int, _frame: object) -> None:
         # One handler from the first request to the end, so that no signal finds the default one (which
@@ -596,7 +599,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
                 if child is None:
                     held_back.append(signum)
                 else:
-                    passed_on.extend(_signal_the_command(child, signum))
+                    _signal_the_command(child, signum, passed_on)
             return
         if not stopped:  # the first stops the run; the rest must not cut short the release that follows
             stopped.append(signum)
@@ -653,9 +656,9 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             finally:
                 starting = False
             for signum in held_back:
-                passed_on.extend(_signal_the_command(child, signum))
+                _signal_the_command(child, signum, passed_on)
             if held.lost and options.on_lost_signal != "NONE":  # lost before COMMAND started
-                signalled.extend(_signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}")))
+                _signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}"), signalled)
             status = _wait_for(child, stopping, signalled, options.kill_after, passed_on)
         except _Stopped as stop:  # granted, and stopped before COMMAND started: released below
             _exit_stopped(stop.signum)
@@ -775,7 +778,7 @@ def _wait_for(
             what = "the command still ran" if status is None else "processes the command started still ran"
             click.echo(f"permits: {what} {kill_after:g} s after its signal: SIGKILL", err=True)
             if status is None:
-                running += _signal_the_command(child, signal.SIGKILL)
+                _signal_the_command(child, signal.SIGKILL, running)
             for process in running:
                 process.kill()
             killed = True
@@ -815,17 +818,18 @@ def _start(
         return subprocess.Popen(["/bin/sh", found or command[0], *command[1:]], env=environment, preexec_fn=before_exec)
 
 
-def _signal_the_command(child: subprocess.Popen[bytes], signum: int) -> list[_Process]:
-    """Send a lost lease's signal (or its SIGKILL) to COMMAND and every process below it, and return those
-    below: none of them may work on unprotected, and a shell would not pass the signal on (``sh -c 'job;
-    next'`` dies of SIGTERM and leaves ``job`` running). The tree is read first, since a process that dies
-    has its children moved to init. As systemd signals a unit's every process. One started in the meantime,
-    or that left the tree before (a daemon), is not reached."""
+def _signal_the_command(child: subprocess.Popen[bytes], signum: int, tracked: list[_Process]) -> None:
+    """Send a lost lease's signal (or its SIGKILL) to COMMAND and every process below it, having added those
+    below to ``tracked`` first (another thread may read it as soon as COMMAND dies). None of them may work
+    on unprotected, and a shell would not pass the signal on (``sh -c 'job; next'`` dies of SIGTERM and
+    leaves ``job`` running). The tree is read first, since a process that dies has its children moved to
+    init. As systemd signals a unit's every process. One started in the meantime, or that left the tree
+    before (a daemon), is not reached."""
     below = _descendants(child.pid)
+    tracked.extend(below)
     child.send_signal(signum)  # the child itself through Popen, which knows whether its pid is still its own
     for process in below:
         process.signal(signum)
-    return below
 
 
 def _descendants(pid: int) -> list[_Process]:

@@ -9,7 +9,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -369,6 +371,57 @@ def test_a_lost_lease_signals_every_process_of_the_command(db_url: str, ns: str,
     told = holder.stderr.read()
     if job == "ignores":
         assert "processes the command started still ran 1 s after its signal: SIGKILL" in told, told
+
+
+def test_a_job_signalled_for_a_lost_lease_is_killed_however_the_threads_interleave(
+    db_url: str, ns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lost lease's signal goes out on the watchdog's thread while the main one waits for COMMAND. A
+    shell that dies of it at once returns that wait, and the run used to decide whether anything was left
+    to kill before the watchdog had written down the job below the shell: it exited 76 with the job,
+    which ignores SIGTERM, still running unprotected (CI caught this twice under load). Here the signal
+    to each process below COMMAND is made slow, so that order happens every time. In process, so that
+    it can be."""
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    job_pid = tmp_path / "job.pid"
+    script = f"(trap '' TERM; sleep 60) & echo $! > {job_pid}; wait"
+    real_signal = permits.cli._Process.signal
+
+    def slow_signal(self: Any, signum: int) -> None:
+        if signum != signal.SIGKILL:
+            time.sleep(1)  # the shell has died of its signal by now, and the main thread has seen it
+        real_signal(self, signum)
+
+    monkeypatch.setattr(permits.cli._Process, "signal", slow_signal)
+
+    def revoke_once_the_job_runs() -> None:
+        deadline = time.monotonic() + 20
+        while not job_pid.exists() or not job_pid.read_text().strip():
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.05)
+        with permits.connect(db_url) as client:
+            assert client.delete_semaphore(name, force=True) == 1  # an administrator revokes it
+
+    revoker = threading.Thread(target=revoke_once_the_job_runs)
+    revoker.start()
+    try:
+        done = CliRunner().invoke(
+            permits.cli.main,
+            ["run", name, "--db", db_url, "--ttl", "3", "--kill-after", "1", "--", "sh", "-c", script],
+        )
+    finally:
+        revoker.join()
+    job_process = int(job_pid.read_text())
+    try:
+        assert done.exit_code == 76, done.output
+        deadline = time.monotonic() + 5  # a SIGKILL sent as permits run ends takes effect a moment later
+        while _running(job_process):
+            assert time.monotonic() < deadline, f"the job went on after the lease was lost: {_family(job_process)}"
+            time.sleep(0.05)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(job_process, signal.SIGKILL)
 
 
 def test_a_supervisors_sigterm_reaches_every_process_of_the_command_and_the_permits_wait_for_them(
