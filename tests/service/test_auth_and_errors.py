@@ -256,6 +256,31 @@ _ADMIN_ROUTES = [
 ]
 
 
+def test_a_path_with_a_trailing_slash_is_refused_naming_the_path_without_it(service: Service, ns: str) -> None:
+    """``POST /v1/semaphores/`` reaches the route of one semaphore (its name empty), which takes no POST: a
+    bare 405 "Method Not Allowed" sent its reader looking for a method, where the slash was the mistake.
+    The refusal names the path that takes the method; nothing is created or granted. Other 404s and 405s
+    say what they refused and where the API is described."""
+    create = {"name": f"{ns}slash", "capacity": 1}
+    with _http(service, ADMIN) as admin:
+        refused = admin.post("/v1/semaphores/", json=create)
+        assert _error(refused) == (405, "method_not_allowed")
+        message = refused.json()["error"]["message"]
+        assert message == (
+            "POST /v1/semaphores/: the endpoint takes no POST; without the trailing slash, POST /v1/semaphores is one"
+        )
+        released = admin.post("/v1/leases/release/", json={"key": "k", "owner": "o"})
+        assert _error(released) == (405, "method_not_allowed")
+        assert "without the trailing slash, POST /v1/leases/release is one" in released.json()["error"]["message"]
+        missing = admin.post("/v1/acquire/", json={"wants": {f"{ns}slash": 1}})
+        assert missing.json()["error"] == {
+            "code": "not_found",
+            "message": "POST /v1/acquire/: no such endpoint (the API is described at /openapi.json)",
+            "details": {},
+        }
+        assert admin.get(f"/v1/semaphores/{ns}slash").status_code == 404  # nothing was created
+
+
 @pytest.mark.parametrize(("method", "path", "bad"), _ADMIN_ROUTES)
 def test_who_may_ask_is_answered_before_what_was_asked(
     service: Service, method: str, path: str, bad: dict[str, Any] | None

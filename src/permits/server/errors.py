@@ -131,6 +131,22 @@ def _allowed_methods(request: Request) -> str:
     return ", ".join(sorted(methods))
 
 
+def _no_route_message(request: Request, status: int) -> str:
+    """What a 404 or 405 from routing says: the method and path it refused, and, for a path that ends in a
+    slash, the path without it where that takes the method. ``POST /v1/semaphores/`` reaches the route of
+    one semaphore, whose empty name takes no POST: a bare "Method Not Allowed" sent its reader looking for
+    a method, where the slash was the mistake."""
+    method, path = request.method, request.url.path
+    refused = f"{method} {path}: " + ("no such endpoint" if status == 404 else "the endpoint takes no " + method)
+    if len(path) > 1 and path.endswith("/"):
+        # Only the path changes: root_path, the method and the rest of the scope stay the request's own.
+        bare = {**request.scope, "path": request.scope["path"].rstrip("/") or "/"}
+        for route in leaf_routes(request.app.router.routes):
+            if route.matches(bare)[0] is Match.FULL:
+                return f"{refused}; without the trailing slash, {method} {path.rstrip('/')} is one"
+    return f"{refused} (the API is described at /openapi.json)"
+
+
 def leaf_routes(routes: list[Any]) -> Iterator[Any]:
     """The routes that answer requests, inside the routers the app includes (FastAPI keeps an included
     router whole, as ``original_router``) and inside mounts."""
@@ -204,11 +220,14 @@ def install(app: FastAPI) -> None:
             return await _unparsed_body(request, str(exc.detail))
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "service_error")
         headers = exc.headers
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):
+            message = _no_route_message(request, exc.status_code)
         if exc.status_code == 405:
             # RFC 9110: a 405 lists in Allow every method the path takes. Starlette's own lists only those
             # of the first route that matched the path, and a path here often has a route per method.
             headers = {**(headers or {}), "Allow": _allowed_methods(request)}
-        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=headers)
+        return JSONResponse(error_body(code, message), status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
