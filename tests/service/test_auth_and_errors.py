@@ -279,6 +279,8 @@ def test_a_path_with_a_trailing_slash_is_refused_naming_the_path_without_it(serv
             "details": {},
         }
         assert admin.get(f"/v1/semaphores/{ns}slash").status_code == 404  # nothing was created
+        # A route's own 404 keeps its own words.
+        assert admin.get("/ui/no-such-file.js").json()["error"]["message"] == "no such dashboard file"
 
 
 @pytest.mark.parametrize(("method", "path", "bad"), _ADMIN_ROUTES)

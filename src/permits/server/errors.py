@@ -12,6 +12,7 @@ import json
 import logging
 import uuid
 from collections.abc import Iterator
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -221,7 +222,7 @@ def install(app: FastAPI) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "service_error")
         headers = exc.headers
         message = str(exc.detail)
-        if exc.status_code in (404, 405):
+        if exc.status_code in (404, 405) and message == HTTPStatus(exc.status_code).phrase:  # routing's own
             message = _no_route_message(request, exc.status_code)
         if exc.status_code == 405:
             # RFC 9110: a 405 lists in Allow every method the path takes. Starlette's own lists only those
