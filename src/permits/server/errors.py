@@ -144,7 +144,7 @@ def _no_route_message(request: Request, status: int) -> str:
         bare = {**request.scope, "path": request.scope["path"].rstrip("/") or "/"}
         for route in leaf_routes(request.app.router.routes):
             if route.matches(bare)[0] is Match.FULL:
-                return f"{refused}; without the trailing slash, {method} {path.rstrip('/')} is one"
+                return f"{refused}; without the trailing slash, {method} {path.rstrip('/') or '/'} is one"
     return f"{refused} (the API is described at /openapi.json)"
 
 
