@@ -90,8 +90,10 @@ from permits.stores._engine import (
     engine_args,
     install_events,
     kept_cursor,
+    let_go_of_closed_loop,
     pool_full,
     sync_engine,
+    track_drivers,
     translate,
 )
 from permits.stores.direct import DirectTransactions
@@ -227,6 +229,10 @@ class SQLStore:
         # only the garbage collector frees.
         this = weakref.ref(self)
         close_returned_connections_once(self._engine, lambda: (store := this()) is None or store._closed)
+        #: the driver connections open (MariaDB and MySQL: those of a closed event loop are let go, ``_check_loop``)
+        self._drivers: weakref.WeakSet[Any] = weakref.WeakSet()
+        if IS_ASYNC and self._dialect.name == "mysql":
+            track_drivers(sync_engine(self._engine), self._drivers)
         #: sessions whose link the reply deadline cut, to end before the next operation (``_end_cut_sessions``)
         self._cut: list[_CutSession] = []
         self._opened = False
@@ -311,19 +317,28 @@ class SQLStore:
             self._listener = type(listener)(listener.conninfo, mark_sql=listener.mark_sql)
 
     def _check_loop(self) -> None:
-        """On MariaDB and MySQL the driver's pooled connections belong to the event loop they were made in:
-        used in another (a second ``asyncio.run`` with a client made at import time), they fail with a
-        RuntimeError from deep inside the driver, and print more as they are collected. Said plainly
-        instead. (psycopg's connections, and the SQLite store's threads, serve any loop.)"""
+        """On MariaDB and MySQL the driver's connections belong to the event loop they were made in, and fail
+        in another with a RuntimeError from deep inside the driver. A client used by one loop after another
+        (``asyncio.run`` called again, a test framework's loop per test) finds the first one closed: its
+        connections are let go, their sessions ended, and the pool starts afresh in this loop. Used by two
+        loops at once, it cannot serve both, and says so. (psycopg's connections, and the SQLite store's
+        threads, serve any loop.)"""
         loop = sync_loop()
         if self._loop is None:
             self._loop = loop
         elif loop is not self._loop and self._dialect.name == "mysql":
-            raise UsageError(
-                "this Client was opened in another event loop (asyncio.run called again?), and on MariaDB"
-                " and MySQL the driver's connections cannot move between loops: make the client inside the"
-                " loop that uses it (with permits.connect_async(...)), one per loop"
-            )
+            if not self._loop.is_closed():
+                raise UsageError(
+                    "this Client is in use in another event loop, which is still open, and on MariaDB and"
+                    " MySQL the driver's connections cannot move between loops: make one client per loop (async"
+                    " with permits.connect_async(...) inside the loop that uses it)"
+                )
+            let_go_of_closed_loop(sync_engine(self._engine), self._drivers, [p.conn for p in self._parked])
+            # What the closed loop's tasks held goes with them: a line seat, a lock an opening held.
+            self._parked = []
+            self._in_line_now = 0
+            self._opening = sync_lock()
+            self._loop = loop
 
     @property
     def url(self) -> str:
@@ -403,6 +418,7 @@ class SQLStore:
         # In a forked child, the parked connections and the pool are the parent's: closing them would end
         # the parent's sessions over the sockets both processes hold. They are left as they are.
         self._renew_if_forked()
+        self._check_loop()  # a closed loop's connections cannot be closed in this one: they are let go
         with self._park_mutex:
             self._closed = True  # under the guard: no connection is parked after this (_park)
         self._unpark_into_pool()

@@ -4,6 +4,7 @@ translation of driver errors into permits errors (the one choke point)."""
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -21,7 +22,7 @@ from permits._exceptions import (
     StorageReadOnly,
     StorageUnavailable,
 )
-from permits._io import forks, sync_unwatch_reply, sync_watch_reply
+from permits._io import forks, shut_down, sync_unwatch_reply, sync_watch_reply
 from permits.dialects.base import Dialect, Fault
 
 logger = logging.getLogger("permits")
@@ -272,6 +273,38 @@ async def async_drop_link(engine: Any, conn: Any, exc: BaseException) -> None:
 def sync_drop_link(engine: Any, conn: Any, exc: BaseException) -> None:
     engine.pool._invalidate(conn, exc, _checkin=False)
     conn.invalidate(exc)
+
+
+def track_drivers(engine: Engine, found: weakref.WeakSet[Any]) -> None:
+    """Put each driver connection ``engine`` opens in ``found`` (weakly: one the pool lets go is gone from
+    it), so that the connections of an event loop that has closed can be let go (``let_go_of_closed_loop``)."""
+
+    @event.listens_for(engine, "connect")
+    def _opened(dbapi_connection: Any, _record: Any) -> None:
+        found.add(getattr(dbapi_connection, "driver_connection", dbapi_connection))
+
+
+def let_go_of_closed_loop(engine: Engine, drivers: weakref.WeakSet[Any], parked: list[Any]) -> None:
+    """aiomysql's connections belong to the event loop that made them, and cannot be used, or even closed,
+    once it has: closing one schedules a callback on its loop ("Event loop is closed"). Each is let go
+    without it. Its link is shut down, so that its server session ends now rather than at the server's idle
+    timeout, and the driver's connection is marked closed (aiomysql's own mark: no stream), so that when it
+    is collected it does not try its loop. ``parked``, connections checked out of the pool and kept, are
+    detached from it first: collected while checked out, the pool would warn that they were never given
+    back. The pool then starts afresh, in whatever loop uses it next. The socket itself is closed when its
+    transport is collected."""
+    for conn in parked:
+        conn.sync_connection.connection.detach()
+    for driver in list(drivers):
+        writer = getattr(driver, "_writer", None)
+        if writer is None:
+            continue
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            shut_down(sock.fileno())
+        driver._writer = driver._reader = None
+    drivers.clear()
+    engine.dispose(close=False)
 
 
 def pool_full(pool: Any) -> bool:
