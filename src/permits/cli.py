@@ -567,18 +567,33 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
     passed_on: list[_Process] = []  # the processes below COMMAND that got a signal passed on: waited for
     stopped: list[int] = []  # the signal that stopped this run before COMMAND started
 
+    loss_lock = threading.Lock()  # the watchdog's thread and the main one each may send the loss's signal
+    loss_sent: list[bool] = []  # it was sent: once only (a second would cut a clean shutdown short)
+
+    def signal_the_loss() -> None:
+        """Send the lost lease's signal to COMMAND and every process below it, once, from whichever thread
+        finds both the loss and COMMAND first: the watchdog's (``on_lost``), or the main one just after it
+        started COMMAND (a loss while COMMAND's process was being made). When it goes out, ``stopping``
+        starts the --kill-after clock, and each process goes on ``signalled`` before its signal: a shell
+        that dies of it returns the main thread's wait at once, and a job missing from either was never
+        killed (it ran on, unprotected, after permits run ended)."""
+        with loss_lock:
+            if loss_sent or child is None or child.poll() is not None:
+                return
+            loss_sent.append(True)
+            stopping.append(monotonic())
+            _signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}"), signalled)
+
     def on_lost(why: str) -> None:
         if options.on_lost_signal == "NONE":
             click.echo(f"permits: lease lost while the command ran ({why})", err=True)
             return
         click.echo(f"permits: lease lost while the command ran ({why}); sending SIG{options.on_lost_signal}", err=True)
-        stopping.append(monotonic())
+        signal_the_loss()
         signum = getattr(signal, f"SIG{options.on_lost_signal}")
-        # This runs on the watchdog's thread while the main one waits for COMMAND: each process goes on the
-        # list before its signal, since a shell the signal ends returns the main thread's wait at once, and a
-        # job missing from the list then was never killed (it ran on, unprotected, after permits run ended).
-        if child is not None and child.poll() is None:
-            _signal_the_command(child, signum, signalled)
+        with loss_lock:
+            if child is not None and not stopping:  # COMMAND had ended: those it left get the signal below
+                stopping.append(monotonic())
         for process in passed_on:  # a process that outlived COMMAND, still waited for: it must stop too
             if process not in signalled and process.running():
                 signalled.append(process)
@@ -598,8 +613,11 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             if not (signum != signal.SIGTERM and _in_the_terminals_foreground()):
                 if child is None:
                     held_back.append(signum)
-                else:
+                elif child.poll() is None:
                     _signal_the_command(child, signum, passed_on)
+                else:  # COMMAND has ended, and its pid may be another's: those it left, still waited for
+                    for process in passed_on:
+                        process.signal(signum)
             return
         if not stopped:  # the first stops the run; the rest must not cut short the release that follows
             stopped.append(signum)
@@ -657,8 +675,8 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
                 starting = False
             for signum in held_back:
                 _signal_the_command(child, signum, passed_on)
-            if held.lost and options.on_lost_signal != "NONE":  # lost before COMMAND started
-                _signal_the_command(child, getattr(signal, f"SIG{options.on_lost_signal}"), signalled)
+            if held.lost and options.on_lost_signal != "NONE":  # lost as COMMAND started (else on_lost sends it)
+                signal_the_loss()
             status = _wait_for(child, stopping, signalled, options.kill_after, passed_on)
         except _Stopped as stop:  # granted, and stopped before COMMAND started: released below
             _exit_stopped(stop.signum)
@@ -779,7 +797,8 @@ def _wait_for(
             click.echo(f"permits: {what} {kill_after:g} s after its signal: SIGKILL", err=True)
             if status is None:
                 _signal_the_command(child, signal.SIGKILL, running)
-            for process in running:
+            # Those a passed-on signal reached after the loss's went out are no longer waited for: killed too.
+            for process in running + finishing:
                 process.kill()
             killed = True
 

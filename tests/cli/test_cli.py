@@ -424,6 +424,55 @@ def test_a_job_signalled_for_a_lost_lease_is_killed_however_the_threads_interlea
             os.kill(job_process, signal.SIGKILL)
 
 
+def test_a_lease_lost_as_the_command_starts_still_gets_the_job_killed(
+    db_url: str, ns: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease is lost while COMMAND's process is being made, and the watchdog's thread, which learnt it
+    first, is held up before its signal: the main thread sends the signal as COMMAND starts. It used to send
+    it without starting the --kill-after clock, so the run ended as soon as the shell died of it, and the
+    job below the shell, which ignores SIGTERM, ran on unprotected. In process, so that the order can be
+    made every time."""
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    job_pid = tmp_path / "job.pid"
+    script = f"(trap '' TERM; sleep 60) & echo $! > {job_pid}; wait"
+    watchdog_told = threading.Event()
+    real_echo, real_start = permits.cli.click.echo, permits.cli._start
+
+    def held_up_echo(message: Any = None, *args: Any, **kwargs: Any) -> None:
+        if threading.current_thread() is not threading.main_thread() and "lease lost" in str(message):
+            watchdog_told.set()
+            time.sleep(2)  # the watchdog's thread, the loss set, before its signal
+        real_echo(message, *args, **kwargs)
+
+    def start_then_lose(*args: Any) -> subprocess.Popen[bytes]:
+        made = real_start(*args)
+        deadline = time.monotonic() + 20
+        while not job_pid.exists() or not job_pid.read_text().strip():
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.05)
+        with permits.connect(db_url) as client:
+            assert client.delete_semaphore(name, force=True) == 1  # an administrator revokes it
+        assert watchdog_told.wait(20), "the watchdog never found the lease lost"
+        return made
+
+    monkeypatch.setattr(permits.cli.click, "echo", held_up_echo)
+    monkeypatch.setattr(permits.cli, "_start", start_then_lose)
+    done = CliRunner().invoke(
+        permits.cli.main, ["run", name, "--db", db_url, "--ttl", "3", "--kill-after", "1", "--", "sh", "-c", script]
+    )
+    job_process = int(job_pid.read_text())
+    try:
+        assert done.exit_code == 76, done.output
+        deadline = time.monotonic() + 5
+        while _running(job_process):
+            assert time.monotonic() < deadline, f"the job went on after the lease was lost: {_family(job_process)}"
+            time.sleep(0.05)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(job_process, signal.SIGKILL)
+
+
 def test_a_supervisors_sigterm_reaches_every_process_of_the_command_and_the_permits_wait_for_them(
     db_url: str, ns: str, tmp_path: Path
 ) -> None:
