@@ -353,20 +353,12 @@ def test_a_lost_lease_signals_every_process_of_the_command(db_url: str, ns: str,
     run = ["run", name, "--ttl", "3", "--kill-after", "1", "--", "sh", "-c", script]
     holder = _in_background(db_url, *run)
     _wait_until_held(db_url, name)
-    deadline = time.monotonic() + 10
-    while not job_pid.exists() or not job_pid.read_text().strip():
-        assert time.monotonic() < deadline, "the job never started"
-        time.sleep(0.05)
-    job_process = int(job_pid.read_text())
+    job_process = _started_job(job_pid, 10)
     assert _running(job_process)
     with permits.connect(db_url) as client:
         assert client.delete_semaphore(name, force=True) == 1  # an administrator revokes it
     assert holder.wait(timeout=30) == 76
-    deadline = time.monotonic() + 5  # a SIGKILL sent as permits run ends takes effect a moment later
-    while _running(job_process):
-        # (permits run's stderr is read after this loop: the job holds the pipe open while it lives)
-        assert time.monotonic() < deadline, f"the job went on after the lease was lost: {_family(job_process)}"
-        time.sleep(0.05)
+    _assert_ends_soon(job_process)  # (stderr is read after: the job holds the pipe open while it lives)
     assert holder.stderr is not None
     told = holder.stderr.read()
     if job == "ignores":
@@ -396,10 +388,7 @@ def test_a_job_signalled_for_a_lost_lease_is_killed_however_the_threads_interlea
     monkeypatch.setattr(permits.cli._Process, "signal", slow_signal)
 
     def revoke_once_the_job_runs() -> None:
-        deadline = time.monotonic() + 20
-        while not job_pid.exists() or not job_pid.read_text().strip():
-            assert time.monotonic() < deadline, "the job never started"
-            time.sleep(0.05)
+        _started_job(job_pid)
         with permits.connect(db_url) as client:
             assert client.delete_semaphore(name, force=True) == 1  # an administrator revokes it
 
@@ -415,10 +404,7 @@ def test_a_job_signalled_for_a_lost_lease_is_killed_however_the_threads_interlea
     job_process = int(job_pid.read_text())
     try:
         assert done.exit_code == 76, done.output
-        deadline = time.monotonic() + 5  # a SIGKILL sent as permits run ends takes effect a moment later
-        while _running(job_process):
-            assert time.monotonic() < deadline, f"the job went on after the lease was lost: {_family(job_process)}"
-            time.sleep(0.05)
+        _assert_ends_soon(job_process)
     finally:
         with suppress(ProcessLookupError):
             os.kill(job_process, signal.SIGKILL)
@@ -447,10 +433,7 @@ def test_a_lease_lost_as_the_command_starts_still_gets_the_job_killed(
 
     def start_then_lose(*args: Any) -> subprocess.Popen[bytes]:
         made = real_start(*args)
-        deadline = time.monotonic() + 20
-        while not job_pid.exists() or not job_pid.read_text().strip():
-            assert time.monotonic() < deadline, "the job never started"
-            time.sleep(0.05)
+        _started_job(job_pid)
         with permits.connect(db_url) as client:
             assert client.delete_semaphore(name, force=True) == 1  # an administrator revokes it
         assert watchdog_told.wait(20), "the watchdog never found the lease lost"
@@ -464,10 +447,7 @@ def test_a_lease_lost_as_the_command_starts_still_gets_the_job_killed(
     job_process = int(job_pid.read_text())
     try:
         assert done.exit_code == 76, done.output
-        deadline = time.monotonic() + 5
-        while _running(job_process):
-            assert time.monotonic() < deadline, f"the job went on after the lease was lost: {_family(job_process)}"
-            time.sleep(0.05)
+        _assert_ends_soon(job_process)
     finally:
         with suppress(ProcessLookupError):
             os.kill(job_process, signal.SIGKILL)
@@ -509,6 +489,23 @@ def test_a_supervisors_sigterm_reaches_every_process_of_the_command_and_the_perm
     assert holder.stderr is not None and "still run: the permits stay held until they end" in holder.stderr.read()
     with permits.connect(db_url) as client:
         assert client.get_semaphore(name).used == 0
+
+
+def _started_job(job_pid: Path, seconds: float = 20) -> int:
+    """The pid a command's shell wrote to ``job_pid`` once it started its job."""
+    deadline = time.monotonic() + seconds
+    while not job_pid.exists() or not job_pid.read_text().strip():
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.05)
+    return int(job_pid.read_text())
+
+
+def _assert_ends_soon(job_process: int) -> None:
+    """The job ends within 5 s: a SIGKILL sent as permits run ends takes effect a moment later."""
+    deadline = time.monotonic() + 5
+    while _running(job_process):
+        assert time.monotonic() < deadline, f"the job went on after the lease was lost: {_family(job_process)}"
+        time.sleep(0.05)
 
 
 def _family(pid: int) -> str:
