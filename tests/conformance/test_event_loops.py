@@ -79,7 +79,37 @@ def test_on_mariadb_a_loop_cannot_use_a_client_another_open_loop_uses(servers: _
         first_loop.run_until_complete(hold())
         with pytest.raises(permits.UsageError, match="in use in another event loop, which is still open"):
             second_loop.run_until_complete(hold())
-        first_loop.run_until_complete(client.aclose())  # its connections close in their own loop
+        with pytest.raises(permits.UsageError, match="still open"):
+            second_loop.run_until_complete(client.aclose())
+        # Not closed by that: closed in its own loop, where its connections close.
+        first_loop.run_until_complete(client.aclose())
+        assert client._store._closed
     finally:
         first_loop.close()
         second_loop.close()
+
+
+def test_on_mariadb_a_connection_a_closed_loop_left_in_use_is_let_go_too(servers: _Servers, ns: str) -> None:
+    """A loop closed without cancelling its tasks (``run_until_complete``, then ``close``) leaves a waiter
+    with a connection checked out: the next loop lets that one go too, and collecting it warns of nothing."""
+    mysql_url = servers.url_for("mysql").render_as_string(hide_password=False)
+    client = permits.connect_async(mysql_url, owner=f"{ns}o")
+    left: list[asyncio.Task[object]] = []
+
+    async def hold_and_leave_a_waiter() -> None:
+        await client.create_semaphore(f"{ns}s", 1, exist_ok=True)
+        await client.acquire(f"{ns}s", key=f"{ns}held", ttl=30)
+        left.append(asyncio.ensure_future(client.acquire(f"{ns}s", key=f"{ns}waiter", ttl=30, timeout=30)))
+        await asyncio.sleep(0.5)  # the waiter waits in the semaphore's line, on a connection of its own
+
+    first_loop = asyncio.new_event_loop()
+    first_loop.run_until_complete(hold_and_leave_a_waiter())
+    first_loop.close()  # the waiter's task never ends: it is dropped with its loop
+
+    async def release_and_close() -> None:
+        assert await client.release(f"{ns}held") == "released"
+        await client.aclose()
+
+    asyncio.run(release_and_close())
+    left.clear()
+    gc.collect()

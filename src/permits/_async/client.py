@@ -150,7 +150,11 @@ class AsyncClient:
         """Close the connection pool. Held leases stay held until released or expired."""
         if not self._closed:
             self._closed = True
-            await self._store.close()
+            try:
+                await self._store.close()
+            except UsageError:  # from another event loop than its own, which is still open: not closed
+                self._closed = False
+                raise
 
     # ----------------------------------------------------------------------------------------- acquiring
 
@@ -183,7 +187,7 @@ class AsyncClient:
         try:
             return await self._store.try_acquire(owner_, key_, wants_, ttl_ms, new_only=new_only, request_id=request_id)
         except BaseException as exc:
-            if not isinstance(exc, Exception):
+            if not isinstance(exc, Exception | GeneratorExit):
                 # As acquire does: a grant that came as the call was interrupted is released.
                 with contextlib.suppress(Exception):
                     await async_shield(self._release_interrupted(owner_, key_, key is None, made_up, request_id))
@@ -369,7 +373,8 @@ class AsyncClient:
                     "interrupted during an outage: a grant the last attempt may have made runs out at its TTL"
                 )
                 setattr(exc, INTERRUPTED_IN_OUTAGE, True)
-            elif not isinstance(exc, Exception):
+            elif not isinstance(exc, Exception | GeneratorExit):
+                # (GeneratorExit: the task was dropped with its closed event loop, where nothing can be awaited.)
                 # Cancelled, or Ctrl-C, while waiting: give up the places in fair queues now, as a timeout
                 # does, not when they lapse (5 s, holding up every waiter behind them meanwhile), and release
                 # what the try under way may have got. Both under one shield: a second cancellation (a task
@@ -786,7 +791,11 @@ class AsyncHeld:
                     granted, self.lease = self.lease, None
                     with contextlib.suppress(Exception):
                         await async_shield(self._client.release(granted, owner=self._owner))
-                elif not isinstance(exc, Exception) and not self._new_only and not hasattr(exc, INTERRUPTED_IN_OUTAGE):
+                elif (
+                    not isinstance(exc, Exception | GeneratorExit)  # (closed with its dropped loop: nothing to await)
+                    and not self._new_only
+                    and not hasattr(exc, INTERRUPTED_IN_OUTAGE)
+                ):
                     # Interrupted (cancelled, Ctrl-C) while the grant may have committed: release by key so
                     # the permits do not wait for the TTL. Releasing a key never granted changes nothing. Not
                     # for a request for a new lease only: the lease under its key may be another caller's (the

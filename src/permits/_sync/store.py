@@ -229,10 +229,10 @@ class SQLStore:
         # only the garbage collector frees.
         this = weakref.ref(self)
         close_returned_connections_once(self._engine, lambda: (store := this()) is None or store._closed)
-        #: the driver connections open (MariaDB and MySQL: those of a closed event loop are let go, ``_check_loop``)
-        self._drivers: weakref.WeakSet[Any] = weakref.WeakSet()
+        #: the pool's entries (MariaDB and MySQL: those of a closed event loop are let go, ``_check_loop``)
+        self._entries: weakref.WeakSet[Any] = weakref.WeakSet()
         if IS_ASYNC and self._dialect.name == "mysql":
-            track_drivers(sync_engine(self._engine), self._drivers)
+            track_drivers(sync_engine(self._engine), self._entries)
         #: sessions whose link the reply deadline cut, to end before the next operation (``_end_cut_sessions``)
         self._cut: list[_CutSession] = []
         self._opened = False
@@ -311,6 +311,8 @@ class SQLStore:
         self._seats_mutex = sync_mutex()
         self._parked, self._park_mutex = [], sync_mutex()  # the parent's, in the pool kept above
         self._opening = sync_lock()  # one held in the parent at the fork would stay held here
+        self._entries.clear()  # the parent's, which a change of event loop here must not shut down
+        self._loop = None  # the child's own loop is its first
         if self._listener is not None:
             listener = self._listener
             keep_inherited(listener)
@@ -333,11 +335,15 @@ class SQLStore:
                     " MySQL the driver's connections cannot move between loops: make one client per loop (async"
                     " with permits.connect_async(...) inside the loop that uses it)"
                 )
-            let_go_of_closed_loop(sync_engine(self._engine), self._drivers, [p.conn for p in self._parked])
-            # What the closed loop's tasks held goes with them: a line seat, a lock an opening held.
+            let_go_of_closed_loop(sync_engine(self._engine), self._entries)
+            # What the closed loop's tasks held goes with them: a line seat, the locks of an opening and of the
+            # endings of cut sessions (a task the loop's end left behind may hold one for ever, and a lock
+            # that was waited for in one loop cannot be waited for in another).
             self._parked = []
             self._in_line_now = 0
             self._opening = sync_lock()
+            for cut in self._cut:
+                cut.ending = sync_lock()
             self._loop = loop
 
     @property
@@ -431,6 +437,8 @@ class SQLStore:
     def upgrade_schema(self) -> str:
         if self._closed:
             raise UsageError("this client is closed")
+        self._renew_if_forked()
+        self._check_loop()
         revision: str = self._with_retries(self._upgrade)
         self._opened = False
         self.open()
@@ -1012,7 +1020,9 @@ class SQLStore:
 
     def _leave_line_seat(self) -> None:
         with self._seats_mutex:
-            self._in_line_now -= 1
+            # Never below none: a task that a closed event loop left behind may give its seat back after
+            # the count was started afresh in the next loop (``_check_loop``).
+            self._in_line_now = max(0, self._in_line_now - 1)
 
     def queues_in_line(self, wants: Sequence[Want]) -> bool:
         """Whether an attempt for ``wants`` can wait for its turn in the server's lock queue: PostgreSQL's

@@ -3,6 +3,7 @@ translation of driver errors into permits errors (the one choke point)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable, MutableMapping
@@ -276,26 +277,32 @@ def sync_drop_link(engine: Any, conn: Any, exc: BaseException) -> None:
 
 
 def track_drivers(engine: Engine, found: weakref.WeakSet[Any]) -> None:
-    """Put each driver connection ``engine`` opens in ``found`` (weakly: one the pool lets go is gone from
-    it), so that the connections of an event loop that has closed can be let go (``let_go_of_closed_loop``)."""
+    """Put each pool entry ``engine`` opens in ``found`` (weakly: one the pool lets go is gone from it), so
+    that the connections of an event loop that has closed can be let go (``let_go_of_closed_loop``)."""
 
     @event.listens_for(engine, "connect")
-    def _opened(dbapi_connection: Any, _record: Any) -> None:
-        found.add(getattr(dbapi_connection, "driver_connection", dbapi_connection))
+    def _opened(_dbapi_connection: Any, record: Any) -> None:
+        found.add(record)
 
 
-def let_go_of_closed_loop(engine: Engine, drivers: weakref.WeakSet[Any], parked: list[Any]) -> None:
+def let_go_of_closed_loop(engine: Engine, entries: weakref.WeakSet[Any]) -> None:
     """aiomysql's connections belong to the event loop that made them, and cannot be used, or even closed,
     once it has: closing one schedules a callback on its loop ("Event loop is closed"). Each is let go
-    without it. Its link is shut down, so that its server session ends now rather than at the server's idle
-    timeout, and the driver's connection is marked closed (aiomysql's own mark: no stream), so that when it
-    is collected it does not try its loop. ``parked``, connections checked out of the pool and kept, are
-    detached from it first: collected while checked out, the pool would warn that they were never given
-    back. The pool then starts afresh, in whatever loop uses it next. The socket itself is closed when its
-    transport is collected."""
-    for conn in parked:
-        conn.sync_connection.connection.detach()
-    for driver in list(drivers):
+    without it. One checked out of the pool (parked, or held by a task the loop's end left behind) is
+    detached from it first: collected while checked out, the pool would warn that it was never given back.
+    Its link is shut down, so that its server session ends now rather than at the server's idle timeout,
+    and the driver's connection is marked closed (aiomysql's own mark: no stream), so that when it is
+    collected it does not try its loop. The pool then starts afresh, in whatever loop uses it next. The
+    socket itself is closed when its transport is collected."""
+    for entry in list(entries):
+        # Read first: detaching a checked-out connection takes it off its entry.
+        driver = getattr(entry.dbapi_connection, "driver_connection", entry.dbapi_connection)
+        checked_out = entry.fairy_ref() if entry.fairy_ref is not None else None
+        if checked_out is not None:
+            # Detaching may wake a task of the closed loop that waits for a connection (RuntimeError): the
+            # entry is out of the pool's hands before that, which is all that is wanted here.
+            with contextlib.suppress(RuntimeError):
+                checked_out.detach()
         writer = getattr(driver, "_writer", None)
         if writer is None:
             continue
@@ -303,7 +310,7 @@ def let_go_of_closed_loop(engine: Engine, drivers: weakref.WeakSet[Any], parked:
         if sock is not None:
             shut_down(sock.fileno())
         driver._writer = driver._reader = None
-    drivers.clear()
+    entries.clear()
     engine.dispose(close=False)
 
 
