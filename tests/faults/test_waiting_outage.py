@@ -76,8 +76,18 @@ class _Setup:
         """``permits run`` of the semaphore through the proxy, once it is waiting for room."""
         argv = ["run", "--db", self.url, "--timeout", str(timeout), self.sem, "--", "true"]
         pipe = subprocess.PIPE
+        connected_before = self.proxy.connections
         run = subprocess.Popen([sys.executable, "-m", "permits", *argv], cwd=ROOT, stdout=pipe, stderr=pipe, text=True)
-        time.sleep(2.5)  # started, and waits for room
+        # Started, opened and waiting for room. Its start (Python and its imports) is counted out, since on
+        # a busy machine it took most of a fixed 2.5 s, and the outage then came while the client opened,
+        # before it waited (CI, once, with four workers): from its first connection, as the library's
+        # waiter is given from its call.
+        deadline = time.monotonic() + 30
+        while self.proxy.connections == connected_before:
+            assert run.poll() is None, run.communicate()
+            assert time.monotonic() < deadline, "permits run never connected"
+            time.sleep(0.05)
+        time.sleep(2.0)
         assert run.poll() is None, run.communicate()
         return run
 
