@@ -395,19 +395,9 @@ def test_a_job_signalled_for_a_lost_lease_is_killed_however_the_threads_interlea
     revoker = threading.Thread(target=revoke_once_the_job_runs)
     revoker.start()
     try:
-        done = CliRunner().invoke(
-            permits.cli.main,
-            ["run", name, "--db", db_url, "--ttl", "3", "--kill-after", "1", "--", "sh", "-c", script],
-        )
+        _run_in_process_until_the_job_is_killed(db_url, name, script, job_pid)
     finally:
         revoker.join()
-    job_process = int(job_pid.read_text())
-    try:
-        assert done.exit_code == 76, done.output
-        _assert_ends_soon(job_process)
-    finally:
-        with suppress(ProcessLookupError):
-            os.kill(job_process, signal.SIGKILL)
 
 
 def test_a_lease_lost_as_the_command_starts_still_gets_the_job_killed(
@@ -441,16 +431,7 @@ def test_a_lease_lost_as_the_command_starts_still_gets_the_job_killed(
 
     monkeypatch.setattr(permits.cli.click, "echo", held_up_echo)
     monkeypatch.setattr(permits.cli, "_start", start_then_lose)
-    done = CliRunner().invoke(
-        permits.cli.main, ["run", name, "--db", db_url, "--ttl", "3", "--kill-after", "1", "--", "sh", "-c", script]
-    )
-    job_process = int(job_pid.read_text())
-    try:
-        assert done.exit_code == 76, done.output
-        _assert_ends_soon(job_process)
-    finally:
-        with suppress(ProcessLookupError):
-            os.kill(job_process, signal.SIGKILL)
+    _run_in_process_until_the_job_is_killed(db_url, name, script, job_pid)
 
 
 def test_a_supervisors_sigterm_reaches_every_process_of_the_command_and_the_permits_wait_for_them(
@@ -489,6 +470,21 @@ def test_a_supervisors_sigterm_reaches_every_process_of_the_command_and_the_perm
     assert holder.stderr is not None and "still run: the permits stay held until they end" in holder.stderr.read()
     with permits.connect(db_url) as client:
         assert client.get_semaphore(name).used == 0
+
+
+def _run_in_process_until_the_job_is_killed(db_url: str, name: str, script: str, job_pid: Path) -> None:
+    """``permits run NAME -- sh -c SCRIPT`` in this process, whose lease the test has lost: it exits 76, and
+    the job the script started (its pid in ``job_pid``) ends soon after; killed here whatever happens."""
+    done = CliRunner().invoke(
+        permits.cli.main, ["run", name, "--db", db_url, "--ttl", "3", "--kill-after", "1", "--", "sh", "-c", script]
+    )
+    job_process = int(job_pid.read_text())
+    try:
+        assert done.exit_code == 76, done.output
+        _assert_ends_soon(job_process)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(job_process, signal.SIGKILL)
 
 
 def _started_job(job_pid: Path, seconds: float = 20) -> int:
