@@ -91,6 +91,7 @@ class _Line:
             "count": want.count,
             "ttl_ms": ttl_ms,
             "request_id": None,
+            "lock_wait_s": None,
         }
         params["permits_line"] = _line_name(want.name)
         cursor = self.conn.cursor()

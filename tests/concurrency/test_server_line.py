@@ -166,7 +166,7 @@ def test_on_a_fair_semaphore_the_head_of_the_line_waits_while_the_fair_queue_ahe
     fair. (When the head left as soon as a place was ahead, every later arrival followed it into the queue.)"""
     name, plain = f"{ns}fair", f"{ns}plain"
     (queued,) = server_functions(PostgreSQL(), ["ACQUIRE_MANY_QUEUED" if several else "ACQUIRE_ONE_QUEUED"])
-    call = f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s, %s)"
+    call = f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
     wants = ([name, plain], [1, 1]) if several else (name, 1)
     rows = 2 if several else 1
     with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as holder:
@@ -176,12 +176,12 @@ def test_on_a_fair_semaphore_the_head_of_the_line_waits_while_the_fair_queue_ahe
             # No room and nobody queued: it waits at the head for all of head_ms, then is refused.
             held = holder.acquire({name: 2}, ttl=30)
             started = time.monotonic()
-            assert conn.execute(call, ("o", "k1", *wants, 30_000, None, 5_000, 400)).fetchall() == []
+            assert conn.execute(call, ("o", "k1", *wants, 30_000, None, None, 5_000, 400)).fetchall() == []
             assert 0.35 <= time.monotonic() - started < 3
             # Room that comes while it waits there is its own.
             threading.Timer(0.2, holder.release, args=(held,)).start()
             started = time.monotonic()
-            assert len(conn.execute(call, ("o", "k2", *wants, 30_000, None, 5_000, 3_000)).fetchall()) == rows
+            assert len(conn.execute(call, ("o", "k2", *wants, 30_000, None, None, 5_000, 3_000)).fetchall()) == rows
             assert time.monotonic() - started < 2
             held = holder.acquire(name, ttl=30)  # full again
             # A request for both permits takes a place in the fair queue. The queue does not move (the
@@ -193,7 +193,7 @@ def test_on_a_fair_semaphore_the_head_of_the_line_waits_while_the_fair_queue_ahe
                 waiter.start()
                 assert _wait_until(lambda: len(holder.waiters(name)) == 1, 10), "the request took no place"
                 started = time.monotonic()
-                assert conn.execute(call, ("o", "k3", *wants, 30_000, None, 5_000, 400)).fetchall() == []
+                assert conn.execute(call, ("o", "k3", *wants, 30_000, None, None, 5_000, 400)).fetchall() == []
                 assert 0.35 <= time.monotonic() - started < 3
                 assert [w.owner for w in holder.waiters(name)] == [f"{ns}big"]
                 holder.release(held)
@@ -230,7 +230,7 @@ def test_on_a_fair_semaphore_the_head_of_the_line_waits_while_the_fair_queue_ahe
             assert _wait_until(channel_recorded, 10), "the waiter recorded no wake channel"
             threading.Timer(0.8, holder.release, args=(first,)).start()
             started = time.monotonic()
-            assert len(conn.execute(call, ("o", "k5", *wants, 30_000, None, 5_000, 1_500)).fetchall()) == rows
+            assert len(conn.execute(call, ("o", "k5", *wants, 30_000, None, None, 5_000, 1_500)).fetchall()) == rows
             done = time.monotonic()
             waiter.join(10)
             assert served and started < served[0] < done, "the place ahead was not served first"
@@ -250,7 +250,7 @@ def test_places_taken_after_the_head_came_do_not_restart_its_wait(ns: str) -> No
     gone after that, does not (it would have kept the head until 1.3 s)."""
     name = f"{ns}fair"
     (queued,) = server_functions(PostgreSQL(), ["ACQUIRE_ONE_QUEUED"])
-    call = f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s, %s)"
+    call = f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
     with own_database("postgresql", "permits_line") as url, permits.connect(url, auto_upgrade=True) as holder:
         holder.create_semaphore(name, 1, fair=True)
         held = holder.acquire(name, ttl=30)  # no room all along: only the places decide how long it waits
@@ -276,7 +276,7 @@ def test_places_taken_after_the_head_came_do_not_restart_its_wait(ns: str) -> No
             timers = [threading.Timer(at, step) for at, step in steps]
             for timer in timers:
                 timer.start()
-            assert conn.execute(call, ("o", "head", name, 1, 30_000, None, 5_000, 600)).fetchall() == []
+            assert conn.execute(call, ("o", "head", name, 1, 30_000, None, None, 5_000, 600)).fetchall() == []
             ended = time.monotonic()
             for timer in timers:
                 timer.join()
@@ -606,8 +606,8 @@ def test_a_queued_grant_waiting_at_the_head_holds_no_row(ns: str, several: bool)
                 with psycopg.connect(plain, autocommit=True) as conn:
                     started = time.monotonic()
                     out["rows"] = conn.execute(
-                        f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s, %s)",
-                        ("w", "k", *wants, 60_000, None, 5_000, 1_500),  # no request id
+                        f"SELECT * FROM {queued.name}(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                        ("w", "k", *wants, 60_000, None, None, 5_000, 1_500),  # no request id, no lock wait of its own
                     ).fetchall()
                     out["took"] = time.monotonic() - started
 
@@ -639,12 +639,13 @@ def test_a_queued_grant_whose_turn_came_with_no_time_left_still_asks(ns: str) ->
         one, several = server_functions(PostgreSQL(), ["ACQUIRE_ONE_QUEUED", "ACQUIRE_MANY_QUEUED"])
         with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
             granted = conn.execute(
-                f"SELECT * FROM {one.name}(%s, %s, %s, %s, %s, %s, %s, %s)", ("o", "k1", a, 1, 30_000, None, 0, 50)
+                f"SELECT * FROM {one.name}(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                ("o", "k1", a, 1, 30_000, None, None, 0, 50),
             ).fetchall()
             assert len(granted) == 1
             granted = conn.execute(
-                f"SELECT * FROM {several.name}(%s, %s, %s, %s, %s, %s, %s, %s)",
-                ("o", "k2", [a, b], [1, 1], 30_000, None, 0, 50),
+                f"SELECT * FROM {several.name}(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                ("o", "k2", [a, b], [1, 1], 30_000, None, None, 0, 50),
             ).fetchall()
             assert sorted(row[3] for row in granted) == [a, b]
         assert client.get_semaphore(a).used == 2 and client.get_semaphore(b).used == 1

@@ -21,6 +21,8 @@ from permits import (
 from permits._backoff import Backoff
 from permits._core import decide, flows
 from permits._core.flows import Result
+from permits.dialects.base import Dialect
+from permits.dialects.mysql import MariaDB
 from permits.dialects.postgresql import PostgreSQL
 from permits.dialects.sqlite import SQLite
 
@@ -352,6 +354,8 @@ def test_postgresql_acquires_several_semaphores_in_one_statement() -> None:
         "wants": '[["a", 1], ["b", 2]]',  # the same, for MariaDB's JSON_TABLE
         "ttl_ms": 5000,
         "request_id": None,
+        "lock_wait_ms": None,  # the session's lock wait
+        "lock_wait_s": None,
     }
     with pytest.raises(StopIteration) as done:
         flow.send(Result([(5, 1000, 6000, "b", 12), (5, 1000, 6000, "a", 77)], 2))
@@ -528,3 +532,19 @@ def test_a_delete_counts_only_the_leases_it_revoked_itself() -> None:
     restart, _ = _first_transaction([8, 9])
     then = _run_first(restart, [])  # the other delete revoked both first, and deleted the semaphore
     assert _run_second(then, [], None, 0) == 0
+
+
+@pytest.mark.parametrize("dialect", [PostgreSQL(), MariaDB()], ids=["postgresql", "mysql"])
+@pytest.mark.parametrize("wants", [(Want("a", 2),), (Want("a", 1), Want("b", 1))], ids=["one", "several"])
+def test_a_grant_waits_for_a_row_lock_within_the_callers_time(dialect: Dialect, wants: tuple[Want, ...]) -> None:
+    """The grant's statement is given the caller's time left as its lock wait: in milliseconds for
+    PostgreSQL's lock_timeout, in whole seconds, rounded up, for MariaDB's innodb_lock_wait_timeout."""
+    request = flows.Request("o", "k", wants, 5000, lock_wait_ms=1200)
+    first = next(flows.try_acquire(dialect, request))
+    assert first.name in ("ACQUIRE_ONE", "ACQUIRE_MANY")
+    assert (first.params["lock_wait_ms"], first.params["lock_wait_s"]) == (1200, 2)
+    assert ":lock_wait_ms" in dialect.sql(first.name) or ":lock_wait_s" in dialect.sql(first.name)
+
+
+def test_lock_waits_in_whole_seconds_are_rounded_up_and_never_zero() -> None:
+    assert [flows.lock_wait_seconds(ms) for ms in (None, 1, 999, 1000, 1001, 4500)] == [None, 1, 1, 1, 2, 5]

@@ -752,6 +752,8 @@ class AsyncSQLStore:
             # With no time left (a zero timeout: one attempt) there is no waiting in a line either.
             lined = in_line and tries == 1 and left > 0
             line_wait_ms = round(min(left, self._settings.lock_wait_timeout) * 1000) if lined else None
+            # A wait for a row lock within the caller's time too (a try, with none, waits the session's).
+            lock_wait_ms = max(1, round(left * 1000)) if 0 < left < self._settings.lock_wait_timeout else None
             request = flows.Request(
                 owner,
                 key,
@@ -765,6 +767,7 @@ class AsyncSQLStore:
                 line_free_first=lined and line_free_first,
                 new_only=new_only,
                 request_id=request_id,
+                lock_wait_ms=lock_wait_ms,
             )
             return flows.try_acquire(self._dialect, request, recheck=full)
 
@@ -1266,7 +1269,7 @@ class AsyncSQLStore:
             try:
                 if self._cut:
                     await self._end_cut_sessions(own_cuts)
-                done = await self._attempt(make_flow(), readonly, own_cuts)
+                done = await self._attempt(make_flow(), readonly, own_cuts, deadline)
                 if not isinstance(done, Then):
                     return done
                 restarts += 1  # committed; the operation goes on in a transaction of its own
@@ -1353,16 +1356,22 @@ class AsyncSQLStore:
         await async_sleep(delay)
         return failures + 1
 
-    async def _attempt(self, flow: Flow[T], readonly: bool, cuts: list[_CutSession]) -> T:
+    async def _attempt(
+        self, flow: Flow[T], readonly: bool, cuts: list[_CutSession], deadline: float | None = None
+    ) -> T:
         """Run ``flow`` in one transaction. A link that the reply deadline cuts meanwhile is noted in ``cuts``
-        (and ``_cut``)."""
+        (and ``_cut``). On SQLite, a ``deadline`` nearer than the lock wait bound bounds the wait for the
+        database's write lock too (a grant with a short timeout: on the servers, its statements carry that
+        bound, ``flows.Request.lock_wait_ms``)."""
         try:
             first = next(flow)
         except StopIteration as stop:  # pragma: no cover - every flow sends at least one statement
             done: T = stop.value
             return done
         if self._direct is not None:
-            return self._direct.run(flow, first, readonly, self.after_statement)
+            left = None if deadline is None else deadline - monotonic()
+            lock_wait = left if left is not None and 0 < left < self._settings.lock_wait_timeout else None
+            return self._direct.run(flow, first, readonly, self.after_statement, lock_wait)
         alone = first.alone and (self._dialect.free_autocommit or self._dialect.self_committing)
         if alone:
             return await self._drive_alone_parked(flow, first, cuts)

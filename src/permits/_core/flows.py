@@ -124,6 +124,10 @@ class Request:
     #: attempt is the usual one.
     line_wait_ms: int | None = None
     line_head_ms: int = 0
+    #: not None: this attempt waits for a row lock no longer than this (what is left of the caller's time,
+    #: when that is less than the session's lock wait); None: the session's lock wait (a try, which does not
+    #: wait for room, still waits that long for a lock). MariaDB's statements take it in whole seconds.
+    lock_wait_ms: int | None = None
     #: with ``line_wait_ms``: first ask outside the line, granted only while nobody is in it
     #: (``ACQUIRE_ONE_LINE_FREE``); when that does not grant, the answer is ``AskInLine``
     line_free_first: bool = False
@@ -349,6 +353,8 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
         "count": want.count,
         "ttl_ms": req.ttl_ms,
         "request_id": req.request_id,
+        "lock_wait_ms": req.lock_wait_ms,
+        "lock_wait_s": lock_wait_seconds(req.lock_wait_ms),
     }
     statement = "ACQUIRE_ONE"
     lined = req.line_wait_ms is not None and (d.has("ACQUIRE_ONE_QUEUED") or d.has("LINE_WAIT"))
@@ -360,7 +366,8 @@ def _acquire_one(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease |
         return (yield from _acquire_one_in_line(d, req, params, recheck))
     elif lined:
         statement = "ACQUIRE_ONE_QUEUED"
-        params.update(wait_ms=req.line_wait_ms, head_ms=req.line_head_ms)
+        # The queued grant bounds its waits, for the line and for the row, by wait_ms itself.
+        params.update(wait_ms=req.line_wait_ms, head_ms=req.line_head_ms, lock_wait_ms=None)
     try:
         done = yield Stmt(statement, params, alone=True)
     except DuplicateKey:
@@ -408,6 +415,12 @@ def _acquire_one_in_line(
     return _granted(req, {params["name"]: int(token)}, acquired_ms, expires_ms)
 
 
+def lock_wait_seconds(lock_wait_ms: int | None) -> int | None:
+    """``Request.lock_wait_ms`` in the whole seconds MariaDB's ``innodb_lock_wait_timeout`` counts: rounded up,
+    so that the wait is never cut short of the caller's time, and at least one (zero would not wait at all)."""
+    return None if lock_wait_ms is None else max(1, -(-lock_wait_ms // 1000))
+
+
 def head_tries(head_ms: int) -> int:
     """How many times ``LINE_HEAD`` asks at the head of the line to wait about ``head_ms`` more there: 1 ms
     apart ten times, then 2 ms apart (after ``LINE_GRANT`` asked once)."""
@@ -430,6 +443,8 @@ def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease 
         "wants": json.dumps([[w.name, w.count] for w in req.wants], ensure_ascii=False),
         "ttl_ms": req.ttl_ms,
         "request_id": req.request_id,
+        "lock_wait_ms": req.lock_wait_ms,
+        "lock_wait_s": lock_wait_seconds(req.lock_wait_ms),
     }
     statement, in_line = "ACQUIRE_MANY", False
     if req.line_wait_ms is not None and d.has("ACQUIRE_MANY_QUEUED"):
@@ -437,7 +452,7 @@ def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease 
         # At the head it waits for room, but not for several permits of one semaphore: it would hold the line
         # while single permits came back behind it (as the store's queues_in_line says for one semaphore).
         head_ms = req.line_head_ms if all(w.count == 1 for w in req.wants) else 0
-        params.update(wait_ms=req.line_wait_ms, head_ms=head_ms)
+        params.update(wait_ms=req.line_wait_ms, head_ms=head_ms, lock_wait_ms=None)  # as ACQUIRE_ONE_QUEUED
     elif req.line_wait_ms is not None and d.has("LINES_ENTER"):
         in_line = True  # where the queued grant could not be made: the line in a transaction of its own
         yield Stmt("LINES_ENTER", {"wait_ms": req.line_wait_ms, "names": params["names"]})

@@ -128,13 +128,20 @@ _SESSION_SQL: dict[str, str | None] = {
 
 # ---- a grant of one semaphore (ACQUIRE_ONE), and the semaphore's line
 #
+# A grant's wait for a semaphore row's lock (another session holds it: a grant over several semaphores, a
+# change of capacity, a forgotten transaction in a SQL console) lasts no longer than the caller's time
+# (lock_wait_s, whole seconds, as innodb_lock_wait_timeout counts them; NULL: the session's lock wait, as for
+# a try that does not wait). SET STATEMENT sets it for the one statement, so nothing is left changed in the
+# session when a batch stops at an error.
+_LOCK_WAIT_BOUND = "SET STATEMENT innodb_lock_wait_timeout = COALESCE(:lock_wait_s, @@innodb_lock_wait_timeout) FOR"
 # The UPDATE that takes the room, and what follows it: the lease, its permit, the request's places in fair
 # queues given up. The token goes through a session variable, which the request resets first: NULL means the
 # UPDATE found no room, and then nothing is inserted.
-_TAKE_ONE = """
+_TAKE_ONE = f"""
+            {_LOCK_WAIT_BOUND}
             UPDATE permits_semaphore
-            SET used = used + :count, last_token = (@permits_token := last_token + 1), updated_at_ms = {now}
-            WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}"""
+            SET used = used + :count, last_token = (@permits_token := last_token + 1), updated_at_ms = {{now}}
+            WHERE name = :name AND deleted = 0 AND used + :count <= capacity{{fair_gate}}"""
 _LEASE_ONE = """
             INSERT INTO permits_lease (
                 owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms, request_id)
@@ -257,8 +264,8 @@ class MariaDB(Dialect):
         # variable, reset first: NULL means the UPDATE found no room, and then neither INSERT inserts anything
         # and the batch commits nothing. LAST_INSERT_ID() is the lease's new id. A grant also gives up the
         # request's places in fair queues (a waiting caller may hold some). params: owner, key, name,
-        # count, ttl_ms, request_id -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no
-        # such semaphore)
+        # count, ttl_ms, request_id, lock_wait_s -> lease id, acquired_at_ms, expires_at_ms, token (no row:
+        # no room, or no such semaphore)
         "ACQUIRE_ONE": "SET @permits_token = NULL;" + _TAKE_ONE + ";" + _GRANT_ONE,
         # ACQUIRE_ONE for a caller that would otherwise wait in the semaphore's line (LINE_WAIT), granted only
         # while nobody holds the line or waits for it: a shared lock on the line's row, taken with SKIP
@@ -284,8 +291,9 @@ class MariaDB(Dialect):
         # tests/concurrency/test_lock_order.py shows it). The last statement
         # answers, as PostgreSQL's does, a row per semaphore. Where the grant a statement per step held the
         # rows locked across a round trip per semaphore, the lease and the permits, this holds them for one.
-        # params: owner, key, wants (JSON), ttl_ms, request_id -> lease id, acquired_at_ms, expires_at_ms, name,
-        # token: a row per semaphore (none: no room in one of them, or one does not exist)
+        # The locking read waits for the rows no longer than the caller's time (_LOCK_WAIT_BOUND).
+        # params: owner, key, wants (JSON), ttl_ms, request_id, lock_wait_s -> lease id, acquired_at_ms,
+        # expires_at_ms, name, token: a row per semaphore (none: no room in one of them, or one does not exist)
         "ACQUIRE_MANY": """
             SET @permits_seen = NULL, @permits_fit = NULL;
             SELECT COUNT(*) = JSON_LENGTH(:wants) AND COALESCE(MIN(s.used + w.count <= s.capacity), 0)
@@ -294,6 +302,9 @@ class MariaDB(Dialect):
         + _WANTED_ROWS
         + """
             WHERE s.deleted = 0;
+            """
+        + _LOCK_WAIT_BOUND
+        + """
             SELECT COUNT(*) = JSON_LENGTH(:wants) AND COALESCE(MIN(
                 """
         + row_has_room("s", "w.count", locking=" LOCK IN SHARE MODE")

@@ -91,20 +91,28 @@ def _session_settings(lock_wait_timeout: float) -> list[tuple[str, str]]:
     ]
 
 
+# A grant's wait for a semaphore row's lock (another transaction holds it: a grant over several semaphores, a
+# change of capacity, a forgotten transaction in a SQL console) lasts no longer than the caller's time
+# (lock_wait_ms; NULL: the session's lock_timeout, as for a try that does not wait). The condition holds
+# parameters only, so the plan checks it once, before it reads a row, and set_config sets the statement's
+# own transaction's lock_timeout before the statement can wait (0 would mean no bound: never below 1 ms).
+_LOCK_WAIT_BOUND = """
+                AND (CAST(:lock_wait_ms AS BIGINT) IS NULL OR set_config(
+                    'lock_timeout', CAST(GREATEST(CAST(:lock_wait_ms AS BIGINT), 1) AS TEXT), true) IS NOT NULL)"""
 # Acquire one semaphore in one statement: each CTE feeds the next, so when the UPDATE finds no room
 # nothing is inserted and no row comes back. The lease is stamped once the semaphore's row is
 # locked (RETURNING runs on the updated row), not when the statement started: a grant that waited
 # for the row still gets its whole TTL, and it is stamped after the commit of the release or grant
 # it waited for, as a grant over several semaphores (ACQUIRE_MANY) is. A grant also gives up
 # the request's places in fair queues (a waiting caller may hold some).
-# params: owner, key, name, count, ttl_ms, request_id
+# params: owner, key, name, count, ttl_ms, request_id, lock_wait_ms
 # -> lease id, acquired_at_ms, expires_at_ms, token (no row: no room, or no such semaphore)
-_ACQUIRE_ONE = """
+_ACQUIRE_ONE = f"""
             WITH taken AS (
                 UPDATE permits_semaphore
-                SET used = used + :count, last_token = last_token + 1, updated_at_ms = {clock_now}
-                WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}
-                RETURNING id, last_token, {clock_now} AS granted_ms),
+                SET used = used + :count, last_token = last_token + 1, updated_at_ms = {{clock_now}}
+                WHERE name = :name AND deleted = 0 AND used + :count <= capacity{{fair_gate}}{_LOCK_WAIT_BOUND}
+                RETURNING id, last_token, {{clock_now}} AS granted_ms),
             lease AS (
                 INSERT INTO permits_lease (
                     owner, lease_key, state, acquired_at_ms, expires_at_ms, ttl_ms, request_id)
@@ -239,9 +247,9 @@ class PostgreSQL(Dialect):
         # either all of them or none. The rest is ACQUIRE_ONE's, once per semaphore: the lease is stamped
         # once the rows are locked, so a grant that waited for a row still gets its whole TTL. One round trip,
         # where the grant a statement per step took a round trip per semaphore with the rows locked across
-        # them. params: owner, key, names, counts (arrays, in name order, no name twice), ttl_ms, request_id
-        # -> lease id, acquired_at_ms, expires_at_ms, name, token: a row per semaphore (none: no room in one of
-        # them, or one does not exist)
+        # them. Its wait for the rows' locks is bounded as ACQUIRE_ONE's. params: owner, key, names, counts
+        # (arrays, in name order, no name twice), ttl_ms, request_id, lock_wait_ms -> lease id, acquired_at_ms,
+        # expires_at_ms, name, token: a row per semaphore (none: no room in one of them, or one does not exist)
         "ACQUIRE_MANY": """
             WITH wanted AS (
                 SELECT w.name, w.count
@@ -254,7 +262,9 @@ class PostgreSQL(Dialect):
             locked AS MATERIALIZED (
                 SELECT s.id, s.name, s.capacity, s.used, s.fair, w.count
                 FROM permits_semaphore s JOIN wanted w ON w.name = s.name
-                WHERE s.deleted = 0 AND (SELECT ok FROM seen)
+                WHERE s.deleted = 0 AND (SELECT ok FROM seen)"""
+        + _LOCK_WAIT_BOUND
+        + """
                 ORDER BY s.name
                 FOR NO KEY UPDATE OF s),
             fits AS (

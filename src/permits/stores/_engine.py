@@ -139,7 +139,7 @@ def install_events(
 
     if not isinstance(dialect, SQLite):
         return
-    busy_ms = max(1, round(settings.lock_wait_timeout * 1000))
+    busy_ms = sqlite_busy_ms(settings.lock_wait_timeout)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -170,6 +170,12 @@ def install_events(
             raise wrapped from exc
         finally:
             cursor.close()
+
+
+def sqlite_busy_ms(lock_wait_timeout: float) -> int:
+    """SQLite's busy timeout for a lock wait bound: how long a connection waits for the database's write
+    lock, in whole milliseconds (at least one: zero would not wait at all)."""
+    return max(1, round(lock_wait_timeout * 1000))
 
 
 def _first_line(exc: BaseException) -> str:

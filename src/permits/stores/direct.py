@@ -23,7 +23,7 @@ from sqlalchemy.sql.compiler import Compiled
 
 from permits._core.flows import DuplicateKey, Flow, Result, Stmt
 from permits.dialects.base import Dialect, Fault
-from permits.stores._engine import driver_error
+from permits.stores._engine import driver_error, sqlite_busy_ms
 from permits.stores.host_lines import WRITE_LINE, HostLines, supported
 
 #: How long a write transaction waits for its turn in the write line at most (stores/host_lines.py), and
@@ -47,24 +47,44 @@ class DirectTransactions:
         #: the lines beside the database (stores/host_lines.py); None where there are none
         self.lines = HostLines(str(database)) if in_file and supported() else None
         self._write_patience = min(WRITE_PATIENCE, lock_wait_timeout)
+        self._busy_ms = sqlite_busy_ms(lock_wait_timeout)
 
     def close(self) -> None:
         if self.lines is not None:
             self.lines.close()
 
-    def run(self, flow: Flow[T], first: Stmt, readonly: bool, after_statement: Callable[[str], None] | None) -> T:
+    def run(
+        self,
+        flow: Flow[T],
+        first: Stmt,
+        readonly: bool,
+        after_statement: Callable[[str], None] | None,
+        lock_wait: float | None = None,
+    ) -> T:
+        """``lock_wait``: how long the transaction may wait for the write lock at most, where that is less than
+        the busy timeout (an operation with less time left, such as a grant with a short timeout)."""
         # Opening a connection can fail too (the file cannot be opened, or is locked while the new
         # connection sets WAL mode): wrapped like any other driver error, so that it is retried. It is taken
         # from the pool, and given back, outside the write line's turn: the pool's own work need not hold up
         # the writers behind.
         pooled = self._call(self._engine.raw_connection)
+        # The connection's busy timeout is lowered for this transaction, and set back after it.
+        bounded = None if lock_wait is None else sqlite_busy_ms(lock_wait)
         try:
+            if bounded is not None:
+                self._call(pooled.driver_connection.execute, f"PRAGMA busy_timeout={bounded}")
             if readonly or self.lines is None:
                 return self._run(pooled, flow, first, readonly, after_statement)
             # Writers take the database's write lock in turn (stores/host_lines.py).
-            with self.lines.turn(WRITE_LINE, self._write_patience):
+            patience = self._write_patience if bounded is None else min(self._write_patience, bounded / 1000)
+            with self.lines.turn(WRITE_LINE, patience):
                 return self._run(pooled, flow, first, readonly, after_statement)
         finally:
+            if bounded is not None and pooled.is_valid:
+                try:
+                    pooled.driver_connection.execute(f"PRAGMA busy_timeout={self._busy_ms}")
+                except Exception:
+                    pooled.invalidate()  # not to be used again with the lower bound
             # A connection left in a transaction would hold SQLite's write lock while it sits in the pool
             # (nothing resets it on return): if the rollback could not end it, it is dropped instead.
             if pooled.is_valid and _left_open(pooled.driver_connection):
