@@ -39,7 +39,15 @@ FLOOR_GIVE = "UPDATE permits_semaphore SET used = used - 1 WHERE name = 'floor'"
 
 def _grant_params(key: str) -> dict[str, object]:
     """The parameters of one grant of one permit of the benchmark's semaphore, as the library sends them."""
-    return {"owner": "cost", "key": key, "name": "permits", "count": 1, "ttl_ms": 60000, "request_id": None}
+    return {
+        "owner": "cost",
+        "key": key,
+        "name": "permits",
+        "count": 1,
+        "ttl_ms": 60000,
+        "request_id": None,
+        "lock_wait_ms": None,
+    }
 
 
 def _as_sent(dialect: PostgreSQL, name: str) -> str:

@@ -198,7 +198,7 @@ def test_an_operation_over_leaves_its_cut_session_abandoned(store: Any, monkeypa
     operation comes next, which may be the same call made again."""
     victim = _checked_out(store)
 
-    def cut_then_unreachable(flow: Any, readonly: bool, cuts: list[Any]) -> Any:
+    def cut_then_unreachable(flow: Any, readonly: bool, cuts: list[Any], *_: Any) -> Any:
         store._note_cut(victim.driver_connection, cuts)
         raise permits.StorageUnavailable("the link stalled and no new one answers", url=store.url)
 

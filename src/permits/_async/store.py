@@ -779,12 +779,16 @@ class AsyncSQLStore:
         slow = None if deadline is not None else SLOW_CONFLICT_SHARE * self._settings.lock_wait_timeout
         with self._kept_if_interrupted(owner, key, queue_ms):
             try:
-                result: Any = await self._run(attempt, deadline=deadline, faults=faults, slow_conflict=slow)
+                result: Any = await self._run(
+                    attempt, deadline=deadline, faults=faults, slow_conflict=slow, bounds_lock_wait=True
+                )
                 if isinstance(result, flows.AskInLine):
                     # Not granted outside the line, and nothing written: ask in it, as a first attempt.
                     self._note_line_busy(wants[0].name)
                     tries, line_free_first = 0, False
-                    result = await self._run(attempt, deadline=deadline, faults=faults, slow_conflict=slow)
+                    result = await self._run(
+                        attempt, deadline=deadline, faults=faults, slow_conflict=slow, bounds_lock_wait=True
+                    )
             except KeyInUse as exc:
                 if request_id is not None or Fault.UNAVAILABLE not in faults:
                     raise
@@ -1227,6 +1231,7 @@ class AsyncSQLStore:
         persist: bool = False,
         faults: list[Fault] | None = None,
         slow_conflict: float | None = None,
+        bounds_lock_wait: bool = False,
     ) -> T:
         """Run a flow in a transaction of its own.
 
@@ -1238,14 +1243,19 @@ class AsyncSQLStore:
         (seconds), a conflict that came after its attempt ran that long is not retried. With ``persist``,
         conflicts are retried past ``retries``, for up to PERSIST_SECONDS: giving permits back must not
         fail because others are busy with the same semaphore (at REPEATABLE READ or SERIALIZABLE, every
-        concurrent write to its row is a serialization failure).
+        concurrent write to its row is a serialization failure). With ``bounds_lock_wait`` (a grant), on SQLite
+        the wait for the database's write lock lasts no longer than the ``deadline`` leaves, where that is
+        less than the lock wait bound (on the servers, the grant's statements carry that bound themselves,
+        ``flows.Request.lock_wait_ms``).
         """
         await self.open()
         if persist and deadline is None:
             deadline = monotonic() + PERSIST_SECONDS
         own_cuts: list[_CutSession] = []  # this operation's attempts that the reply deadline cut
         try:
-            return await self._retrying(make_flow, readonly, deadline, persist, own_cuts, faults, slow_conflict)
+            return await self._retrying(
+                make_flow, readonly, deadline, persist, own_cuts, faults, slow_conflict, bounds_lock_wait
+            )
         finally:
             for cut in own_cuts:
                 cut.abandoned = True
@@ -1259,6 +1269,7 @@ class AsyncSQLStore:
         own_cuts: list[_CutSession],
         faults: list[Fault] | None = None,
         slow_conflict: float | None = None,
+        bounds_lock_wait: bool = False,
     ) -> T:
         """``_run``'s loop; the attempts the reply deadline cuts are noted in ``own_cuts``."""
         restarts = failures = 0
@@ -1269,7 +1280,7 @@ class AsyncSQLStore:
             try:
                 if self._cut:
                     await self._end_cut_sessions(own_cuts)
-                done = await self._attempt(make_flow(), readonly, own_cuts, deadline)
+                done = await self._attempt(make_flow(), readonly, own_cuts, deadline if bounds_lock_wait else None)
                 if not isinstance(done, Then):
                     return done
                 restarts += 1  # committed; the operation goes on in a transaction of its own
@@ -1361,8 +1372,7 @@ class AsyncSQLStore:
     ) -> T:
         """Run ``flow`` in one transaction. A link that the reply deadline cuts meanwhile is noted in ``cuts``
         (and ``_cut``). On SQLite, a ``deadline`` nearer than the lock wait bound bounds the wait for the
-        database's write lock too (a grant with a short timeout: on the servers, its statements carry that
-        bound, ``flows.Request.lock_wait_ms``)."""
+        database's write lock (see ``_run``'s ``bounds_lock_wait``)."""
         try:
             first = next(flow)
         except StopIteration as stop:  # pragma: no cover - every flow sends at least one statement

@@ -455,6 +455,8 @@ def _acquire_many(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease 
         params.update(wait_ms=req.line_wait_ms, head_ms=head_ms, lock_wait_ms=None)  # as ACQUIRE_ONE_QUEUED
     elif req.line_wait_ms is not None and d.has("LINES_ENTER"):
         in_line = True  # where the queued grant could not be made: the line in a transaction of its own
+        # LINES_ENTER leaves its transaction's lock_timeout at what its wait left: the grant keeps that.
+        params["lock_wait_ms"] = None
         yield Stmt("LINES_ENTER", {"wait_ms": req.line_wait_ms, "names": params["names"]})
     try:
         done = yield Stmt(statement, params, alone=not in_line)

@@ -51,6 +51,10 @@ logger = logging.getLogger("permits.client")
 
 #: With no timeout, how long one attempt may wait for room in a store that can wait (the service).
 LONG_POLL_SECONDS = 30.0
+#: The time an ``acquire`` whose timeout has run out gives its last attempt: not none, which would make it a
+#: try, whose wait for a lock another session holds is the whole lock wait (5 s by default) rather than what
+#: is left of the caller's time (see ``try_acquire``'s lock wait in the store).
+LAST_ATTEMPT_SECONDS = 0.001
 #: What a waiting acquire rides out, within its timeout (see ``_acquire``).
 UNAVAILABLE = (StorageUnavailable, ServiceUnavailable)
 #: The attribute set on the interruption (CancelledError, KeyboardInterrupt) of an acquire that was riding
@@ -258,8 +262,12 @@ class Client:
         outages = 0  # attempts in a row that did
         rode_out = False  # an outage came while this call waited
         try:
+            attempted = False
             while True:
                 wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
+                if attempted and wait == 0:
+                    wait = LAST_ATTEMPT_SECONDS  # still an attempt that waited, as those before it
+                attempted = True
                 conflict: StorageConflict | None = None
                 # Read before the attempt: a call that arrives while the attempt runs then still counts.
                 calls = self._store.wake_calls(names)

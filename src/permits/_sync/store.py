@@ -780,12 +780,16 @@ class SQLStore:
         slow = None if deadline is not None else SLOW_CONFLICT_SHARE * self._settings.lock_wait_timeout
         with self._kept_if_interrupted(owner, key, queue_ms):
             try:
-                result: Any = self._run(attempt, deadline=deadline, faults=faults, slow_conflict=slow)
+                result: Any = self._run(
+                    attempt, deadline=deadline, faults=faults, slow_conflict=slow, bounds_lock_wait=True
+                )
                 if isinstance(result, flows.AskInLine):
                     # Not granted outside the line, and nothing written: ask in it, as a first attempt.
                     self._note_line_busy(wants[0].name)
                     tries, line_free_first = 0, False
-                    result = self._run(attempt, deadline=deadline, faults=faults, slow_conflict=slow)
+                    result = self._run(
+                        attempt, deadline=deadline, faults=faults, slow_conflict=slow, bounds_lock_wait=True
+                    )
             except KeyInUse as exc:
                 if request_id is not None or Fault.UNAVAILABLE not in faults:
                     raise
@@ -1228,6 +1232,7 @@ class SQLStore:
         persist: bool = False,
         faults: list[Fault] | None = None,
         slow_conflict: float | None = None,
+        bounds_lock_wait: bool = False,
     ) -> T:
         """Run a flow in a transaction of its own.
 
@@ -1239,14 +1244,19 @@ class SQLStore:
         (seconds), a conflict that came after its attempt ran that long is not retried. With ``persist``,
         conflicts are retried past ``retries``, for up to PERSIST_SECONDS: giving permits back must not
         fail because others are busy with the same semaphore (at REPEATABLE READ or SERIALIZABLE, every
-        concurrent write to its row is a serialization failure).
+        concurrent write to its row is a serialization failure). With ``bounds_lock_wait`` (a grant), on SQLite
+        the wait for the database's write lock lasts no longer than the ``deadline`` leaves, where that is
+        less than the lock wait bound (on the servers, the grant's statements carry that bound themselves,
+        ``flows.Request.lock_wait_ms``).
         """
         self.open()
         if persist and deadline is None:
             deadline = monotonic() + PERSIST_SECONDS
         own_cuts: list[_CutSession] = []  # this operation's attempts that the reply deadline cut
         try:
-            return self._retrying(make_flow, readonly, deadline, persist, own_cuts, faults, slow_conflict)
+            return self._retrying(
+                make_flow, readonly, deadline, persist, own_cuts, faults, slow_conflict, bounds_lock_wait
+            )
         finally:
             for cut in own_cuts:
                 cut.abandoned = True
@@ -1260,6 +1270,7 @@ class SQLStore:
         own_cuts: list[_CutSession],
         faults: list[Fault] | None = None,
         slow_conflict: float | None = None,
+        bounds_lock_wait: bool = False,
     ) -> T:
         """``_run``'s loop; the attempts the reply deadline cuts are noted in ``own_cuts``."""
         restarts = failures = 0
@@ -1270,7 +1281,7 @@ class SQLStore:
             try:
                 if self._cut:
                     self._end_cut_sessions(own_cuts)
-                done = self._attempt(make_flow(), readonly, own_cuts, deadline)
+                done = self._attempt(make_flow(), readonly, own_cuts, deadline if bounds_lock_wait else None)
                 if not isinstance(done, Then):
                     return done
                 restarts += 1  # committed; the operation goes on in a transaction of its own
@@ -1362,8 +1373,7 @@ class SQLStore:
     ) -> T:
         """Run ``flow`` in one transaction. A link that the reply deadline cuts meanwhile is noted in ``cuts``
         (and ``_cut``). On SQLite, a ``deadline`` nearer than the lock wait bound bounds the wait for the
-        database's write lock too (a grant with a short timeout: on the servers, its statements carry that
-        bound, ``flows.Request.lock_wait_ms``)."""
+        database's write lock (see ``_run``'s ``bounds_lock_wait``)."""
         try:
             first = next(flow)
         except StopIteration as stop:  # pragma: no cover - every flow sends at least one statement

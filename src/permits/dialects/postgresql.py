@@ -93,9 +93,10 @@ def _session_settings(lock_wait_timeout: float) -> list[tuple[str, str]]:
 
 # A grant's wait for a semaphore row's lock (another transaction holds it: a grant over several semaphores, a
 # change of capacity, a forgotten transaction in a SQL console) lasts no longer than the caller's time
-# (lock_wait_ms; NULL: the session's lock_timeout, as for a try that does not wait). The condition holds
-# parameters only, so the plan checks it once, before it reads a row, and set_config sets the statement's
-# own transaction's lock_timeout before the statement can wait (0 would mean no bound: never below 1 ms).
+# (lock_wait_ms; NULL: the session's lock_timeout, as for a try that does not wait). The condition is checked
+# on each row the statement reads, before it takes the row's lock, so set_config sets the statement's own
+# transaction's lock_timeout before the statement can wait (0 would mean no bound: never below 1 ms). It lasts
+# to the end of the transaction: in autocommit, the statement's own.
 _LOCK_WAIT_BOUND = """
                 AND (CAST(:lock_wait_ms AS BIGINT) IS NULL OR set_config(
                     'lock_timeout', CAST(GREATEST(CAST(:lock_wait_ms AS BIGINT), 1) AS TEXT), true) IS NOT NULL)"""
