@@ -29,6 +29,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 import permits
+from permits._backoff import OUTAGE_BACKOFF
 from permits._config import DEFAULT_URL
 from permits._exceptions import (
     AcquireTimeout,
@@ -37,6 +38,8 @@ from permits._exceptions import (
     KeyInUse,
     LeaseLost,
     PermitsError,
+    ServiceUnavailable,
+    StorageUnavailable,
     UsageError,
 )
 from permits._io import monotonic
@@ -44,6 +47,9 @@ from permits._models import Want
 from permits._sync.client import Client, Held
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: The library's waits say what they wait for here; so does ``permits run``'s wait for the database.
+client_logger = logging.getLogger("permits.client")
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -94,8 +100,11 @@ def _owner_option(fn: F) -> F:
 
 
 @contextmanager
-def _client(db: str | None, owner: str | None = None) -> Iterator[Client]:
-    """A client whose errors become a one-line message and an exit code, never a traceback."""
+def _client(
+    db: str | None, owner: str | None = None, reach: Callable[[Client], None] | None = None
+) -> Iterator[Client]:
+    """A client whose errors become a one-line message and an exit code, never a traceback. ``reach``: how
+    to reach the database before the client opens (``permits run``'s wait through an outage)."""
     if db is None and not os.environ.get("PERMITS_DATABASE_URL") and not os.path.exists(DEFAULT_DATABASE_FILE):
         # A host whose cron line lacks the variable would otherwise get a private database without a word,
         # and "one machine at a time" would quietly stop holding.
@@ -105,7 +114,14 @@ def _client(db: str | None, owner: str | None = None) -> Iterator[Client]:
             err=True,
         )
     try:
-        with permits.connect(db, owner=owner) as client:
+        client = permits.connect(db, owner=owner)
+        if reach is not None:
+            try:
+                reach(client)
+            except BaseException:
+                client.close()
+                raise
+        with client:
             yield client
     except (InvalidArgument, ConfigurationError) as exc:
         _fail(exc, EXIT_USAGE)
@@ -534,7 +550,7 @@ def run(
         kill_after=kill_after,
     )
     parsed = parse_wants(tuple(specs))
-    with _client(db, owner) as client:
+    with _client(db, owner, lambda client: _reach_through_an_outage(client, parsed, options.timeout)) as client:
         if create_capacity is not None:
             for want in parsed:
                 client.create_semaphore(want.name, create_capacity, exist_ok=True)
@@ -542,6 +558,36 @@ def run(
     if lost:
         sys.exit(EXIT_LEASE_LOST)
     sys.exit(status if status >= 0 else 128 - status)
+
+
+def _reach_through_an_outage(client: Client, wants: list[Want], timeout: float | None) -> None:
+    """Reach the database (or the service) first, waiting through an outage within ``timeout`` (``None``:
+    for ever), as the wait for room does: a cron line that starts while the database restarts or fails over
+    then runs once it is back, rather than exit 1. The library's own opening fails at once, since a
+    database that never answered cannot be told from a wrong URL; here the caller said how long to wait,
+    and the warning says at once what it waits for. ``-n`` (a timeout of 0) still fails at once."""
+    deadline = None if timeout is None else monotonic() + timeout
+    outages = 0
+    while True:
+        try:
+            client.ping()
+        except (StorageUnavailable, ServiceUnavailable) as exc:
+            remaining = None if deadline is None else deadline - monotonic()
+            if remaining is not None and remaining <= 0:
+                raise
+            if not outages:
+                described = ", ".join(f"{w.name}:{w.count}" for w in wants)
+                until = "it answers" if timeout is None else f"the timeout ({timeout:g} s)"
+                client_logger.warning(
+                    "waiting for %s through an outage: %s; asking again until %s", described, exc.message, until
+                )
+            pause = OUTAGE_BACKOFF.delay(outages)
+            outages += 1
+            time.sleep(pause if remaining is None else min(pause, remaining))
+            continue
+        if outages:
+            client_logger.info("reached the database after %d attempts", outages + 1)
+        return
 
 
 @dataclass(frozen=True)

@@ -589,7 +589,9 @@ def test_run_stopped_while_waiting_says_so_and_holds_nothing(
     """Ctrl-C, or a supervisor's SIGTERM, while `permits run` waits: a message, 128 + the signal, nothing
     held (a grant that came as it was stopped is released by key), not a silent death."""
     name = f"{ns}cron"
-    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    # Fair, so that the run's wait shows, as its place in the queue: a fixed 2 s was sometimes spent on
+    # Python's start-up on a busy machine (CI, four workers), and the signal then found no handler yet.
+    _permits(db_url, "sem", "create", name, "--capacity", "1", "--fair")
     with permits.connect(db_url, owner="other") as client:
         held = client.acquire(name, ttl=60)
         waiting = subprocess.Popen(
@@ -598,7 +600,10 @@ def test_run_stopped_while_waiting_says_so_and_holds_nothing(
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(2)  # waiting for room by now
+        deadline = time.monotonic() + 30
+        while f"{ns}job" not in [w.key for w in client.waiters(name)]:  # waiting for room by now
+            assert waiting.poll() is None and time.monotonic() < deadline, "permits run never waited"
+            time.sleep(0.05)
         waiting.send_signal(stop)
         assert waiting.wait(timeout=30) == 128 + stop
         assert waiting.stderr is not None and said in waiting.stderr.read()

@@ -171,6 +171,53 @@ def test_permits_run_rides_out_an_outage(setup: Callable[[str], _Setup], flavour
     assert bench.direct.reconcile() == []
 
 
+@pytest.mark.parametrize("where", ["db", "service"])
+def test_permits_run_started_during_an_outage_waits_for_the_database(
+    setup: Callable[[str], _Setup], flavour: str, where: str
+) -> None:
+    """A cron line that starts while the database restarts or fails over (or while the service is being
+    replaced): ``permits run`` waits for it within ``--timeout``, saying so at once, then runs COMMAND. It
+    exited 1 at once before: only the wait for room rode out an outage. ``-n`` still fails at once, and a
+    ``--timeout`` that passes first exits 1 with the outage, not 75."""
+    if flavour == "async":
+        pytest.skip("the CLI has one flavour")
+    bench = setup(where)
+    assert bench.direct.release(bench.holder) == permits.ReleaseOutcome.RELEASED  # room: only the outage is in the way
+    unavailable = "storage_unavailable"  # a service that cannot be reached, too
+
+    def permits_run(*options: str) -> list[str]:
+        argv = ["run", "--db", bench.url, *options, bench.sem, "--", "true"]
+        return [sys.executable, "-m", "permits", *argv]
+
+    bench.proxy.down()
+    pipe = subprocess.PIPE
+    run = subprocess.Popen(permits_run("--timeout", "60"), cwd=ROOT, stdout=pipe, stderr=pipe, text=True)
+    time.sleep(OUTAGE_SECONDS)
+    assert run.poll() is None, f"permits run gave up at its start: {run.communicate()}"
+    bench.proxy.up()
+    _out, err = run.communicate(timeout=BOUND)
+    assert run.returncode == 0, err
+    assert "through an outage" in err
+    assert all(line.startswith("permits: ") for line in err.splitlines()), err
+    assert bench.direct.get_semaphore(bench.sem).used == 0  # held while COMMAND ran, then released
+
+    bench.proxy.down()
+    try:
+        refused = subprocess.run(permits_run("-n"), cwd=ROOT, capture_output=True, text=True, timeout=BOUND)
+        assert refused.returncode == 1 and unavailable in refused.stderr, refused.stderr
+        assert "through an outage" not in refused.stderr
+        started = time.monotonic()
+        late = subprocess.run(permits_run("--timeout", "2"), cwd=ROOT, capture_output=True, text=True, timeout=BOUND)
+        took = time.monotonic() - started
+        assert late.returncode == 1 and unavailable in late.stderr, late.stderr
+        assert "through an outage" in late.stderr
+        assert took >= 2, took
+    finally:
+        bench.proxy.up()
+    assert bench.direct.get_semaphore(bench.sem).used == 0
+    assert bench.direct.reconcile() == []
+
+
 @pytest.mark.parametrize("how", ["acquire", "lease", "given-key"])
 def test_a_grant_whose_reply_was_lost_and_that_ran_out_during_the_outage(tmp_path: Any, how: str) -> None:
     """The first attempt is granted, its reply lost; the outage then outlasts the lease's TTL. Under a key

@@ -4,11 +4,14 @@ are built as their drivers report them); the ones that can run are also met for 
 
 from __future__ import annotations
 
+import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
 from permits.dialects.base import Fault
 from permits.dialects.mysql import MariaDB, MySQL
 from permits.dialects.postgresql import PostgreSQL
+from tests.conftest import SERVER_URLS
 
 
 class _MySQLError(Exception):
@@ -76,3 +79,35 @@ def test_postgresql_family_errors(sqlstate: str, fault: Fault, engine: str) -> N
 
 def test_only_conflicts_and_outages_are_retried() -> None:
     assert {f for f in Fault if f.retryable} == {Fault.CONFLICT, Fault.UNAVAILABLE}
+
+
+def _refused_connection(url: str) -> BaseException:
+    try:
+        psycopg.connect(url, connect_timeout=5).close()
+    except psycopg.OperationalError as exc:
+        return exc
+    raise AssertionError(f"{url} connected")
+
+
+def test_a_postgresql_login_refused_is_not_an_outage() -> None:
+    """libpq reports every failed connection without a SQLSTATE. A login the server refuses (no such role, a
+    wrong password, no pg_hba.conf entry) is raised at once, as MariaDB's access denied is: retrying it would
+    count failed logins, and ``permits run`` would wait through it as an outage. A database that does not
+    exist yet, or a server that does not answer, is still retried. Met for real on the shared server (trust
+    authentication: no password can be wrong there, so that one is built as psycopg reports it)."""
+    server = make_url(SERVER_URLS["postgresql"])
+    base = f"postgresql://{server.username or 'postgres'}@{server.host}:{server.port or 5432}"
+    no_role = _refused_connection(f"postgresql://no_such_role_here@{server.host}:{server.port or 5432}/postgres")
+    assert "does not exist" in str(no_role)
+    assert PostgreSQL()._classify(no_role) is Fault.OTHER
+    assert PostgreSQL()._classify(_refused_connection(f"{base}/no_such_database_here")) is Fault.UNAVAILABLE
+    assert PostgreSQL()._classify(_refused_connection(f"postgresql://u@{server.host}:1/x")) is Fault.UNAVAILABLE
+    for refusal in (
+        'FATAL:  password authentication failed for user "app"',
+        'FATAL:  no pg_hba.conf entry for host "10.0.0.7", user "app", database "permits", no encryption',
+        'FATAL:  role "app" is not permitted to log in',
+    ):
+        reported = psycopg.OperationalError(
+            f'connection failed: connection to server at "db", port 5432 failed: {refusal}'
+        )
+        assert PostgreSQL()._classify(reported) is Fault.OTHER, refusal

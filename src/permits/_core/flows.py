@@ -168,7 +168,16 @@ def try_acquire(d: Dialect, req: Request, recheck: bool = True) -> Flow[Lease | 
     tokens: dict[str, int] = {}
     places = req.queued  # whether the request may hold places in fair queues
     for want in req.wants:
-        taken = yield Stmt("SEM_TAKE", {"name": want.name, "count": want.count, "owner": req.owner, "key": req.key})
+        taken = yield Stmt(
+            "SEM_TAKE",
+            {
+                "name": want.name,
+                "count": want.count,
+                "owner": req.owner,
+                "key": req.key,
+                "lock_wait_s": lock_wait_seconds(req.lock_wait_ms),
+            },
+        )
         if taken.rowcount == 0:
             raise _refused(d, req, recheck)
         tokens[want.name] = d.taken_token(taken)

@@ -126,6 +126,11 @@ _SESSION_SQL: dict[str, str | None] = {
 }
 
 
+_SEM_TAKE = """UPDATE permits_semaphore
+            SET used = used + :count, last_token = LAST_INSERT_ID(last_token + 1), updated_at_ms = {now}
+            WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}"""
+
+
 # ---- a grant of one semaphore (ACQUIRE_ONE), and the semaphore's line
 #
 # A grant's wait for a semaphore row's lock (another session holds it: a grant over several semaphores, a
@@ -255,11 +260,13 @@ class MariaDB(Dialect):
     overrides: ClassVar[dict[str, str | None]] = {
         **_SESSION_SQL,
         # No UPDATE ... RETURNING here: LAST_INSERT_ID(expr) stores the new token in the session and the
-        # server sends it back in the OK packet (cursor.lastrowid), so it costs no extra round trip.
-        "SEM_TAKE": """
-            UPDATE permits_semaphore
-            SET used = used + :count, last_token = LAST_INSERT_ID(last_token + 1), updated_at_ms = {now}
-            WHERE name = :name AND deleted = 0 AND used + :count <= capacity{fair_gate}""",
+        # server sends it back in the OK packet (cursor.lastrowid), so it costs no extra round trip. Its wait
+        # for the row's lock is bounded by the caller's time (_LOCK_WAIT_BOUND): a grant a statement at a
+        # time (a Galera node; several semaphores on MariaDB 10.5) takes its rows here. params: name, count,
+        # owner, key, lock_wait_s
+        "SEM_TAKE": f"""
+            {_LOCK_WAIT_BOUND}
+            {_SEM_TAKE}""",
         # Acquire one semaphore in one request (see self_committing). The token goes through a session
         # variable, reset first: NULL means the UPDATE found no room, and then neither INSERT inserts anything
         # and the batch commits nothing. LAST_INSERT_ID() is the lease's new id. A grant also gives up the
@@ -527,6 +534,9 @@ class MySQL(MariaDB):
         # MySQL has no INSERT ... RETURNING: one semaphore goes the way of several, and its waiters wait without
         # the line (which is written for MariaDB's compound statements).
         "ACQUIRE_ONE": None,
+        # Nor SET STATEMENT: its grant waits for a row's lock the session's lock wait.
+        "SEM_TAKE": f"""
+            {_SEM_TAKE}""",
         **_NO_LINE,
         # Written for MariaDB's collation and plan hints, and not tried on MySQL: a statement per step.
         "ACQUIRE_MANY": None,

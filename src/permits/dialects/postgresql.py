@@ -35,6 +35,12 @@ _UNAVAILABLE = {
 _READ_ONLY = {"25006"}  # read_only_sql_transaction: a hot standby
 _DUPLICATE = {"23505"}  # unique_violation
 _SCHEMA = {"42P01"}  # undefined_table
+#: What the server says when it refuses a connection for its credentials (28P01, 28000), which libpq reports
+#: as a failed connection with no SQLSTATE: not retried, as MariaDB's 1045 and 1698 are not (each retry
+#: would count as a failed login where the server or a proxy in front of it counts them), and not waited
+#: through as an outage. In English, the server's default: a server that answers in another language is
+#: retried, as any failed connection.
+_REFUSED_LOGIN = ("authentication failed", "no pg_hba.conf entry", "is not permitted to log in")
 
 
 def _notify_while_listened(rows: str) -> str:
@@ -569,6 +575,16 @@ class PostgreSQL(Dialect):
         if state in _SCHEMA:
             return Fault.SCHEMA
         if not state and any(kind.__name__ == "OperationalError" for kind in type(orig).__mro__):
+            if _refused_login(str(orig)):
+                return Fault.OTHER
             # psycopg reports a refused or timed-out connection (ConnectionTimeout) with no SQLSTATE
             return Fault.UNAVAILABLE
         return Fault.OTHER
+
+
+def _refused_login(message: str) -> bool:
+    """Whether a failed connection's message is the server refusing the login (``_REFUSED_LOGIN``); a role
+    that does not exist reads ``FATAL:  role "name" does not exist``."""
+    fatal = message.partition("FATAL:")[2]
+    no_such_role = 'role "' in fatal and "does not exist" in fatal
+    return no_such_role or any(words in fatal for words in _REFUSED_LOGIN)
