@@ -104,47 +104,44 @@ def test_an_acquire_behind_a_held_row_lock_answers_within_its_timeout(
     client.release(lease)
 
 
-def test_the_last_attempt_of_an_acquire_whose_time_ran_out_is_not_a_try(
-    make_client: Callable[..., Any], via: str, db_url: str, backend: str, ns: str, flavour: str
-) -> None:
+def test_the_last_attempt_of_an_acquire_whose_time_ran_out_is_not_a_try(db_url: str, backend: str, ns: str) -> None:
     """An ``acquire`` asks once more when its timeout runs out. That attempt still has the caller's bound on a
     lock wait: it was sent as a try (no time left), and a try waits for a lock the whole lock wait, so a row
-    lock taken just then made ``acquire(timeout=1)`` take 6 s."""
-    if flavour != "sync" or via != "db":
-        pytest.skip("the same loop: in the asyncio client, and in the service's own (one long poll from here)")
-    client = make_client()  # the default lock wait, 5 s
-    name = f"{ns}s"
-    client.create_semaphore(name, 1)
-    held = client.acquire(name, key=f"{ns}held")
-    holder = create_engine(sqlalchemy_url(db_url))
-    conn = holder.connect()
-    store, waits = client._store, []
-    asked = store.try_acquire
+    lock taken just then made ``acquire(timeout=1)`` take 6 s. (The asyncio client runs the same loop, and so
+    does the service's own, where a client of the service sends one long poll.)"""
+    with permits.connect(db_url) as client:  # the default lock wait, 5 s
+        name = f"{ns}s"
+        client.create_semaphore(name, 1)
+        held = client.acquire(name, key=f"{ns}held")
+        holder = create_engine(sqlalchemy_url(db_url))
+        conn = holder.connect()
+        store, waits = client._store, []
+        asked = store.try_acquire
 
-    def try_acquire(*args: Any, **options: Any) -> Any:
-        wait = args[4]
-        if wait < 0.01 and waits:  # the last attempt: the row is locked just before it
-            locking = (
-                "UPDATE permits_semaphore SET used = used WHERE name = :n"
-                if backend == "sqlite"
-                else "SELECT 1 FROM permits_semaphore WHERE name = :n FOR UPDATE"
-            )
-            conn.execute(text(locking), {"n": name})
-        waits.append(wait)
-        return asked(*args, **options)
+        def try_acquire(*args: Any, **options: Any) -> Any:
+            wait = args[4]
+            if wait < 0.01 and waits:  # the last attempt: the row is locked just before it
+                locking = (
+                    "UPDATE permits_semaphore SET used = used WHERE name = :n"
+                    if backend == "sqlite"
+                    else "SELECT 1 FROM permits_semaphore WHERE name = :n FOR UPDATE"
+                )
+                conn.execute(text(locking), {"n": name})
+            waits.append(wait)
+            return asked(*args, **options)
 
-    store.try_acquire = try_acquire
-    try:
-        started = time.monotonic()
-        with pytest.raises(permits.AcquireTimeout):
-            client.acquire(name, key=f"{ns}k", timeout=1)
-        took = time.monotonic() - started
-    finally:
-        store.try_acquire = asked
-        conn.rollback()
-        conn.close()
-        holder.dispose()
-    assert len(waits) >= 2 and waits[-1] < 0.01, waits  # the last attempt came, with its row locked
-    assert all(wait > 0 for wait in waits), waits
-    assert took < 3, took  # MariaDB counts lock waits in whole seconds: at most one more
-    client.release(held)
+        store.try_acquire = try_acquire
+        try:
+            started = time.monotonic()
+            with pytest.raises(permits.AcquireTimeout):
+                client.acquire(name, key=f"{ns}k", timeout=1)
+            took = time.monotonic() - started
+        finally:
+            store.try_acquire = asked
+            conn.rollback()
+            conn.close()
+            holder.dispose()
+        assert len(waits) >= 2 and waits[-1] < 0.01, waits  # the last attempt came, with its row locked
+        assert all(wait > 0 for wait in waits), waits
+        assert took < 3, took  # MariaDB counts lock waits in whole seconds: at most one more
+        client.release(held)
