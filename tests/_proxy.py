@@ -125,6 +125,8 @@ class CuttingProxy:
         self.client_packets = 0
         #: connections accepted, and connections cut by a rule
         self.connections = 0
+        #: connections dropped at once while down
+        self.dropped = 0
         self.cuts = 0
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -230,6 +232,7 @@ class CuttingProxy:
                 return
             if self._down:
                 client.close()
+                self.dropped += 1
                 continue
             client.settimeout(None)
             try:

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -550,7 +550,10 @@ def run(
         kill_after=kill_after,
     )
     parsed = parse_wants(tuple(specs))
+    started = monotonic()
     with _client(db, owner, lambda client: _reach_through_an_outage(client, parsed, options.timeout)) as client:
+        if options.timeout is not None:  # one --timeout for the wait for the database and the wait for room
+            options = replace(options, timeout=max(0.0, options.timeout - (monotonic() - started)))
         if create_capacity is not None:
             for want in parsed:
                 client.create_semaphore(want.name, create_capacity, exist_ok=True)
@@ -565,29 +568,43 @@ def _reach_through_an_outage(client: Client, wants: list[Want], timeout: float |
     for ever), as the wait for room does: a cron line that starts while the database restarts or fails over
     then runs once it is back, rather than exit 1. The library's own opening fails at once, since a
     database that never answered cannot be told from a wrong URL; here the caller said how long to wait,
-    and the warning says at once what it waits for. ``-n`` (a timeout of 0) still fails at once."""
+    and the warning says what it waits for. ``-n`` (a timeout of 0) still fails at once, and so does SQLite:
+    an embedded database has no outage to wait out, and a file that cannot be opened is a wrong path. A
+    stop (Ctrl-C, a supervisor's SIGTERM) meanwhile is said and exits as one while waiting for room does."""
     deadline = None if timeout is None else monotonic() + timeout
-    outages = 0
-    while True:
-        try:
-            client.ping()
-        except (StorageUnavailable, ServiceUnavailable) as exc:
-            remaining = None if deadline is None else deadline - monotonic()
-            if remaining is not None and remaining <= 0:
-                raise
-            if not outages:
-                described = ", ".join(f"{w.name}:{w.count}" for w in wants)
-                until = "it answers" if timeout is None else f"the timeout ({timeout:g} s)"
-                client_logger.warning(
-                    "waiting for %s through an outage: %s; asking again until %s", described, exc.message, until
-                )
-            pause = OUTAGE_BACKOFF.delay(outages)
-            outages += 1
-            time.sleep(pause if remaining is None else min(pause, remaining))
-            continue
-        if outages:
-            client_logger.info("reached the database after %d attempts", outages + 1)
-        return
+    rides_out = timeout != 0 and not client.url.startswith("sqlite")
+
+    def stop(signum: int, _frame: object) -> None:
+        raise _Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in FORWARDED_SIGNALS}
+    try:
+        outages = 0
+        while True:
+            try:
+                client.ping()
+            except (StorageUnavailable, ServiceUnavailable) as exc:
+                remaining = None if deadline is None else deadline - monotonic()
+                if not rides_out or (remaining is not None and remaining <= 0):
+                    raise
+                if not outages:
+                    described = ", ".join(f"{w.name}:{w.count}" for w in wants)
+                    until = "it answers" if timeout is None else f"the timeout ({timeout:g} s)"
+                    client_logger.warning(
+                        "waiting for %s through an outage: %s; asking again until %s", described, exc.message, until
+                    )
+                pause = OUTAGE_BACKOFF.delay(outages)
+                outages += 1
+                time.sleep(pause if remaining is None else min(pause, remaining))
+                continue
+            if outages:
+                client_logger.info("reached the database after %d attempts", outages + 1)
+            return
+    except _Stopped as stopped:
+        _exit_stopped(stopped.signum)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,16 @@ def test_unreachable_database_message(tmp_path: Path) -> None:
     assert done.returncode == 1 and "storage_unavailable" in done.stderr and "pw" not in done.stderr
 
 
+def test_run_does_not_wait_for_a_sqlite_file_that_cannot_be_opened(tmp_path: Path) -> None:
+    """``permits run`` waits through a server's outage at its start, within --timeout; an embedded database
+    has none to wait for: a file that cannot be opened is a wrong path, said at once."""
+    started = time.monotonic()
+    url = f"sqlite:///{tmp_path}/no/such/dir/p.db"
+    done = _permits(url, "run", "--timeout", "60", "x", "--", "true", check=False)
+    assert done.returncode == 1 and "through an outage" not in done.stderr, done.stderr
+    assert time.monotonic() - started < 30
+
+
 def test_run_holds_the_permit_while_the_command_runs(db_url: str, ns: str, tmp_path: Path) -> None:
     name = f"{ns}cron"
     _permits(db_url, "sem", "create", name, "--capacity", "1")

@@ -212,6 +212,34 @@ def test_permits_run_started_during_an_outage_waits_for_the_database(
         assert late.returncode == 1 and unavailable in late.stderr, late.stderr
         assert "through an outage" in late.stderr
         assert took >= 2, took
+        # Stopped while it waits for the database: said, and 128 + the signal, as while it waits for room.
+        dropped = bench.proxy.dropped
+        stopped = subprocess.Popen(permits_run("--timeout", "60"), cwd=ROOT, stdout=pipe, stderr=pipe, text=True)
+        deadline = time.monotonic() + 30
+        while bench.proxy.dropped == dropped:  # it has tried, so its wait (and its handlers) began
+            assert stopped.poll() is None and time.monotonic() < deadline, stopped.communicate()
+            time.sleep(0.05)
+        stopped.send_signal(signal.SIGTERM)
+        _out, err = stopped.communicate(timeout=BOUND)
+        assert stopped.returncode == 128 + signal.SIGTERM, err
+        assert "stopped by SIGTERM while waiting for permits" in err
+        # One --timeout for both waits: the outage's at the start, then the wait for room (they once added
+        # up, and --timeout 8 after a 3 s outage gave up after 11 s).
+        held = bench.direct.acquire(bench.sem, ttl=120)
+        dropped = bench.proxy.dropped
+        full = subprocess.Popen(permits_run("--timeout", "8"), cwd=ROOT, stdout=pipe, stderr=pipe, text=True)
+        deadline = time.monotonic() + 30
+        while bench.proxy.dropped == dropped:
+            assert full.poll() is None and time.monotonic() < deadline, full.communicate()
+            time.sleep(0.05)
+        tried = time.monotonic()
+        time.sleep(OUTAGE_SECONDS)
+        bench.proxy.up()
+        _out, err = full.communicate(timeout=BOUND)
+        took = time.monotonic() - tried
+        assert full.returncode == 75, err  # no room within the timeout
+        assert took < 10, took
+        bench.direct.release(held)
     finally:
         bench.proxy.up()
     assert bench.direct.get_semaphore(bench.sem).used == 0

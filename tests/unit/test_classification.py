@@ -106,6 +106,10 @@ def test_a_postgresql_login_refused_is_not_an_outage() -> None:
         'FATAL:  password authentication failed for user "app"',
         'FATAL:  no pg_hba.conf entry for host "10.0.0.7", user "app", database "permits", no encryption',
         'FATAL:  role "app" is not permitted to log in',
+        "fe_sendauth: no password supplied",  # libpq's own, before any FATAL: a cron line without PGPASSWORD
+        'FATAL:  pg_hba.conf rejects connection for host "10.0.0.7", user "app", database "permits"',
+        'FATAL:  permission denied for database "permits"',
+        "FATAL:  unsupported startup parameter: options",  # PgBouncer before 1.20
     ):
         reported = psycopg.OperationalError(
             f'connection failed: connection to server at "db", port 5432 failed: {refusal}'

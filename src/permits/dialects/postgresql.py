@@ -40,7 +40,15 @@ _SCHEMA = {"42P01"}  # undefined_table
 #: would count as a failed login where the server or a proxy in front of it counts them), and not waited
 #: through as an outage. In English, the server's default: a server that answers in another language is
 #: retried, as any failed connection.
-_REFUSED_LOGIN = ("authentication failed", "no pg_hba.conf entry", "is not permitted to log in")
+_REFUSED_LOGIN = (
+    "authentication failed",
+    "no pg_hba.conf entry",
+    "pg_hba.conf rejects connection",
+    "is not permitted to log in",
+    "permission denied for database",
+    "does not have CONNECT privilege",
+    "unsupported startup parameter",  # PgBouncer before 1.20, given options it does not take (?pooler=)
+)
 
 
 def _notify_while_listened(rows: str) -> str:
@@ -585,6 +593,8 @@ class PostgreSQL(Dialect):
 def _refused_login(message: str) -> bool:
     """Whether a failed connection's message is the server refusing the login (``_REFUSED_LOGIN``); a role
     that does not exist reads ``FATAL:  role "name" does not exist``."""
+    if "fe_sendauth" in message:  # libpq's own: the server asked for a password, and none was given
+        return True
     fatal = message.partition("FATAL:")[2]
     no_such_role = 'role "' in fatal and "does not exist" in fatal
     return no_such_role or any(words in fatal for words in _REFUSED_LOGIN)
