@@ -560,7 +560,7 @@ def test_run_keeps_the_commands_status_when_the_release_fails(db_url: str, backe
 
 @pytest.mark.slow
 def test_run_does_not_outlive_its_command_by_more_than_the_release_patience_when_the_database_hangs(
-    db_url: str, backend: str, ns: str
+    db_url: str, backend: str, ns: str, tmp_path: Path
 ) -> None:
     """The database stops answering (a hung server, a stalled link) while the command runs, and the command
     ends: the release is tried for RELEASE_PATIENCE seconds, not for minutes of retries each waiting for its
@@ -569,21 +569,34 @@ def test_run_does_not_outlive_its_command_by_more_than_the_release_patience_when
         pytest.skip("the database is stalled through a TCP proxy")
     from tests._proxy import CuttingProxy
 
-    name = f"{ns}cron"
+    name, started, go = f"{ns}cron", tmp_path / "started", tmp_path / "go"
     _permits(db_url, "sem", "create", name, "--capacity", "1")
+    # The command says when it runs and ends when told, so that the stall comes while it runs however slow
+    # a loaded machine is (a fixed sleep and a fixed wait for the lease both failed under four CI workers).
+    command = f"touch {shlex.quote(str(started))}; while [ ! -e {shlex.quote(str(go))} ]; do sleep 0.05; done; exit 3"
     with CuttingProxy.before(db_url) as proxy:
         holder = subprocess.Popen(
-            [sys.executable, "-m", "permits", "run", name, "--ttl", "60", "--", "sh", "-c", "sleep 2; exit 3"],
+            [sys.executable, "-m", "permits", "run", name, "--ttl", "60", "--", "sh", "-c", command],
             env={**os.environ, "PERMITS_DATABASE_URL": proxy.url_for(db_url)},
             stderr=subprocess.PIPE,
             text=True,
         )
-        _wait_until_held(db_url, name)
-        proxy.stall()  # nothing passes either way, and nothing is cut
-        stalled = time.monotonic()
-        assert holder.wait(timeout=120) == 3
-        took = time.monotonic() - stalled
-    assert took < 2 + permits.cli.RELEASE_PATIENCE + 5, took
+        try:
+            deadline = time.monotonic() + 60
+            while not started.exists():
+                assert holder.poll() is None, holder.communicate()[1]
+                assert time.monotonic() < deadline, "permits run never started its command"
+                time.sleep(0.05)
+            proxy.stall()  # nothing passes either way, and nothing is cut
+            stalled = time.monotonic()
+            go.touch()
+            assert holder.wait(timeout=120) == 3
+            took = time.monotonic() - stalled
+        finally:
+            if holder.poll() is None:  # a failed assertion leaves no run behind, riding out the closed proxy
+                holder.kill()
+                holder.wait()
+    assert took < permits.cli.RELEASE_PATIENCE + 5, took
     assert holder.stderr is not None
     told = holder.stderr.read()
     assert f"could not release the lease within {permits.cli.RELEASE_PATIENCE:g} s" in told, told

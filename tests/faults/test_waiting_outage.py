@@ -171,6 +171,15 @@ def test_permits_run_rides_out_an_outage(setup: Callable[[str], _Setup], flavour
     assert bench.direct.reconcile() == []
 
 
+def _until_it_has_tried(run: subprocess.Popen[str], proxy: CuttingProxy, dropped: int) -> None:
+    """Until the proxy has dropped a connection of `run` (one more than `dropped`): it has started, and its
+    wait for the database (with its signal handlers) has begun."""
+    deadline = time.monotonic() + 30
+    while proxy.dropped == dropped:
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("where", ["db", "service"])
 def test_permits_run_started_during_an_outage_waits_for_the_database(
     setup: Callable[[str], _Setup], flavour: str, where: str
@@ -215,10 +224,7 @@ def test_permits_run_started_during_an_outage_waits_for_the_database(
         # Stopped while it waits for the database: said, and 128 + the signal, as while it waits for room.
         dropped = bench.proxy.dropped
         stopped = subprocess.Popen(permits_run("--timeout", "60"), cwd=ROOT, stdout=pipe, stderr=pipe, text=True)
-        deadline = time.monotonic() + 30
-        while bench.proxy.dropped == dropped:  # it has tried, so its wait (and its handlers) began
-            assert stopped.poll() is None and time.monotonic() < deadline, stopped.communicate()
-            time.sleep(0.05)
+        _until_it_has_tried(stopped, bench.proxy, dropped)
         stopped.send_signal(signal.SIGTERM)
         _out, err = stopped.communicate(timeout=BOUND)
         assert stopped.returncode == 128 + signal.SIGTERM, err
@@ -228,10 +234,7 @@ def test_permits_run_started_during_an_outage_waits_for_the_database(
         held = bench.direct.acquire(bench.sem, ttl=120)
         dropped = bench.proxy.dropped
         full = subprocess.Popen(permits_run("--timeout", "8"), cwd=ROOT, stdout=pipe, stderr=pipe, text=True)
-        deadline = time.monotonic() + 30
-        while bench.proxy.dropped == dropped:
-            assert full.poll() is None and time.monotonic() < deadline, full.communicate()
-            time.sleep(0.05)
+        _until_it_has_tried(full, bench.proxy, dropped)
         tried = time.monotonic()
         time.sleep(OUTAGE_SECONDS)
         bench.proxy.up()
