@@ -206,6 +206,27 @@ def test_sqlite_parameters_that_drop_its_locking_are_refused(tmp_path: Path, que
     assert refused.value.details == {"field": "url"} and not path.exists()
 
 
+@pytest.mark.parametrize(
+    "written",
+    [
+        "file:{path}%3Fnolock=1?uri=true",  # "?" encoded in the path: SQLAlchemy decodes it, and SQLite reads a query
+        "file:{path}%3Fmode=rw&immutable=1?uri=true",
+        "file:{path}?no%256Cock=1&uri=true",  # the name encoded: SQLite decodes it to nolock
+    ],
+)
+def test_sqlite_parameters_that_drop_its_locking_are_refused_however_they_are_written(
+    tmp_path: Path, written: str
+) -> None:
+    """They were let through (and the file opened without its locks, as far as SQLite was concerned)."""
+    path = tmp_path / "permits.db"
+    with (
+        pytest.raises(permits.ConfigurationError, match="turn off the file locking"),
+        permits.connect("sqlite:///" + written.format(path=path)) as client,
+    ):
+        client.list_semaphores()
+    assert not path.exists()
+
+
 def test_the_file_uri_suggested_for_an_odd_path_opens_that_file(tmp_path: Path) -> None:
     """The path is quoted twice in the suggestion: SQLAlchemy unquotes it once, and SQLite the URI again."""
     path = tmp_path / "a b%20c#d.db"

@@ -13,7 +13,7 @@ import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from sqlalchemy.engine import URL
 
@@ -55,14 +55,14 @@ class SQLite(Dialect):
     def engine_url(self, url: URL, asynchronous: bool) -> URL:
         # SQLite reads mode=ro, cache=, immutable= ... only from a file: URI (uri=true). In a plain URL
         # SQLAlchemy drops them with a warning nobody sees, so ?mode=ro would open the file read-write.
-        unlocked = sorted(_UNLOCKED & set(url.query))
+        uri = str(url.query.get("uri", "")).lower() in ("true", "yes", "on", "y", "t", "1")  # as SQLAlchemy reads it
+        unlocked = sorted(_UNLOCKED & _sqlite_parameters(url, uri))
         if unlocked:
             raise ConfigurationError(
                 f"SQLite's {', '.join(unlocked)} turn off the file locking that keeps several processes' grants"
                 " apart: permits refuses them (to look without writing, open it with mode=ro)",
                 field="url",
             )
-        uri = str(url.query.get("uri", "")).lower() in ("true", "yes", "on", "y", "t", "1")  # as SQLAlchemy reads it
         ignored = sorted(set(url.query) - _DRIVER_PARAMETERS)
         if ignored and not uri:
             query = "&".join(f"{name}={url.query[name]}" for name in sorted(url.query) if name != "uri")
@@ -172,3 +172,15 @@ class _OffsetSQLite(SQLite):
 def sqlite_dialect() -> SQLite:
     """The SQLite dialect: on the database's own clock, unless a test installed ``offset_clock()``."""
     return SQLite() if _installed is None else _OffsetSQLite(_installed)
+
+
+def _sqlite_parameters(url: URL, uri: bool) -> set[str]:
+    """The names of the parameters SQLite will read, as it reads them: percent-decoded (``no%6Cock`` is
+    ``nolock``), from the URL's query and, in a file: URI, from a query inside the path too (an encoded
+    ``%3F`` there, which SQLAlchemy decodes, starts one)."""
+    names = {unquote(name) for name in url.query}
+    database = url.database or ""
+    if uri and database.startswith("file:"):
+        inner = database.partition("?")[2].partition("#")[0]  # a "#" ends a URI's query
+        names |= {unquote(pair.partition("=")[0]) for pair in inner.split("&") if pair}
+    return names
