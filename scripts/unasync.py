@@ -45,7 +45,7 @@ TOKENS = [
     (r"\basynccontextmanager\b", "contextmanager"),
     (r"\bAsyncIterator\b", "Iterator"),
     (
-        r"\basync_(sleep|shield|run_sync|store_for|event|wait|spawn|join|current|loop|interrupt|take_back_cancel|cancelling|mutex|lock|try_lock|driver_connection|watch_reply|unwatch_reply|check_out_alone|alone_driver|live|drop_link)\b",
+        r"\basync_(sleep|shield|run_sync|store_for|event|wait|spawn|join|current|loop|interrupt|take_back_cancel|cancelling|mutex|lock|try_lock|lock_within|driver_connection|watch_reply|unwatch_reply|check_out_alone|alone_driver|live|drop_link)\b",
         r"sync_\1",
     ),
     (r"\bpermits\._async\b", "permits._sync"),

@@ -12,8 +12,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
+
+from permits._deadline import detached
 
 T = TypeVar("T")
 logger = logging.getLogger("permits")
@@ -79,8 +81,10 @@ def sync_wait(event: threading.Event, seconds: float) -> bool:
     return event.wait(max(0.0, seconds))
 
 
-def async_spawn(run: Callable[[], Awaitable[None]], name: str) -> asyncio.Task[None]:
-    return asyncio.ensure_future(run())
+def async_spawn(run: Callable[[], Coroutine[Any, Any, None]], name: str) -> asyncio.Task[None]:
+    # Background work outlives the call that starts it: not to that call's deadline (a thread's starts
+    # with a context of its own already).
+    return asyncio.get_running_loop().create_task(run(), name=name, context=detached())
 
 
 def sync_spawn(run: Callable[[], None], name: str) -> threading.Thread:
@@ -177,6 +181,25 @@ async def async_try_lock(lock: asyncio.Lock) -> bool:
 
 def sync_try_lock(lock: threading.Lock) -> bool:
     return lock.acquire(blocking=False)
+
+
+async def async_lock_within(lock: asyncio.Lock, seconds: float | None) -> bool:
+    """Take ``lock``, waiting ``seconds`` at most (``None``: for as long as it takes); whether it was taken.
+    (A lock handed over just as the wait is cut is passed on to the next waiter: asyncio's ``acquire``
+    takes it only once it resumes.)"""
+    if seconds is None:
+        await lock.acquire()
+        return True
+    try:
+        async with asyncio.timeout(max(0.0, seconds)):
+            await lock.acquire()
+    except TimeoutError:
+        return False
+    return True
+
+
+def sync_lock_within(lock: threading.Lock, seconds: float | None) -> bool:
+    return lock.acquire(timeout=-1 if seconds is None else max(0.0, seconds))
 
 
 # ---- a deadline on a database reply: a link or a server that hangs without failing

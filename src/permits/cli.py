@@ -31,6 +31,7 @@ import click
 import permits
 from permits._backoff import OUTAGE_BACKOFF
 from permits._config import DEFAULT_URL
+from permits._deadline import caller_deadline
 from permits._exceptions import (
     AcquireTimeout,
     ConfigurationError,
@@ -582,7 +583,10 @@ def _reach_through_an_outage(client: Client, wants: list[Want], timeout: float |
         outages = 0
         while True:
             try:
-                client.ping()
+                # Each attempt within the timeout too, not the store's retries' whole length (a link that
+                # hangs made `--timeout 3` wait minutes for the first attempt to fail).
+                with caller_deadline(deadline):
+                    client.ping()
             except (StorageUnavailable, ServiceUnavailable) as exc:
                 remaining = None if deadline is None else deadline - monotonic()
                 if not rides_out or (remaining is not None and remaining <= 0):

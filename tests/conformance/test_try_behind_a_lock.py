@@ -5,19 +5,40 @@ each after a whole lock wait: 30 s to learn nothing, directly and through a serv
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import Connection, create_engine, text
 
 import permits
+from permits._deadline import caller_deadline
 from tests.conftest import sqlalchemy_url
 
 #: the service's lock wait (its default); the direct client is given a shorter one
 SERVICE_LOCK_WAIT = 5.0
 DIRECT_LOCK_WAIT = 1.0
+
+
+@contextlib.contextmanager
+def _row_held(db_url: str, backend: str, name: str) -> Iterator[Connection]:
+    """Another session's transaction, holding the lock on the semaphore's row (on SQLite, which has no row
+    locks, the database's write lock, which its writers wait for) until it rolls back or the block ends."""
+    holder = create_engine(sqlalchemy_url(db_url))
+    try:
+        with holder.connect() as conn:
+            locking = (
+                "UPDATE permits_semaphore SET used = used WHERE name = :n"
+                if backend == "sqlite"
+                else "SELECT 1 FROM permits_semaphore WHERE name = :n FOR UPDATE"
+            )
+            conn.execute(text(locking), {"n": name})
+            yield conn
+    finally:
+        holder.dispose()
 
 
 @pytest.mark.parametrize("flavour", ["sync"])  # the asyncio client runs the same store code
@@ -30,22 +51,17 @@ def test_a_try_behind_a_held_row_lock_answers_within_one_lock_wait(
     client = make_client(**({"lock_wait_timeout": DIRECT_LOCK_WAIT} if via == "db" else {}))
     name = f"{ns}s"
     client.create_semaphore(name, 1)
-    holder = create_engine(sqlalchemy_url(db_url))
-    try:
-        with holder.connect() as conn:
-            conn.execute(text("SELECT 1 FROM permits_semaphore WHERE name = :n FOR UPDATE"), {"n": name})
-            started = time.monotonic()
-            with pytest.raises(permits.StorageConflict):
-                client.try_acquire(name, key=f"{ns}try")
-            took = time.monotonic() - started
-            # acquire(timeout=0), as permits run -n asks: no room could be seen, and it says why
-            started = time.monotonic()
-            with pytest.raises(permits.AcquireTimeout, match="held up"):
-                client.acquire(name, key=f"{ns}try", timeout=0)
-            took_acquire = time.monotonic() - started
-            conn.rollback()
-    finally:
-        holder.dispose()
+    with _row_held(db_url, backend, name) as conn:
+        started = time.monotonic()
+        with pytest.raises(permits.StorageConflict):
+            client.try_acquire(name, key=f"{ns}try")
+        took = time.monotonic() - started
+        # acquire(timeout=0), as permits run -n asks: no room could be seen, and it says why
+        started = time.monotonic()
+        with pytest.raises(permits.AcquireTimeout, match="held up"):
+            client.acquire(name, key=f"{ns}try", timeout=0)
+        took_acquire = time.monotonic() - started
+        conn.rollback()
     assert lock_wait * 0.8 <= took < 2 * lock_wait + 1.5, took
     assert took_acquire < 2 * lock_wait + 1.5, took_acquire
     # Nothing was granted under the key; once the lock is let go the same try is granted, once.
@@ -78,23 +94,12 @@ def test_an_acquire_behind_a_held_row_lock_answers_within_its_timeout(
     name = f"{ns}s"
     client.create_semaphore(name, 3)
     client.create_semaphore(f"{name}b", 3)
-    holder = create_engine(sqlalchemy_url(db_url))
-    try:
-        with holder.connect() as conn:
-            # SQLite has no row locks: its writers wait for the database's write lock, which this takes
-            locking = (
-                "UPDATE permits_semaphore SET used = used WHERE name = :n"
-                if backend == "sqlite"
-                else "SELECT 1 FROM permits_semaphore WHERE name = :n FOR UPDATE"
-            )
-            conn.execute(text(locking), {"n": name})
-            started = time.monotonic()
-            with pytest.raises(permits.AcquireTimeout):
-                client.acquire(SHAPES[shape](name), key=f"{ns}k", timeout=1)
-            took = time.monotonic() - started
-            conn.rollback()
-    finally:
-        holder.dispose()
+    with _row_held(db_url, backend, name) as conn:
+        started = time.monotonic()
+        with pytest.raises(permits.AcquireTimeout):
+            client.acquire(SHAPES[shape](name), key=f"{ns}k", timeout=1)
+        took = time.monotonic() - started
+        conn.rollback()
     # MariaDB counts its lock waits in whole seconds: at most one, then the answer
     assert took < 2.5, took
     # Nothing was granted; once the lock is let go the same acquire is granted.
@@ -145,3 +150,28 @@ def test_the_last_attempt_of_an_acquire_whose_time_ran_out_is_not_a_try(db_url: 
         assert all(wait > 0 for wait in waits), waits
         assert took < 3, took  # MariaDB counts lock waits in whole seconds: at most one more
         client.release(held)
+
+
+@pytest.mark.parametrize("flavour", ["sync"])  # the asyncio client runs the same store code
+@pytest.mark.parametrize("via", ["db"])  # the caller's deadline below is this process's
+def test_an_attempt_sent_late_still_waits_for_a_healthy_answer(
+    make_client: Callable[..., Any], db_url: str, backend: str, ns: str
+) -> None:
+    """An attempt sent past its caller's deadline (a try after a long wait for a pooled connection, or for
+    the service's pre-lock) waits for a healthy database's answer as long as a try may legitimately take,
+    behind a row lock held for a while: it is not cut as if the link hung (``permits._deadline``). With a
+    bound of 1 s it was, and raised ``StorageUnavailable`` where the try would have been granted."""
+    if backend == "sqlite":
+        pytest.skip("SQLite has no link to cut")
+    client = make_client()  # the default lock wait, 5 s
+    name = f"{ns}s"
+    client.create_semaphore(name, 1)
+    with _row_held(db_url, backend, name) as conn:
+        letting_go = threading.Timer(3.0, conn.rollback)
+        letting_go.start()
+        try:
+            with caller_deadline(time.monotonic() - 60):  # long past, and past its grace
+                lease = client.try_acquire(name, key=f"{ns}late")
+        finally:
+            letting_go.join()
+    assert lease is not None and client.get_semaphore(name).used == 1

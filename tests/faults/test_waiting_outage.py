@@ -26,7 +26,10 @@ from typing import Any
 import pytest
 
 import permits
-from permits import StorageUnavailable
+from permits import ServiceUnavailable, StorageUnavailable
+from permits._async.http_store import SERVICE_GRACE_SECONDS
+from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT
+from permits._deadline import store_grace, store_least_reply
 from tests._proxy import CuttingProxy
 from tests._service import ROOT, Service
 from tests.conftest import AsyncFacade, in_thread
@@ -150,6 +153,106 @@ def test_an_outage_that_outlasts_the_timeout_is_raised(setup: Callable[[str], _S
     # Nothing was granted under the waiter's key, and the holder still holds.
     assert [h.key for h in bench.direct.holders(bench.sem)] == [bench.holder.key]
     assert bench.direct.reconcile() == []
+
+
+#: How soon after its timeout a call over a link that hangs gives up, at most (``permits._deadline``), by
+#: where the link is: to the database, the point of giving up and one attempt's least wait for its answer
+#: sent just before it; to a service, its grace twice (a send made just before the point gets that long at
+#: least). Each with slack for a loaded
+#: machine. Before, each attempt waited out the reply deadline (20 s by default; 30 s and the wait
+#: through a service) and was retried five times: 46 s to 3 minutes, measured.
+HANG_BOUND = {
+    "db": store_grace(DEFAULT_LOCK_WAIT_TIMEOUT) + store_least_reply(DEFAULT_LOCK_WAIT_TIMEOUT) + 10.0,
+    "service": 2 * SERVICE_GRACE_SECONDS + 10.0,
+}
+
+
+@pytest.mark.parametrize("where", ["db", "service-db", "service"])
+def test_a_waiting_acquire_over_a_link_that_hangs_gives_up_soon_after_its_timeout(
+    setup: Callable[[str], _Setup], flavour: str, where: str
+) -> None:
+    """The link stalls (a hung proxy, a dropped NAT entry, a frozen server: no error at either end) while
+    ``acquire(timeout=4)`` waits: it raises the outage soon after its 4 s, not minutes later, with the
+    client's default settings."""
+    if flavour == "async" and where != "db":
+        pytest.skip("the asyncio client's HTTP store is the same code as the sync one's (scripts/unasync.py)")
+    bench = setup(where)
+    timeout = 4.0
+    started = time.monotonic()
+    thread, outcome = bench.wait_in_thread(timeout=timeout)
+    bench.proxy.stall()
+    thread.join(timeout + 200)
+    took = time.monotonic() - started
+    bench.proxy.resume()
+    assert not thread.is_alive()
+    assert isinstance(outcome.get("error"), StorageUnavailable | ServiceUnavailable), outcome
+    assert timeout <= took < timeout + HANG_BOUND["db" if where == "db" else "service"], took
+    # Nothing was granted under the waiter's key, and the holder still holds.
+    assert [h.key for h in bench.direct.holders(bench.sem)] == [bench.holder.key]
+    assert bench.direct.reconcile() == []
+
+
+def test_callers_that_open_a_client_together_over_a_link_that_hangs_share_its_failure(db_url: str) -> None:
+    """Three threads of a new client ``acquire(timeout=1)`` over a link that hangs: one opens the client,
+    the others wait for that opening, and all fail together when it gives up. Each trying again in turn,
+    once the one before had failed, made the third wait three openings (45 s where the first took 15 s)."""
+    with CuttingProxy.before(db_url) as proxy:
+        proxy.stall()
+        client = permits.connect(proxy.url_for(db_url))
+        ended: list[float] = []
+
+        def call() -> None:
+            try:
+                client.acquire("anything", timeout=1)
+            finally:
+                ended.append(time.monotonic())
+
+        try:
+            started = time.monotonic()
+            calls = [in_thread(call) for _ in range(3)]
+            for thread, outcome in calls:
+                thread.join(200)
+                assert isinstance(outcome.get("error"), StorageUnavailable), outcome
+        finally:
+            proxy.resume()
+            client.close()
+    took = [end - started for end in ended]
+    assert max(took) < 1 + HANG_BOUND["db"], took
+    assert max(took) - min(took) < 5, took  # together, not one opening after another
+
+
+@pytest.mark.parametrize("where", ["db", "service"])
+def test_permits_run_over_a_link_that_hangs_exits_soon_after_its_timeout(
+    setup: Callable[[str], _Setup], flavour: str, where: str
+) -> None:
+    """A cron line whose database (or service) sits behind a link that hangs from the start: ``permits run
+    --timeout 3`` exits 1 with the outage soon after its 3 s. Each attempt to reach the database waited out
+    its connect bound or reply deadline and the store's retries before (31 s on PostgreSQL, 2 minutes on
+    MariaDB, 3 through a service, measured)."""
+    if flavour == "async":
+        pytest.skip("the CLI has one flavour")
+    bench = setup(where)
+    bench.proxy.stall()
+    timeout = 3.0
+    argv = ["run", "--db", bench.url, "--timeout", str(timeout), bench.sem, "--", "true"]
+    pipe = subprocess.PIPE
+    run = subprocess.Popen([sys.executable, "-m", "permits", *argv], cwd=ROOT, stdout=pipe, stderr=pipe, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while bench.proxy.connections == 0:  # its start (Python and its imports) is counted out
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+            time.sleep(0.05)
+        tried = time.monotonic()
+        _out, err = run.communicate(timeout=timeout + 200)
+        took = time.monotonic() - tried
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        bench.proxy.resume()
+    assert run.returncode == 1, err
+    assert "storage_unavailable" in err, err
+    assert took < timeout + HANG_BOUND["db" if where == "db" else "service"], took
 
 
 def test_permits_run_rides_out_an_outage(setup: Callable[[str], _Setup], flavour: str) -> None:

@@ -15,6 +15,7 @@ from permits import _validate
 from permits._async.watchdog import AsyncWatchdog
 from permits._backoff import OUTAGE_BACKOFF
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT, DEFAULT_RETRIES, Settings
+from permits._deadline import caller_deadline
 from permits._exceptions import (
     ENDS_THE_REQUEST,
     AcquireTimeout,
@@ -185,17 +186,22 @@ class AsyncClient:
         new_only = _validate.flag(new_only, "new_only") and key is not None
         made_up = request_id is None  # only then is every try of this request this call's own
         request_id = _request_id(new_only, request_id)
-        if ttl is None and not self._settings.ttl_chosen:
-            await self._store.open()  # a service's default TTL is known once it is open
-            ttl_ms = self._default_ttl_ms()
-        try:
-            return await self._store.try_acquire(owner_, key_, wants_, ttl_ms, new_only=new_only, request_id=request_id)
-        except BaseException as exc:
-            if not isinstance(exc, Exception | GeneratorExit):
-                # As acquire does: a grant that came as the call was interrupted is released.
-                with contextlib.suppress(Exception):
-                    await async_shield(self._release_interrupted(owner_, key_, key is None, made_up, request_id))
-            raise
+        # Held to a deadline of now, as acquire(timeout=0) is: over a link that hangs it gives up soon, not
+        # after every retry's reply deadline (permits._deadline).
+        with caller_deadline(monotonic()):
+            if ttl is None and not self._settings.ttl_chosen:
+                await self._store.open()  # a service's default TTL is known once it is open
+                ttl_ms = self._default_ttl_ms()
+            try:
+                return await self._store.try_acquire(
+                    owner_, key_, wants_, ttl_ms, new_only=new_only, request_id=request_id
+                )
+            except BaseException as exc:
+                if not isinstance(exc, Exception | GeneratorExit):
+                    # As acquire does: a grant that came as the call was interrupted is released.
+                    with contextlib.suppress(Exception):
+                        await async_shield(self._release_interrupted(owner_, key_, key is None, made_up, request_id))
+                raise
 
     async def acquire(
         self,
@@ -245,159 +251,167 @@ class AsyncClient:
         request_id = _request_id(new_only, request_id)
         limit = _validate.timeout(timeout, inf_is_none=True)
         deadline = None if limit is None else monotonic() + limit
-        # What the store can do (queues_in_line), and a service's default TTL, are known once it is open.
-        await self._store.open()
-        if ttl is None:
-            ttl_ms = self._default_ttl_ms()
-        if ttl_at_most_ms is not None:
-            ttl_ms = min(ttl_ms, ttl_at_most_ms)
-        names = [w.name for w in wants_]
-        contended = tuple(names)
-        lost_races, quiet_until = self._contention.get(contended, (0, 0.0))
-        pacer = WaitPacer(lost_races=lost_races, quiet_until=quiet_until)
-        # Whether the next attempt waits for its turn in the server's lock queue (see _pacing).
-        in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
-        outage_since: float | None = None  # when the attempts began to find the database unavailable
-        outages = 0  # attempts in a row that did
-        rode_out = False  # an outage came while this call waited
-        try:
-            attempted = False
-            while True:
-                wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
-                if attempted and wait == 0:
-                    wait = LAST_ATTEMPT_SECONDS  # still an attempt that waited, as those before it
-                attempted = True
-                conflict: StorageConflict | None = None
-                # Read before the attempt: a call that arrives while the attempt runs then still counts.
-                calls = self._store.wake_calls(names)
-                asked = monotonic()
-                try:
-                    lease = await self._store.try_acquire(
-                        owner_,
-                        key_,
-                        wants_,
-                        ttl_ms,
-                        wait,
-                        recheck=pacer.recheck_due(monotonic()),
-                        in_line=in_line,
-                        new_only=new_only,
-                        request_id=request_id,
-                    )
-                except StorageConflict as exc:
-                    # Lock contention that outlasted the store's retries (a holder frozen inside its
-                    # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
-                    lease, conflict = None, exc
-                    pacer.force_recheck()
-                except LeaseLost:
-                    if not (rode_out and key_made_up):
-                        raise
-                    # An attempt before or during the outage was granted, its reply lost, and the lease ran
-                    # out before the outage ended: the key names a lease that has ended. Under a key that
-                    # names no request of the caller's, nothing of it is held and nobody saw it: ask anew,
-                    # under a new key (one grant that ended, one live: never two at once).
-                    logger.warning("a grant made as the outage began ran out during it: asking anew under a new key")
-                    key_ = uuid.uuid4().hex
-                    if made_up:
-                        request_id = _request_id(new_only, None)
-                    pacer.force_recheck()
-                    continue
-                except UNAVAILABLE as exc:
-                    if not self._rides_out_outages:
-                        raise
-                    rode_out = True
-                    # An outage that outlasted the store's retries (a database restarting or failing over, a
-                    # service instance being replaced) is ridden out as the holders ride it out: the caller
-                    # asked to wait, and the database, once back, is where the room is. Every attempt carries
-                    # the same key, so one whose grant committed unseen is answered with that lease, not a
-                    # second one. The client opened before this loop, so its URL is right: a wrong one fails
-                    # there, at once. At the deadline the outage is raised, not AcquireTimeout: the caller
-                    # learns the database, not the semaphore, kept it waiting.
-                    remaining = None if deadline is None else deadline - monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise
-                    if outage_since is None:
-                        outage_since = monotonic()
-                        logger.warning(
-                            "waiting for %s through an outage: %s; asking again until %s",
-                            _described(wants_),
-                            exc.message,
-                            "it answers" if limit is None else f"the timeout ({limit:g} s)",
+        # Every operation for this call, the clean-up after it included, holds to its deadline: over a link
+        # that hangs, the stores stop waiting for answers, and trying again, soon after it (permits._deadline).
+        with caller_deadline(deadline):
+            # What the store can do (queues_in_line), and a service's default TTL, are known once it is open.
+            await self._store.open()
+            if ttl is None:
+                ttl_ms = self._default_ttl_ms()
+            if ttl_at_most_ms is not None:
+                ttl_ms = min(ttl_ms, ttl_at_most_ms)
+            names = [w.name for w in wants_]
+            contended = tuple(names)
+            lost_races, quiet_until = self._contention.get(contended, (0, 0.0))
+            pacer = WaitPacer(lost_races=lost_races, quiet_until=quiet_until)
+            # Whether the next attempt waits for its turn in the server's lock queue (see _pacing).
+            in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
+            outage_since: float | None = None  # when the attempts began to find the database unavailable
+            outages = 0  # attempts in a row that did
+            rode_out = False  # an outage came while this call waited
+            try:
+                attempted = False
+                while True:
+                    wait = LONG_POLL_SECONDS if deadline is None else max(0.0, deadline - monotonic())
+                    if attempted and wait == 0:
+                        wait = LAST_ATTEMPT_SECONDS  # still an attempt that waited, as those before it
+                    attempted = True
+                    conflict: StorageConflict | None = None
+                    # Read before the attempt: a call that arrives while the attempt runs then still counts.
+                    calls = self._store.wake_calls(names)
+                    asked = monotonic()
+                    try:
+                        lease = await self._store.try_acquire(
+                            owner_,
+                            key_,
+                            wants_,
+                            ttl_ms,
+                            wait,
+                            recheck=pacer.recheck_due(monotonic()),
+                            in_line=in_line,
+                            new_only=new_only,
+                            request_id=request_id,
                         )
-                    pause = OUTAGE_BACKOFF.delay(outages)
-                    outages += 1
-                    await async_sleep(pause if remaining is None else min(pause, remaining))
-                    in_line = False  # the server's lock queue is gone with the session that stood in it
-                    # The last attempt may have been granted, its reply lost: only the full check finds that
-                    # lease under the key (a quick one would see no room, its own grant holding it).
-                    pacer.force_recheck()
-                    continue
-                if outage_since is not None:
-                    logger.info("reached the database again after %.1f s without it", monotonic() - outage_since)
-                    outage_since, outages = None, 0
-                if lease is not None:
-                    pacer.granted()
+                    except StorageConflict as exc:
+                        # Lock contention that outlasted the store's retries (a holder frozen inside its
+                        # transaction, say) is one more way of having no room yet: keep waiting, within the timeout.
+                        lease, conflict = None, exc
+                        pacer.force_recheck()
+                    except LeaseLost:
+                        if not (rode_out and key_made_up):
+                            raise
+                        # An attempt before or during the outage was granted, its reply lost, and the lease ran
+                        # out before the outage ended: the key names a lease that has ended. Under a key that
+                        # names no request of the caller's, nothing of it is held and nobody saw it: ask anew,
+                        # under a new key (one grant that ended, one live: never two at once).
+                        logger.warning(
+                            "a grant made as the outage began ran out during it: asking anew under a new key"
+                        )
+                        key_ = uuid.uuid4().hex
+                        if made_up:
+                            request_id = _request_id(new_only, None)
+                        pacer.force_recheck()
+                        continue
+                    except UNAVAILABLE as exc:
+                        if not self._rides_out_outages:
+                            raise
+                        rode_out = True
+                        # An outage that outlasted the store's retries (a database restarting or failing over, a
+                        # service instance being replaced) is ridden out as the holders ride it out: the caller
+                        # asked to wait, and the database, once back, is where the room is. Every attempt carries
+                        # the same key, so one whose grant committed unseen is answered with that lease, not a
+                        # second one. The client opened before this loop, so its URL is right: a wrong one fails
+                        # there, at once. At the deadline the outage is raised, not AcquireTimeout: the caller
+                        # learns the database, not the semaphore, kept it waiting.
+                        remaining = None if deadline is None else deadline - monotonic()
+                        if remaining is not None and remaining <= 0:
+                            raise
+                        if outage_since is None:
+                            outage_since = monotonic()
+                            logger.warning(
+                                "waiting for %s through an outage: %s; asking again until %s",
+                                _described(wants_),
+                                exc.message,
+                                "it answers" if limit is None else f"the timeout ({limit:g} s)",
+                            )
+                        pause = OUTAGE_BACKOFF.delay(outages)
+                        outages += 1
+                        await async_sleep(pause if remaining is None else min(pause, remaining))
+                        in_line = False  # the server's lock queue is gone with the session that stood in it
+                        # The last attempt may have been granted, its reply lost: only the full check finds that
+                        # lease under the key (a quick one would see no room, its own grant holding it).
+                        pacer.force_recheck()
+                        continue
+                    if outage_since is not None:
+                        logger.info("reached the database again after %.1f s without it", monotonic() - outage_since)
+                        outage_since, outages = None, 0
+                    if lease is not None:
+                        pacer.granted()
+                        self._remember_contention(contended, pacer)
+                        return lease, asked
+                    pacer.refused(monotonic(), self._store.queue_short(owner_, key_))
                     self._remember_contention(contended, pacer)
-                    return lease, asked
-                pacer.refused(monotonic(), self._store.queue_short(owner_, key_))
-                self._remember_contention(contended, pacer)
-                # A request whose place in a fair queue will be called when its turn comes sleeps until then.
-                called = calls is not None and pacer.waits_turn() and self._store.place_called(owner_, key_)
-                delay, listen = (CALLED_MAX_SLEEP, True) if called else pacer.next_sleep(monotonic())
-                remaining = None if deadline is None else deadline - monotonic()
-                if remaining is not None:
-                    if remaining <= 0:
-                        # Stop waiting for good: give up the places in fair queues now rather than at expiry.
-                        with contextlib.suppress(PermitsError):
-                            await self._store.dequeue(owner_, key_)
-                        described = _described(wants_)
-                        # Where the last attempt never learnt whether there was room, say what held it up:
-                        # "no room" alone would send its reader looking for holders that may not exist.
-                        why = "" if conflict is None else f" (the last attempt was held up: {conflict.message})"
-                        raise AcquireTimeout(
-                            f"no room for {described} within {limit:g} s{why}", key=key_, owner=owner_, timeout=limit
-                        ) from conflict
-                    delay = min(delay, remaining)
-                # Where the server has a lock queue for it, ask again at once, in that queue (see _pacing).
-                in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
-                if in_line:
-                    continue
-                if not listen:
-                    await async_sleep(delay)
-                elif await self._store.wait_for_room(names, delay, calls if called else None):
-                    spread = pacer.woken(called=called)
-                    if deadline is not None:
-                        spread = min(spread, max(0.0, deadline - monotonic()))
-                    if spread > 0:
-                        await async_sleep(spread)
-                in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
-        except BaseException as exc:
-            if not isinstance(exc, Exception) and outage_since is not None:
-                # Interrupted while the database does not answer: the clean-up below would spend the store's
-                # every retry on it (a minute, on a link that hangs: past a supervisor's grace), to give up
-                # places that lapse in seconds anyway. A grant the last attempt may have made runs out at
-                # its TTL instead, as the holder's own would. Said, and marked for lease(), which would
-                # otherwise release by key in the same way.
-                logger.warning(
-                    "interrupted during an outage: a grant the last attempt may have made runs out at its TTL"
-                )
-                setattr(exc, INTERRUPTED_IN_OUTAGE, True)
-            elif not isinstance(exc, Exception | GeneratorExit):
-                # (GeneratorExit: the task was dropped with its closed event loop, where nothing can be awaited.)
-                # Cancelled, or Ctrl-C, while waiting: give up the places in fair queues now, as a timeout
-                # does, not when they lapse (5 s, holding up every waiter behind them meanwhile), and release
-                # what the try under way may have got. Both under one shield: a second cancellation (a task
-                # group torn down after a timeout) must not stop the clean-up between the two.
-                with contextlib.suppress(Exception):
-                    # (lease() releases its own key itself: not twice.)
-                    await async_shield(self._give_up_interrupted(owner_, key_, key is None, made_up, request_id))
-            elif isinstance(exc, ENDS_THE_REQUEST):
-                # A verdict on the request (another's lease under the key, the capacity lowered below its
-                # count, a semaphore deleted): it is over, and its places in fair queues with it, which would
-                # otherwise hold up the queue until they lapse. Not after an outage, which the give-up would
-                # only wait out again.
-                with contextlib.suppress(PermitsError):
-                    await self._store.dequeue(owner_, key_)
-            raise
+                    # A request whose place in a fair queue will be called when its turn comes sleeps until then.
+                    called = calls is not None and pacer.waits_turn() and self._store.place_called(owner_, key_)
+                    delay, listen = (CALLED_MAX_SLEEP, True) if called else pacer.next_sleep(monotonic())
+                    remaining = None if deadline is None else deadline - monotonic()
+                    if remaining is not None:
+                        if remaining <= 0:
+                            # Stop waiting for good: give up the places in fair queues now rather than at expiry.
+                            with contextlib.suppress(PermitsError):
+                                await self._store.dequeue(owner_, key_)
+                            described = _described(wants_)
+                            # Where the last attempt never learnt whether there was room, say what held it up:
+                            # "no room" alone would send its reader looking for holders that may not exist.
+                            why = "" if conflict is None else f" (the last attempt was held up: {conflict.message})"
+                            raise AcquireTimeout(
+                                f"no room for {described} within {limit:g} s{why}",
+                                key=key_,
+                                owner=owner_,
+                                timeout=limit,
+                            ) from conflict
+                        delay = min(delay, remaining)
+                    # Where the server has a lock queue for it, ask again at once, in that queue (see _pacing).
+                    in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
+                    if in_line:
+                        continue
+                    if not listen:
+                        await async_sleep(delay)
+                    elif await self._store.wait_for_room(names, delay, calls if called else None):
+                        spread = pacer.woken(called=called)
+                        if deadline is not None:
+                            spread = min(spread, max(0.0, deadline - monotonic()))
+                        if spread > 0:
+                            await async_sleep(spread)
+                    in_line = self._store.queues_in_line(wants_) and pacer.in_line_next()
+            except BaseException as exc:
+                if not isinstance(exc, Exception) and outage_since is not None:
+                    # Interrupted while the database does not answer: the clean-up below would spend the store's
+                    # every retry on it (a minute, on a link that hangs: past a supervisor's grace), to give up
+                    # places that lapse in seconds anyway. A grant the last attempt may have made runs out at
+                    # its TTL instead, as the holder's own would. Said, and marked for lease(), which would
+                    # otherwise release by key in the same way.
+                    logger.warning(
+                        "interrupted during an outage: a grant the last attempt may have made runs out at its TTL"
+                    )
+                    setattr(exc, INTERRUPTED_IN_OUTAGE, True)
+                elif not isinstance(exc, Exception | GeneratorExit):
+                    # (GeneratorExit: the task was dropped with its closed event loop, where nothing can be awaited.)
+                    # Cancelled, or Ctrl-C, while waiting: give up the places in fair queues now, as a timeout
+                    # does, not when they lapse (5 s, holding up every waiter behind them meanwhile), and release
+                    # what the try under way may have got. Both under one shield: a second cancellation (a task
+                    # group torn down after a timeout) must not stop the clean-up between the two.
+                    with contextlib.suppress(Exception):
+                        # (lease() releases its own key itself: not twice.)
+                        await async_shield(self._give_up_interrupted(owner_, key_, key is None, made_up, request_id))
+                elif isinstance(exc, ENDS_THE_REQUEST):
+                    # A verdict on the request (another's lease under the key, the capacity lowered below its
+                    # count, a semaphore deleted): it is over, and its places in fair queues with it, which would
+                    # otherwise hold up the queue until they lapse. Not after an outage, which the give-up would
+                    # only wait out again.
+                    with contextlib.suppress(PermitsError):
+                        await self._store.dequeue(owner_, key_)
+                raise
 
     async def _give_up_interrupted(
         self, owner: str, key: str, key_made_up: bool, id_made_up: bool, request_id: str | None

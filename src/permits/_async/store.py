@@ -22,6 +22,14 @@ from permits._backoff import RETRY_BACKOFF
 from permits._config import Settings
 from permits._core import decide, flows
 from permits._core.flows import DuplicateKey, Flow, Restart, Result, Retry, Stmt, Then
+from permits._deadline import (
+    give_up_at,
+    past_giving_up,
+    reply_within,
+    store_grace,
+    store_least_reply,
+    without_caller_deadline,
+)
 from permits._exceptions import (
     ConfigurationError,
     IdempotencyConflict,
@@ -36,6 +44,7 @@ from permits._exceptions import (
 )
 from permits._io import (
     async_lock,
+    async_lock_within,
     async_loop,
     async_mutex,
     async_sleep,
@@ -110,6 +119,13 @@ IS_ASYNC = True
 MAX_RESTARTS = 10
 #: How long a release or an extend keeps retrying conflicts (see ``_run``'s ``persist``).
 PERSIST_SECONDS = 30.0
+#: A lost connection that came this soon after its attempt began failed at once, not over a link that hangs:
+#: the first such is retried even past the caller's point of giving up (``_backoff_or_raise``).
+QUICK_FAILURE_SECONDS = 1.0
+#: Callers whose points of giving up are this close share a failed opening (``_answers_this_caller``).
+SAME_DEADLINE_SECONDS = 1.0
+#: Set on an error raised because its caller's point of giving up had passed (``permits._deadline``).
+CUT_BY_CALLER_DEADLINE = "_permits_cut_by_caller_deadline"
 #: A conflict that came after its attempt ran this share of lock_wait_timeout made that attempt wait for a
 #: lock: a try that does not wait is not retried after one (``_try_acquire``). Half, since MariaDB counts
 #: its lock wait in whole seconds.
@@ -240,6 +256,8 @@ class AsyncSQLStore:
         #: how many openings failed, and the last one's error: the answer of the callers that waited for it
         self._open_failures = 0
         self._open_failure: PermitsError | None = None
+        #: when the last failed opening's caller gave up (``permits._deadline``; None: it had no deadline)
+        self._open_failure_gave_up_at: float | None = None
         self._closed = False
         #: test hook: called with each statement's name after it ran (fault tests kill the process here)
         self.after_statement: Callable[[str], None] | None = None
@@ -371,12 +389,23 @@ class AsyncSQLStore:
         # the server and set the statements from what each saw: one whose probe of a cluster met a passing
         # error would put a single server's statements over the cluster's that another had just set.
         failures_before = self._open_failures
-        async with self._opening:
+        point = give_up_at(store_grace(self._settings.lock_wait_timeout))
+        # A caller with a deadline waits for another's opening no longer than its own point of giving up (an
+        # opening without a deadline may spend every retry of a link that hangs: minutes).
+        if not await async_lock_within(self._opening, None if point is None else point - monotonic()):
+            failure = self._open_failure if self._open_failures != failures_before else None
+            if failure is not None:
+                raise type(failure)(failure.message, **failure.details) from failure
+            raise StorageUnavailable(
+                f"this client was still reaching {self.url} for another caller when this call's time was up",
+                url=self.url,
+            )
+        try:
             if self._closed:  # while this caller waited
                 raise UsageError("this client is closed")
             if not self._opened:  # by the caller this one waited for
                 failure = self._open_failure
-                if self._open_failures != failures_before and failure is not None:
+                if self._open_failures != failures_before and failure is not None and self._answers_this_caller():
                     # An opening failed while this caller waited for it: that is its answer too. Trying again
                     # in turn would have the last of a burst of callers wait for as many failed openings as
                     # there are callers ahead of it, each its retries long. A caller that comes later tries.
@@ -386,7 +415,23 @@ class AsyncSQLStore:
                 except PermitsError as exc:
                     self._open_failure = exc
                     self._open_failures += 1
+                    # Where its caller's deadline cut it short, callers with more time try again themselves.
+                    self._open_failure_gave_up_at = point if getattr(exc, CUT_BY_CALLER_DEADLINE, False) else None
                     raise
+        finally:
+            self._opening.release()
+
+    def _answers_this_caller(self) -> bool:
+        """Whether the last failed opening is this caller's answer too: it tried as long as this caller would
+        have (its caller's deadline did not cut it short, or that deadline is no sooner than this caller's,
+        ``permits._deadline``), or this caller is past the point of giving up anyway. One that its caller's
+        deadline cut shorter than this caller's would be is not: a caller without a deadline gets its whole
+        retries."""
+        theirs = self._open_failure_gave_up_at
+        if theirs is None:
+            return True
+        mine = give_up_at(store_grace(self._settings.lock_wait_timeout))
+        return mine is not None and (mine <= theirs + SAME_DEADLINE_SECONDS or monotonic() >= mine)
 
     async def _open(self) -> None:
         revision = await self._with_retries(self._schema_revision)
@@ -414,9 +459,13 @@ class AsyncSQLStore:
                 raise _schema.newer_schema(self.url, revision)
             if not self._settings.auto_upgrade:
                 raise _schema.outdated(self.url, revision)
-            await self._with_retries(self._upgrade)
+            # DDL, which may wait on the tables' locks for as long as the server lets it: never cut short, nor
+            # left unretried, for one caller's deadline (it is done once, for every caller).
+            with without_caller_deadline():
+                await self._with_retries(self._upgrade)
         if self._dialect.name == "postgresql":
-            await self._with_retries(self._call_server_functions)
+            with without_caller_deadline():
+                await self._with_retries(self._call_server_functions)
         self._opened = True
 
     async def close(self) -> None:
@@ -481,7 +530,7 @@ class AsyncSQLStore:
         as TCP takes to give up. Not around migrations or the making of server functions, whose DDL may wait
         on the tables' locks for as long as the server lets it."""
         driver = await async_driver_connection(conn)
-        watch = async_watch_reply(self._dialect.reply_socket(driver), self._replies)
+        watch = async_watch_reply(self._dialect.reply_socket(driver), self._reply_bound())
         try:
             yield
         finally:
@@ -1272,7 +1321,7 @@ class AsyncSQLStore:
         bounds_lock_wait: bool = False,
     ) -> T:
         """``_run``'s loop; the attempts the reply deadline cuts are noted in ``own_cuts``."""
-        restarts = failures = 0
+        restarts = failures = lost = 0  # lost: lost connections retried
         first_flow, first_readonly = make_flow, readonly
         while True:
             check_given_up()  # before each try: see GIVEN_UP
@@ -1318,19 +1367,32 @@ class AsyncSQLStore:
                 await async_sleep(RETRY_BACKOFF.delay(failures))
             except DBAPIError as exc:
                 waited = slow_conflict is not None and monotonic() - attempt_started >= slow_conflict
-                failures = await self._backoff_or_raise(exc, failures, deadline, persist, final_conflict=waited)
+                failures = await self._backoff_or_raise(
+                    exc,
+                    failures,
+                    deadline,
+                    persist,
+                    final_conflict=waited,
+                    attempt_started=attempt_started,
+                    first_lost_connection=lost == 0,
+                )
+                lost += self._dialect.classify(exc) is Fault.UNAVAILABLE
                 if faults is not None:
                     faults.append(self._dialect.classify(exc))
             except PoolTimeout as exc:
                 raise self._pool_exhausted() from exc
 
     async def _with_retries(self, attempt: Callable[[], Any]) -> Any:
-        failures = 0
+        failures = lost = 0
         while True:
+            attempt_started = monotonic()
             try:
                 return await attempt()
             except DBAPIError as exc:
-                failures = await self._backoff_or_raise(exc, failures)
+                failures = await self._backoff_or_raise(
+                    exc, failures, attempt_started=attempt_started, first_lost_connection=lost == 0
+                )
+                lost += self._dialect.classify(exc) is Fault.UNAVAILABLE
             except PoolTimeout as exc:
                 raise self._pool_exhausted() from exc
 
@@ -1345,6 +1407,12 @@ class AsyncSQLStore:
             url=self.url,
         )
 
+    def _reply_bound(self) -> float:
+        """How long an attempt sent now waits for its answer: the reply deadline, or less where the caller's
+        deadline and its grace end sooner (``permits._deadline``)."""
+        wait = self._settings.lock_wait_timeout
+        return reply_within(self._replies, store_grace(wait), store_least_reply(wait))
+
     async def _backoff_or_raise(
         self,
         exc: DBAPIError,
@@ -1352,6 +1420,8 @@ class AsyncSQLStore:
         deadline: float | None = None,
         persist: bool = False,
         final_conflict: bool = False,
+        attempt_started: float | None = None,
+        first_lost_connection: bool = True,
     ) -> int:
         fault = self._dialect.classify(exc)
         delay = RETRY_BACKOFF.delay(failures)
@@ -1359,8 +1429,21 @@ class AsyncSQLStore:
             final_conflict or (deadline is not None and monotonic() + delay >= deadline)
         )
         out_of_retries = failures >= self._settings.retries and not (persist and fault is Fault.CONFLICT)
-        if not fault.retryable or out_of_retries or past_deadline:
-            raise translate(exc, fault, self._dialect, self._settings) from exc
+        # Past the caller's deadline and its grace, a lost connection is not tried again: over a link that
+        # hangs, each try would wait out the reply deadline again (``permits._deadline``). But a first one
+        # that failed at once (a pooled connection the server dropped in a fail-over) is tried once more: a
+        # new connection may well answer. A conflict is an answer, and keeps its own rules (a release's
+        # clean-up must not lose its retries).
+        grace = store_grace(self._settings.lock_wait_timeout)
+        at_once = attempt_started is not None and monotonic() - attempt_started < QUICK_FAILURE_SECONDS
+        caller_gave_up = (
+            fault is Fault.UNAVAILABLE and past_giving_up(grace, delay) and not (at_once and first_lost_connection)
+        )
+        if not fault.retryable or out_of_retries or past_deadline or caller_gave_up:
+            error = translate(exc, fault, self._dialect, self._settings)
+            if caller_gave_up and not out_of_retries:
+                setattr(error, CUT_BY_CALLER_DEADLINE, True)  # for open(): see _answers_this_caller
+            raise error from exc
         logger.debug("retrying after %s (%s)", fault.value, type(exc.orig).__name__)
         if self.on_retry is not None:
             self.on_retry(fault.value)
@@ -1392,7 +1475,7 @@ class AsyncSQLStore:
             # Up to the COMMIT's reply. A socket shut down by the deadline fails the statement waiting on it
             # as a lost connection, and SQLAlchemy then drops the connection (is_disconnect).
             driver = await async_driver_connection(conn)
-            watch = async_watch_reply(self._dialect.reply_socket(driver), self._replies)
+            watch = async_watch_reply(self._dialect.reply_socket(driver), self._reply_bound())
             try:
                 async with conn.begin():
                     return await self._drive(conn, flow, first)
@@ -1626,7 +1709,7 @@ class AsyncSQLStore:
         params = given if names is None else tuple(given[n] for n in names)
         cut = False
         try:
-            watch = async_watch_reply(dialect.reply_socket(driver), self._replies)
+            watch = async_watch_reply(dialect.reply_socket(driver), self._reply_bound())
             try:
                 if dialect.self_committing:
                     result = await _send_batch(driver, sql, params)

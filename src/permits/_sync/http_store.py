@@ -29,6 +29,7 @@ import httpx
 from permits import _wire
 from permits._backoff import RETRY_BACKOFF
 from permits._config import DEFAULT_TTL, Settings
+from permits._deadline import past_giving_up, reply_within
 from permits._exceptions import (
     AcquireTimeout,
     ConfigurationError,
@@ -68,6 +69,12 @@ NOT_CARRIED_OUT = (ServiceUnavailable, LimitExceeded, StorageConflict)
 #: What a proxy in front of the service answers when it could not reach an instance, or got no answer from
 #: one in time: like a dropped connection, the request may or may not have reached the service.
 PROXY_FAILURES = frozenset({502, 503, 504})
+#: What a healthy service may take beyond a request's wait, by default: its pre-lock wait (10 s), then its
+#: store's least wait for a database's answer (15 s, ``permits._deadline``). A service says its own
+#: (``answer_grace`` in ``GET /v1/whoami``); this is for one that does not. A caller's point of giving up is
+#: this long after its deadline, and a send waits at least this long for its answer however late it is
+#: sent: less would cut a healthy service's answer, and leave a grant it made unseen until its TTL.
+SERVICE_GRACE_SECONDS = 25.0
 #: The longest pause between connection attempts of an acquire that still has wait left.
 MAX_RECONNECT_PAUSE = 1.0
 #: At most this many requests known to hold no place are remembered (a grant or a give-up forgets one).
@@ -206,6 +213,8 @@ class HTTPStore:
         self._keeps_places = False
         #: what the service supports beyond the first API (``routes.FEATURES``), as it said when opened
         self._features: frozenset[str] = frozenset()
+        #: what a healthy service may take past a request's wait (``SERVICE_GRACE_SECONDS``): as it says
+        self._grace = SERVICE_GRACE_SECONDS
         self._default_ttl_ms: int | None = None
         #: whether this client ever asked to keep places: those may outlive an older instance's refusal
         self._kept_places = False
@@ -262,6 +271,8 @@ class HTTPStore:
             self._default_ttl_ms = max(1, math.floor(float(default_ttl) * 1000))  # never past max_ttl
             self._features = frozenset(about.get("features", ()))
             self._keeps_places = "keep_place" in self._features
+            # How long past a wait it may take to answer while healthy (an older service does not say).
+            self._grace = float(limits.get("answer_grace", SERVICE_GRACE_SECONDS))
             self._opened = True
 
     def close(self) -> None:
@@ -545,7 +556,10 @@ class HTTPStore:
             if failures and body is not None:
                 sent = body()
             waits = float(sent.get("wait") or 0.0) if sent is not None else 0.0
-            timeout = httpx.Timeout(RESPONSE_MARGIN + waits, connect=5.0)
+            # Past the caller's deadline and the service's grace, a send waits no longer for its answer, and
+            # none is sent again for want of one (``permits._deadline``).
+            replies = reply_within(RESPONSE_MARGIN + waits, self._grace, self._grace)
+            timeout = httpx.Timeout(replies, connect=min(5.0, replies))
             if sent is not None:
                 kwargs["json"] = sent
             try:
@@ -575,17 +589,23 @@ class HTTPStore:
                         url=self.url,
                     ) from exc
                 waiting = not_sent and deadline is not None and monotonic() < deadline
-                if failures >= self._settings.retries and not waiting:
+                pause = RETRY_BACKOFF.delay(failures) if not waiting else min(MAX_RECONNECT_PAUSE, 0.05 * 2**failures)
+                gave_up = past_giving_up(self._grace, pause)
+                if (failures >= self._settings.retries and not waiting) or gave_up:
                     raise StorageUnavailable(
                         f"permits service unavailable at {self.url}: {type(exc).__name__}: {exc}", url=self.url
                     ) from exc
-                pause = RETRY_BACKOFF.delay(failures) if not waiting else min(MAX_RECONNECT_PAUSE, 0.05 * 2**failures)
                 sync_sleep(_within(pause, deadline))
                 failures += 1
                 continue
             if response.is_success:
                 return response.json()
             error = _error_from(response)
+            pause = _retry_after(response) or RETRY_BACKOFF.delay(failures)
+            # A proxy's failure page and the service's unavailability are no answer to the request: past the
+            # caller's deadline and the service's grace it is not sent again for them. A conflict is an answer.
+            no_answer = error is None or isinstance(error, StorageUnavailable | ServiceUnavailable)
+            gave_up = no_answer and past_giving_up(self._grace, _within(pause, deadline))
             if error is None:  # a proxy's failure page: the request may or may not have reached the service
                 if not idempotent:
                     raise StorageUnavailable(
@@ -593,7 +613,7 @@ class HTTPStore:
                         " the request may have been carried out",
                         url=self.url,
                     )
-                if failures >= self._settings.retries:
+                if failures >= self._settings.retries or gave_up:
                     raise StorageUnavailable(
                         f"permits service unavailable at {self.url}: a proxy in front of it answered"
                         f" {response.status_code}",
@@ -602,13 +622,14 @@ class HTTPStore:
             elif (
                 not error.retryable
                 or failures >= self._settings.retries
+                or gave_up
                 or isinstance(error, AcquireTimeout)
                 or (conflicts_final and isinstance(error, StorageConflict))
                 or not (idempotent or isinstance(error, NOT_CARRIED_OUT))
             ):
                 raise error
             logger.debug("retrying after %s from the service", response.status_code if error is None else error.code)
-            sync_sleep(_within(_retry_after(response) or RETRY_BACKOFF.delay(failures), deadline))
+            sync_sleep(_within(pause, deadline))
             failures += 1
 
 

@@ -551,6 +551,11 @@ class Dialect:
         cover the connection's own handshake, which no statement deadline does."""
         return {}
 
+    def connect_within(self, cparams: dict[str, Any], seconds: float) -> dict[str, Any]:
+        """The connection arguments with their bounds on the connect itself lowered to ``seconds`` (a caller's
+        deadline is near, ``permits._deadline``), where the driver has such bounds."""
+        return cparams
+
     def connected(self, dbapi_connection: Any) -> None:
         """Called on each new driver connection, once it is established (``reply_timeout_args``)."""
 

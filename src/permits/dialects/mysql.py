@@ -471,15 +471,17 @@ class MariaDB(Dialect):
         seconds = math.ceil(reply_timeout)
         if not asynchronous:
             return {"read_timeout": seconds, "write_timeout": seconds}
-        import aiomysql
+        return {"async_creator_fn": _aiomysql_connect_within(seconds)}
 
-        async def bounded_connect(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return await asyncio.wait_for(aiomysql.connect(*args, **kwargs), seconds)
-            except TimeoutError as exc:  # as the driver's own error, which SQLAlchemy wraps and the store retries
-                raise aiomysql.OperationalError(2003, f"no connection within {seconds} s") from exc
-
-        return {"async_creator_fn": bounded_connect}
+    def connect_within(self, cparams: dict[str, Any], seconds: float) -> dict[str, Any]:
+        whole = max(1, math.ceil(seconds))  # the drivers take whole seconds
+        lowered = dict(cparams)
+        for name in ("connect_timeout", "read_timeout", "write_timeout"):
+            if name in lowered:
+                lowered[name] = min(int(lowered[name]), whole)
+        if "async_creator_fn" in lowered:
+            lowered["async_creator_fn"] = _aiomysql_connect_within(whole)
+        return lowered
 
     def connected(self, dbapi_connection: Any) -> None:
         if hasattr(dbapi_connection, "_read_timeout"):  # PyMySQL's: each read and write applies them anew
@@ -644,3 +646,16 @@ def mysql_family_dialect(
     if version is not None and tuple(version[:2]) < JSON_TABLE_SINCE:
         return MariaDB105()
     return MariaDBStatementLog() if statement_log else MariaDB()
+
+
+def _aiomysql_connect_within(seconds: float) -> Any:
+    """aiomysql's connect, bounded as a whole to ``seconds`` (``reply_timeout_args``)."""
+    import aiomysql
+
+    async def bounded_connect(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await asyncio.wait_for(aiomysql.connect(*args, **kwargs), seconds)
+        except TimeoutError as exc:  # as the driver's own error, which SQLAlchemy wraps and the store retries
+            raise aiomysql.OperationalError(2003, f"no connection within {seconds:g} s") from exc
+
+    return bounded_connect

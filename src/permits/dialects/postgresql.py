@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 from permits.dialects.base import (
@@ -503,6 +504,12 @@ class PostgreSQL(Dialect):
         "LEASE_END_ONE": None,
         "SEM_GIVE_BACK_LEASE": None,
     }
+
+    def connect_within(self, cparams: dict[str, Any], seconds: float) -> dict[str, Any]:
+        if "connect_timeout" not in cparams:
+            return cparams
+        # libpq's bound covers the whole connect, in whole seconds, and takes any value under 2 as 2.
+        return {**cparams, "connect_timeout": min(int(cparams["connect_timeout"]), max(2, math.ceil(seconds)))}
 
     def engine_options(self, lock_wait_timeout: float, pooler: str | None = None) -> dict[str, Any]:
         if pooler is None:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from permits._backoff import Backoff
+from permits._deadline import caller_deadline, detached
 from permits._exceptions import ServiceUnavailable
 from permits._io import monotonic
 from permits._models import Lease, ReleaseOutcome, Want
@@ -200,7 +201,8 @@ class HandOff:
 
     def _start(self, name: str, line: _Line) -> None:
         if line.task is None:
-            line.task = asyncio.create_task(self._serve(name, line), name=f"permits-line-{name}")
+            # It serves every waiter that comes, not only the request that started it, so not to its deadline.
+            line.task = asyncio.create_task(self._serve(name, line), name=f"permits-line-{name}", context=detached())
 
     async def wait(
         self,
@@ -356,17 +358,20 @@ class HandOff:
                 ticket.attempting = True
                 ticket.alone = False
                 try:
-                    async with self._prelock.hold([name]):
-                        lease = await self._inner.try_acquire(
-                            ticket.owner,
-                            ticket.key,
-                            [ticket.want],
-                            ticket.ttl_ms,
-                            max(0.0, ticket.deadline - now),
-                            recheck=recheck,
-                            new_only=ticket.new_only,
-                            request_id=ticket.request_id,
-                        )
+                    # An attempt for the head alone: held to its request's deadline, as the request's own work
+                    # is (the line itself is not, permits._deadline).
+                    with caller_deadline(ticket.deadline):
+                        async with self._prelock.hold([name]):
+                            lease = await self._inner.try_acquire(
+                                ticket.owner,
+                                ticket.key,
+                                [ticket.want],
+                                ticket.ttl_ms,
+                                max(0.0, ticket.deadline - now),
+                                recheck=recheck,
+                                new_only=ticket.new_only,
+                                request_id=ticket.request_id,
+                            )
                 except Exception as exc:  # the request's own error (a conflict, an outage): it answers with it
                     line.tickets.popleft()
                     if not ticket.future.done():
@@ -491,14 +496,19 @@ class HandOff:
             return False
         for ticket in batch:
             ticket.attempting = True
+        # A turn of grants only is held to the latest of its requests' deadlines (permits._deadline): over a
+        # link that hangs, its waiters would otherwise wait out every retry's reply deadline. One that carries
+        # releases is not: a release must not be cut short for a waiter's timeout.
+        turn_deadline = max(t.deadline for t in batch) if batch and not releases else None
         try:
-            async with self._prelock.hold([name]):
-                handed = await self._inner.hand_over(  # type: ignore[attr-defined]
-                    name,
-                    [(r.owner, r.key) for r in releases],
-                    [(t.owner, t.key, t.ttl_ms) for t in batch],
-                    max(0.0, batch[0].deadline - monotonic()) if batch else None,
-                )
+            with caller_deadline(turn_deadline):
+                async with self._prelock.hold([name]):
+                    handed = await self._inner.hand_over(  # type: ignore[attr-defined]
+                        name,
+                        [(r.owner, r.key) for r in releases],
+                        [(t.owner, t.key, t.ttl_ms) for t in batch],
+                        max(0.0, batch[0].deadline - monotonic()) if batch else None,
+                    )
         except Exception as exc:
             for release in releases:
                 if not release.future.done():

@@ -21,6 +21,7 @@ from starlette.convertors import PathConvertor, register_url_convertor
 import permits
 from permits import _validate, _wire
 from permits._core import flows
+from permits._deadline import store_least_reply
 from permits._exceptions import (
     ENDS_THE_REQUEST,
     AcquireTimeout,
@@ -166,6 +167,7 @@ async def whoami(identity: Caller, state: State) -> dict[str, Any]:
             "max_ttl": limits.max_ttl,
             "max_wants": limits.max_wants,
             "default_ttl": state.client.default_ttl,
+            "answer_grace": state.config.prelock_wait + store_least_reply(state.config.lock_wait_timeout),
         },
         "features": list(FEATURES),
     }

@@ -320,6 +320,10 @@ class LimitsOut(BaseModel):
     max_ttl: float
     max_wants: int
     default_ttl: float = Field(description="the TTL of a lease acquired without one: 60 s, or max_ttl if lower")
+    answer_grace: float = Field(
+        description="how long past a request's wait this service may take to answer while healthy (its pre-lock"
+        " wait, then its store's least wait for a database's answer): a client waits at least this long"
+    )
 
 
 class WhoAmIOut(BaseModel):

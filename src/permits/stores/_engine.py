@@ -14,6 +14,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 
 from permits._config import Settings
+from permits._deadline import reply_within, store_grace, store_least_reply
 from permits._exceptions import (
     ConfigurationError,
     PermitsError,
@@ -46,6 +47,12 @@ def engine_args(dialect: Dialect, settings: Settings, asynchronous: bool) -> tup
     return dialect.engine_url(settings.database_url, asynchronous), options
 
 
+def _reply_within(settings: Settings) -> float:
+    """The store's reply deadline, or less where its caller's deadline is near (``permits._deadline``)."""
+    wait = settings.lock_wait_timeout
+    return reply_within(settings.reply_timeout, store_grace(wait), store_least_reply(wait))
+
+
 def install_events(
     engine: Engine, dialect: Dialect, settings: Settings, sessions: MutableMapping[Any, dict[str, Any]] | None = None
 ) -> None:
@@ -63,6 +70,9 @@ def install_events(
         # The URL's query goes to the driver as keyword arguments: one it does not know, or a value it
         # cannot read, is a TypeError or a ValueError there, which would reach the caller as a traceback.
         try:
+            bound = _reply_within(settings)
+            if bound < settings.reply_timeout:  # a caller's deadline is near: the connect holds to it too
+                cparams = dialect.connect_within(cparams, bound)
             return engine_dialect.connect(*cargs, **cparams)
         except (TypeError, ValueError) as exc:
             if parameters_taken:  # the same parameters worked before: the driver's failure, not the URL's
@@ -125,7 +135,7 @@ def install_events(
             # Under the reply deadline, as an operation's statements are: a link that stalls right after the
             # handshake fails the connect, which the store retries, rather than hang it.
             driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
-            watch = sync_watch_reply(dialect.reply_socket(driver), settings.reply_timeout)
+            watch = sync_watch_reply(dialect.reply_socket(driver), _reply_within(settings))
             try:
                 if identify:
                     note_session(dbapi_connection)
