@@ -450,17 +450,24 @@ def test_a_supervisors_sigterm_reaches_every_process_of_the_command_and_the_perm
     """``sh -c 'job; next'`` stopped by a supervisor's SIGTERM: sent to the shell alone, it ended the shell
     at once and the run released the permits while ``job`` still worked (a second run got in beside it).
     The signal goes to every process of the command, and the permits stay held until the last has ended:
-    here a job that takes 2 s to finish its work once told to stop."""
+    here a job that finishes its work, once told to stop, only when the test lets it (a fixed 2 s was once
+    spent on the second run's start on a loaded machine, which then found the permits free)."""
     name = f"{ns}cron"
     _permits(db_url, "sem", "create", name, "--capacity", "1")
-    done = tmp_path / "done"
+    done, finish = tmp_path / "done", tmp_path / "finish"
     job = (
-        "import signal, sys, time\n"
-        "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(2), open(sys.argv[1], 'w').close(), sys.exit(0)))\n"
+        "import os, signal, sys, time\n"
+        "def stop(*_):\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "    open(sys.argv[1], 'w').close()\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
         "print('working', flush=True)\n"
         "time.sleep(60)\n"
     )
-    script = f"{sys.executable} -c {shlex.quote(job)} {done}; echo next"
+    script = f"{sys.executable} -c {shlex.quote(job)} {done} {finish}; echo next"
     env = {**os.environ, "PERMITS_DATABASE_URL": db_url}
     holder = subprocess.Popen(
         [sys.executable, "-m", "permits", "run", name, "--ttl", "30", "--", "sh", "-c", script],
@@ -475,6 +482,8 @@ def test_a_supervisors_sigterm_reaches_every_process_of_the_command_and_the_perm
     time.sleep(0.5)
     other = _permits(db_url, "run", name, "--timeout", "0", "--", "true", check=False)
     assert other.returncode == 75, other.stderr
+    assert not done.exists()
+    finish.touch()
     assert holder.wait(timeout=30) == 128 + signal.SIGTERM  # the shell's own status: it died of the signal
     assert done.exists()  # the run ended only once the job had
     assert holder.stderr is not None and "still run: the permits stay held until they end" in holder.stderr.read()

@@ -366,3 +366,16 @@ def test_a_delete_whose_reply_is_lost_is_not_sent_again(db_url: str, ns: str) ->
             assert client.delete_semaphore(name, force=True) in (0, 1)
         with pytest.raises(permits.SemaphoreNotFound):
             direct.get_semaphore(name)
+
+
+def test_the_service_says_how_long_past_a_wait_it_may_take_and_its_clients_wait_that_long(db_url: str) -> None:
+    """``limits.answer_grace``: its pre-lock wait and its store's least wait for a database's answer (two
+    lock waits and 5 s). A client over a link that hangs gives up that long after its timeout, and waits at
+    least that long for each answer (``permits._deadline``); a fixed 25 s would cut a healthy service
+    configured with longer waits."""
+    env = {"PERMITS_PRELOCK_WAIT": "4", "PERMITS_LOCK_WAIT_TIMEOUT": "8"}
+    with running(db_url, env=env) as service, permits.connect(service.url) as web:
+        assert httpx.get(f"{service.url}/v1/whoami").json()["limits"]["answer_grace"] == 4 + 2 * 8 + 5
+        web.ping()
+        web.list_semaphores("")
+        assert web._store._grace == 4 + 2 * 8 + 5  # type: ignore[attr-defined]

@@ -24,9 +24,9 @@ from permits._config import Settings
 from permits._core import decide, flows
 from permits._core.flows import DuplicateKey, Flow, Restart, Result, Retry, Stmt, Then
 from permits._deadline import (
+    CALLER_DEADLINE,
     give_up_at,
     past_giving_up,
-    reply_within,
     store_grace,
     store_least_reply,
     without_caller_deadline,
@@ -285,6 +285,9 @@ class SQLStore:
         self._prepare = settings.pooler != "transaction"
         #: how long an operation's transaction waits for replies before its connection is taken as lost
         self._replies = settings.reply_timeout
+        #: past a caller's deadline: how long it still waits and retries, and an attempt's least wait
+        self._grace = store_grace(settings.lock_wait_timeout)
+        self._least_reply = store_least_reply(settings.lock_wait_timeout)
         #: the dialect as it was before open() swapped in calls of server functions (PostgreSQL's queued grant,
         #: and behind a transaction pooler the grant and the release): what the functions are made from
         self._before_functions: Dialect | None = None
@@ -390,7 +393,7 @@ class SQLStore:
         # the server and set the statements from what each saw: one whose probe of a cluster met a passing
         # error would put a single server's statements over the cluster's that another had just set.
         failures_before = self._open_failures
-        point = give_up_at(store_grace(self._settings.lock_wait_timeout))
+        point = give_up_at(self._grace)
         # A caller with a deadline waits for another's opening no longer than its own point of giving up (an
         # opening without a deadline may spend every retry of a link that hangs: minutes).
         if not sync_lock_within(self._opening, None if point is None else point - monotonic()):
@@ -431,7 +434,7 @@ class SQLStore:
         theirs = self._open_failure_gave_up_at
         if theirs is None:
             return True
-        mine = give_up_at(store_grace(self._settings.lock_wait_timeout))
+        mine = give_up_at(self._grace)
         return mine is not None and (mine <= theirs + SAME_DEADLINE_SECONDS or monotonic() >= mine)
 
     def _open(self) -> None:
@@ -1411,8 +1414,12 @@ class SQLStore:
     def _reply_bound(self) -> float:
         """How long an attempt sent now waits for its answer: the reply deadline, or less where the caller's
         deadline and its grace end sooner (``permits._deadline``)."""
-        wait = self._settings.lock_wait_timeout
-        return reply_within(self._replies, store_grace(wait), store_least_reply(wait))
+        # permits._deadline.reply_within, inlined: it is on the path of every statement.
+        deadline = CALLER_DEADLINE.get()
+        if deadline is None:
+            return self._replies
+        left = deadline + self._grace - monotonic()
+        return min(self._replies, self._least_reply if left < self._least_reply else left)
 
     def _backoff_or_raise(
         self,
@@ -1435,10 +1442,11 @@ class SQLStore:
         # that failed at once (a pooled connection the server dropped in a fail-over) is tried once more: a
         # new connection may well answer. A conflict is an answer, and keeps its own rules (a release's
         # clean-up must not lose its retries).
-        grace = store_grace(self._settings.lock_wait_timeout)
         at_once = attempt_started is not None and monotonic() - attempt_started < QUICK_FAILURE_SECONDS
         caller_gave_up = (
-            fault is Fault.UNAVAILABLE and past_giving_up(grace, delay) and not (at_once and first_lost_connection)
+            fault is Fault.UNAVAILABLE
+            and past_giving_up(self._grace, delay)
+            and not (at_once and first_lost_connection)
         )
         if not fault.retryable or out_of_retries or past_deadline or caller_gave_up:
             error = translate(exc, fault, self._dialect, self._settings)
