@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import permits
 from permits._exceptions import InvalidArgument, PermitsError, RequestTooLarge, ServiceUnavailable
-from permits.server import auth, dashboard, errors, routes, schemas, stats
+from permits.server import auth, dashboard, errors, reference, routes, schemas, stats
 from permits.server.config import ServerConfig
 from permits.server.hot import HotRoutes, replaying
 from permits.server.maintenance import LivenessProbe, Maintainer
@@ -68,11 +68,14 @@ def create_app(
         summary="Distributed counting semaphores, mutexes and leases on a SQL database.",
         description=_API_DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # reference.py serves both pages without a CDN
+        redoc_url=None,
     )
     app.state.permits = state
     _document_limits(app, config)
     errors.install(app)
     app.include_router(routes.router)
+    reference.install(app)
     if config.dashboard.enabled:
         app.include_router(dashboard.router)
     else:
