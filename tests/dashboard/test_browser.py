@@ -4,7 +4,6 @@ docs/dashboard/ by these tests, so the pictures in the docs are the page as it i
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import uuid
@@ -15,18 +14,14 @@ import httpx
 import pytest
 
 from tests._service import ROOT, Service, running, wait_until
+from tests.dashboard._browser import needs_chromium, sync_api
 
-sync_api = pytest.importorskip("playwright.sync_api")
-CHROMIUM = "/usr/bin/chromium"
 SHOTS = ROOT / "docs" / "dashboard"
 ADMIN, ALICE = "browser-admin-token-0123456789", "browser-alice-token-0123456789"
 TOKENS = [{"name": "ops", "token": ADMIN, "admin": True}, {"name": "alice", "token": ALICE}]
 FAST = {"PERMITS_DASHBOARD__STEP": "1", "PERMITS_DASHBOARD__POLL_INTERVAL": "0.2"}
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM) and os.environ.get("CI") != "true",
-    reason="no /usr/bin/chromium: scripts/test installs it (apt-get install chromium)",
-)
+pytestmark = needs_chromium
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +29,6 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     url = f"sqlite:///{tmp_path_factory.mktemp('browser') / 'permits.db'}"
     with running(url, tokens=TOKENS, env=FAST) as svc:
         yield svc
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ request to another host is refused, as on a private network, and the pages must 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -13,16 +12,12 @@ import httpx
 import pytest
 
 from tests._service import Service, running
+from tests.dashboard._browser import needs_chromium, sync_api
 
-sync_api = pytest.importorskip("playwright.sync_api")
-CHROMIUM = "/usr/bin/chromium"
 REDOC_LOGO = "https://cdn.redoc.ly/redoc/logo-mini.svg"
 TOKENS = [{"name": "ops", "token": "reference-admin-token-0123456789", "admin": True}]
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM) and os.environ.get("CI") != "true",
-    reason="no /usr/bin/chromium: scripts/test installs it (apt-get install chromium)",
-)
+pytestmark = needs_chromium
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +25,6 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     # With tokens: the pages and their assets need none, as /openapi.json does not.
     with running(f"sqlite:///{tmp_path_factory.mktemp('reference') / 'permits.db'}", tokens=TOKENS) as svc:
         yield svc
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
-        yield chromium
-        chromium.close()
 
 
 def _offline_page(browser: Any, service: Service) -> tuple[Any, list[str], list[str]]:
