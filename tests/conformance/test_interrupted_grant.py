@@ -96,27 +96,43 @@ def test_an_acquire_interrupted_by_ctrl_c_while_its_grant_waits_for_a_lock_leave
 ) -> None:
     """The sync client's twin: a process whose acquire gets SIGINT while the database holds its grant."""
     name = f"{ns}s"
+    # The process starts, opens its client and reports, and only then is the lock taken and the process
+    # told to ask: its start (Python, its imports, the connection) took longer than the lock was held on a
+    # loaded machine, and its acquire then found the lock gone, succeeded, and the signal came as it exited.
     code = (
         "import signal, sys, permits\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "with permits.connect(sys.argv[1], owner=sys.argv[3], lock_wait_timeout=float(sys.argv[4])) as client:\n"
+        "    client.ping()\n"
+        "    print('ready', flush=True)\n"
+        "    sys.stdin.readline()\n"
         "    print('asking', flush=True)\n"
         "    client.acquire(sys.argv[2], ttl=120, timeout=30)\n"
     )
     with permits.connect(db_url, owner=f"{ns}h") as client:
         client.create_semaphore(name, 1)
-        with _lock_held(db_url, name, hold) as done:
-            child = subprocess.Popen(
-                [sys.executable, "-c", code, db_url, name, f"{ns}o", str(lock_wait)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            assert child.stdout is not None and child.stdout.readline() == "asking\n"
-            time.sleep(0.5)  # its grant is with the database, waiting for the lock
-            child.send_signal(signal.SIGINT)
-            assert child.wait(timeout=30) != 0
-            assert child.stderr is not None and "KeyboardInterrupt" in child.stderr.read()
-            assert done.wait(30)
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, db_url, name, f"{ns}o", str(lock_wait)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert child.stdin is not None and child.stdout is not None
+            assert child.stdout.readline() == "ready\n", child.communicate()
+            with _lock_held(db_url, name, hold) as done:
+                child.stdin.write("go\n")
+                child.stdin.flush()
+                assert child.stdout.readline() == "asking\n"
+                time.sleep(0.5)  # its grant is with the database, waiting for the lock
+                child.send_signal(signal.SIGINT)
+                assert child.wait(timeout=30) != 0
+                assert child.stderr is not None and "KeyboardInterrupt" in child.stderr.read()
+                assert done.wait(30)
+        finally:
+            if child.poll() is None:  # it failed: leave no process behind
+                child.kill()
+                child.wait()
         time.sleep(1.0)  # time for a grant the database carried out late to commit
         assert (client.get_semaphore(name).used, client.holders(name)) == (0, [])
