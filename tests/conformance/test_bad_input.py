@@ -120,6 +120,8 @@ def test_flags_and_limits_are_checked_and_named(client: Any, ns: str) -> None:
         (lambda: client.delete_semaphore(f"{ns}s", force="yes"), "force"),
         (lambda: client.reconcile(repair=1), "repair"),
         (lambda: client.capacity_history(f"{ns}s", limit=0), "limit"),
+        (lambda: client.ping(timeout=-1), "timeout"),
+        (lambda: client.ping(timeout="soon"), "timeout"),
     ):
         with pytest.raises(InvalidArgument) as refused:
             call()

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
+import httpx
 import pytest
 
 import permits
@@ -30,6 +31,7 @@ from permits import ServiceUnavailable, StorageUnavailable
 from permits._async.http_store import SERVICE_GRACE_SECONDS
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT
 from permits._deadline import store_grace, store_least_reply
+from permits.server.app import READY_TIMEOUT_SECONDS
 from tests._proxy import CuttingProxy
 from tests._service import ROOT, Service
 from tests.conftest import AsyncFacade, in_thread
@@ -425,3 +427,44 @@ def test_permits_run_stopped_during_an_outage_exits_at_once(setup: Callable[[str
     assert took < 10, f"{took:.1f} s from SIGTERM to exit: {err}"
     assert "interrupted during an outage" in err
     assert [h.key for h in bench.direct.holders(bench.sem)] == [bench.holder.key]
+
+
+def test_a_ping_with_a_timeout_over_a_link_that_hangs_gives_up_soon_after_it(db_url: str, flavour: str) -> None:
+    """A health check's ``ping(timeout=1)`` over a link that stalls (its pooled connection, then new ones)
+    raises the outage soon after its second, as a waiting acquire does, not after every attempt's reply
+    deadline and the store's retries."""
+    with CuttingProxy.before(db_url) as proxy:
+        url = proxy.url_for(db_url)
+        client: Any = permits.connect(url) if flavour == "sync" else AsyncFacade(permits.connect_async(url))
+        try:
+            client.ping()  # opened, with a pooled connection
+            proxy.stall()
+            started = time.monotonic()
+            with pytest.raises(StorageUnavailable):
+                client.ping(timeout=1)
+            took = time.monotonic() - started
+        finally:
+            proxy.resume()
+            client.close() if flavour == "sync" else client.shutdown()
+    assert took < 1 + HANG_BOUND["db"], took
+
+
+def test_readiness_over_a_link_that_hangs_answers_503_soon(db_url: str, backend: str) -> None:
+    """``GET /readyz`` while the service's link to its database stalls: a 503 within the store's bound for
+    a ping, so that a load balancer's probes do not pile up on the instance for minutes each."""
+    if backend == "mysql":
+        pytest.skip("the service's ping is the store's, tested on both servers above: once, on PostgreSQL")
+    with CuttingProxy.before(db_url) as proxy:
+        service = Service.started(proxy.url_for(db_url), env={"PERMITS_MAINTENANCE__ENABLED": "false"})
+        try:
+            assert httpx.get(f"{service.url}/readyz", timeout=30).status_code == 200
+            proxy.stall()
+            started = time.monotonic()
+            answer = httpx.get(f"{service.url}/readyz", timeout=300)
+            took = time.monotonic() - started
+        finally:
+            proxy.resume()
+            service.stop()
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "storage_unavailable", answer.text
+    assert took < READY_TIMEOUT_SECONDS + HANG_BOUND["db"], took

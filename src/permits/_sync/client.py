@@ -660,12 +660,19 @@ class Client:
         With ``repair``, recount each drifted semaphore under its row lock and store the true count."""
         return self._store.reconcile(_validate.flag(repair, "repair"))
 
-    def ping(self) -> None:
-        """One cheap round trip to the database (or the service); raises ``StorageUnavailable`` if it
-        cannot be reached. For health checks."""
+    def ping(self, *, timeout: Seconds | None = None) -> None:
+        """One cheap round trip to the database (or the service); raises ``StorageUnavailable``
+        (``ServiceUnavailable``) if it cannot be reached. For health checks.
+
+        With ``timeout``, it gives up soon after that many seconds, as ``acquire(timeout=...)`` does over a
+        link that hangs (docs/deployment.md, "A link that hangs"): an attempt waits for its answer at least
+        the store's least reply time, 15 s with the default lock wait, not minutes of retries. ``None``: the
+        store's own reply deadline and retries alone."""
         if self._closed:
             raise UsageError("this client is closed")
-        self._store.ping()
+        limit = _validate.timeout(timeout, inf_is_none=True)
+        with caller_deadline(None if limit is None else monotonic() + limit):
+            self._store.ping()
 
     def upgrade_schema(self) -> str:
         """Create or upgrade the schema (``permits db upgrade``); returns the revision."""

@@ -28,6 +28,10 @@ from permits.server.state import ServiceState
 logger = logging.getLogger("permits.server")
 #: Seconds between refreshes of the per-semaphore gauges.
 GAUGE_REFRESH_SECONDS = 5.0
+#: The timeout of readiness's ping: over a link that hangs it answers 503 soon after (within the store's
+#: least reply time, 15 s with the default lock wait), where it waited out every attempt's reply deadline and
+#: the store's retries, and a load balancer's probes piled up on the instance meanwhile.
+READY_TIMEOUT_SECONDS = 2.0
 
 
 def create_app(
@@ -102,7 +106,7 @@ def create_app(
             # generic error (nor takes the 503 for a proxy's).
             return errors.error_response(ServiceUnavailable("this instance is shutting down", limit="shutdown"))
         try:
-            await state.client.ping()
+            await state.client.ping(timeout=READY_TIMEOUT_SECONDS)
         except PermitsError as exc:
             return errors.error_response(exc)
         return JSONResponse({"status": "ready"})
