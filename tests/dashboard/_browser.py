@@ -1,5 +1,6 @@
 """Debian's Chromium, driven by Playwright, for the tests of the pages the service draws in a browser
-(Playwright's own browser download does not work everywhere; scripts/test installs chromium)."""
+(Playwright's own browser download does not work everywhere; scripts/test installs chromium). The modules
+that drive it import Playwright themselves (``pytest.importorskip``), so that without it only they skip."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import os
 
 import pytest
 
-sync_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = "/usr/bin/chromium"
 
 #: For each such test module: in CI a missing browser is a failure, not a skip.

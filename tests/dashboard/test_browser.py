@@ -14,13 +14,14 @@ import httpx
 import pytest
 
 from tests._service import ROOT, Service, running, wait_until
-from tests.dashboard._browser import needs_chromium, sync_api
+from tests.dashboard._browser import needs_chromium
 
 SHOTS = ROOT / "docs" / "dashboard"
 ADMIN, ALICE = "browser-admin-token-0123456789", "browser-alice-token-0123456789"
 TOKENS = [{"name": "ops", "token": ADMIN, "admin": True}, {"name": "alice", "token": ALICE}]
 FAST = {"PERMITS_DASHBOARD__STEP": "1", "PERMITS_DASHBOARD__POLL_INTERVAL": "0.2"}
 
+sync_api = pytest.importorskip("playwright.sync_api")
 pytestmark = needs_chromium
 
 

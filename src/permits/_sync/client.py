@@ -666,8 +666,9 @@ class Client:
 
         With ``timeout``, it gives up soon after that many seconds, as ``acquire(timeout=...)`` does over a
         link that hangs (docs/deployment.md, "A link that hangs"): an attempt waits for its answer at least
-        the store's least reply time, 15 s with the default lock wait, not minutes of retries. ``None``: the
-        store's own reply deadline and retries alone."""
+        the store's least reply time (15 s with the default lock wait; through a service, the service's
+        ``answer_grace``, 25 s), not minutes of retries. ``None``: the store's own reply deadline and
+        retries alone."""
         if self._closed:
             raise UsageError("this client is closed")
         limit = _validate.timeout(timeout, inf_is_none=True)
