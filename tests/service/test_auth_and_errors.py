@@ -603,3 +603,19 @@ def _when_a_stream_is_free(ask: Callable[[], httpx.Response]) -> httpx.Response:
         assert time.monotonic() < deadline, "a HEAD's event stream was never let go"
         time.sleep(0.05)
     return answer
+
+
+def test_a_body_that_asks_nothing_is_taken_where_a_route_reads_none(service: Service, ns: str) -> None:
+    """Some HTTP libraries send an empty body, or ``{}``, with every request: a GET or a DELETE with one is
+    answered as without it. A body with anything in it is refused (docs/bad-input.md, ``delete-body``), in
+    one piece or in chunks, and names its route."""
+    name = f"{ns}nobody"
+    with _http(service, ADMIN) as admin:
+        assert admin.post("/v1/semaphores", json={"name": name, "capacity": 1}).status_code == 201
+        assert admin.request("GET", f"/v1/holders/{name}", content=b"").status_code == 200
+        assert admin.request("GET", f"/v1/semaphores/{name}", content=b" {\n} ").status_code == 200
+        chunked = admin.request("GET", f"/v1/holders/{name}", content=iter([b'{"owner"', b': "x"}']))
+        assert _error(chunked) == (422, "invalid_argument")
+        assert chunked.json()["error"]["message"].startswith("GET /v1/holders/{name} takes no body")
+        assert admin.request("DELETE", f"/v1/semaphores/{name}", content=b"{}").status_code == 200
+        assert admin.get(f"/v1/semaphores/{name}").status_code == 404

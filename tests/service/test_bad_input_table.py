@@ -296,6 +296,11 @@ CASES: dict[str, Case] = {
     "path-not-utf8": Case(None, lambda ctx: ("GET", "/v1/holders/%ff", None)),
     "query-not-utf8": Case(None, lambda ctx: ("GET", "/v1/semaphores?prefix=%ff", None)),
     "query-twice": Case(None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}?force=false&force=true", None)),
+    "delete-body": Case(None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}", {"force": True, "reason": "moved"})),
+    "get-body": Case(None, lambda ctx: ("GET", f"/v1/holders/{ctx.s}", {"owner": "someone"})),
+    "delete-body-no-token": Case(
+        None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}", {"force": True, "reason": "moved"}), token=None
+    ),
     "delete-reason-too-long": Case(
         None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}?force=true&reason={'r' * 1001}", None)
     ),

@@ -10,11 +10,14 @@ whether the framework reads the body or the hot routes do (hot.py).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
+
+from permits._exceptions import InvalidArgument
 
 #: the start of the parser's message for a name given twice (errors.py words its answer by it)
 NAME_TWICE = "the name "
@@ -30,6 +33,8 @@ def _one_value_per_name(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 _DECODER = json.JSONDecoder(object_pairs_hook=_one_value_per_name)
+#: A body that asks nothing: empty, or an empty JSON object (not parsed: any other body is refused unread).
+_NOTHING = re.compile(rb"\s*(\{\s*\})?\s*")
 
 
 def loads(body: bytes | str) -> Any:
@@ -49,12 +54,41 @@ class _Request(Request):
 
 
 class Route(APIRoute):
-    """The service's routes: their bodies are read with ``loads``."""
+    """The service's routes: their bodies are read with ``loads``, and a route that reads none (a GET, a
+    DELETE, whose options go in the query) refuses one rather than drop it unread: a
+    ``DELETE /v1/semaphores/s`` sent with ``{"force": true, "reason": "..."}`` was answered as if neither
+    had been given."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handle = super().get_route_handler()
+        takes_a_body = self.body_field is not None
 
         async def reading_with_loads(request: Request) -> Response:
+            if not takes_a_body and _may_have_a_body(request):
+                await _refuse_a_body(request)
             return await handle(_Request(request.scope, request.receive))
 
         return reading_with_loads
+
+
+def _may_have_a_body(request: Request) -> bool:
+    # Only the headers, on the path of every GET: a body comes with a length or in chunks.
+    length = request.headers.get("content-length")
+    return (length is not None and length.strip() != "0") or "transfer-encoding" in request.headers
+
+
+async def _refuse_a_body(request: Request) -> None:
+    """Refuse the body of a request whose route reads none, after its caller is checked (who may ask is
+    answered before what was asked, as for a body that is not JSON). Nothing for an empty body, or an empty
+    JSON object, which some HTTP libraries send with every request and which asks nothing."""
+    from permits.server.routes import refuse_caller  # routes builds on this module
+
+    raw = await request.body()
+    if _NOTHING.fullmatch(raw):
+        return
+    await refuse_caller(request)
+    path = getattr(request.scope.get("route"), "path_format", request.url.path)
+    raise InvalidArgument(
+        f"{request.method} {path} takes no body, and this one would be dropped unread: give its options in the query",
+        field="body",
+    )
