@@ -55,7 +55,7 @@ class SQLite(Dialect):
     def engine_url(self, url: URL, asynchronous: bool) -> URL:
         # SQLite reads mode=ro, cache=, immutable= ... only from a file: URI (uri=true). In a plain URL
         # SQLAlchemy drops them with a warning nobody sees, so ?mode=ro would open the file read-write.
-        uri = str(url.query.get("uri", "")).lower() in ("true", "yes", "on", "y", "t", "1")  # as SQLAlchemy reads it
+        uri = _is_uri(url)
         unlocked = sorted(_UNLOCKED & _sqlite_parameters(url, uri))
         if unlocked:
             raise ConfigurationError(
@@ -172,6 +172,38 @@ class _OffsetSQLite(SQLite):
 def sqlite_dialect() -> SQLite:
     """The SQLite dialect: on the database's own clock, unless a test installed ``offset_clock()``."""
     return SQLite() if _installed is None else _OffsetSQLite(_installed)
+
+
+def _is_uri(url: URL) -> bool:
+    """Whether the driver opens the URL's database as a file: URI (``uri=true``, as SQLAlchemy reads it)."""
+    return str(url.query.get("uri", "")).lower() in ("true", "yes", "on", "y", "t", "1")
+
+
+def database_file(url: URL) -> str | None:
+    """The file that a SQLite URL's writers write, named as SQLite finds it: the path, or in a file: URI
+    the URI's path, percent-decoded (``file:/x.db``, ``file:///x.db`` and ``file://localhost/x.db`` are all
+    ``/x.db``), so that every client of one file finds the same lines beside it (stores/host_lines.py).
+    ``None`` for an in-memory database, and for one opened read-only (``mode=ro``), which never writes."""
+    database = url.database or ""
+    if not (database.startswith("file:") and _is_uri(url)):
+        return None if database in ("", ":memory:") else database  # without uri=true, a name like any other
+    path, _, inner = database.removeprefix("file:").partition("#")[0].partition("?")
+    if path.startswith("//"):  # an authority: empty or localhost, the only ones SQLite opens
+        authority, slash, rest = path[2:].partition("/")
+        if authority.lower() not in ("", "localhost"):
+            return None
+        path = slash + rest
+    modes = {
+        unquote(value)
+        for name, _, value in (pair.partition("=") for pair in inner.split("&"))
+        if unquote(name) == "mode"
+    }
+    given = url.query.get("mode")
+    modes |= set(given) if isinstance(given, tuple) else {given} if given else set()
+    path = unquote(path)
+    if path in ("", ":memory:") or modes & {"ro", "memory"}:
+        return None
+    return path
 
 
 def _sqlite_parameters(url: URL, uri: bool) -> set[str]:

@@ -23,6 +23,7 @@ from sqlalchemy.sql.compiler import Compiled
 
 from permits._core.flows import DuplicateKey, Flow, Result, Stmt
 from permits.dialects.base import Dialect, Fault
+from permits.dialects.sqlite import database_file
 from permits.stores._engine import driver_error, sqlite_busy_ms
 from permits.stores.host_lines import WRITE_LINE, HostLines, supported
 
@@ -42,10 +43,9 @@ class DirectTransactions:
         self._engine = engine
         self._dialect = dialect
         self._statements: dict[str, tuple[str, tuple[str, ...], Compiled | None]] = {}
-        database = engine.url.database
-        in_file = database not in (None, "", ":memory:") and not str(database).startswith("file:")
+        written = database_file(engine.url)
         #: the lines beside the database (stores/host_lines.py); None where there are none
-        self.lines = HostLines(str(database)) if in_file and supported() else None
+        self.lines = HostLines(written) if written is not None and supported() else None
         self._write_patience = min(WRITE_PATIENCE, lock_wait_timeout)
         self._busy_ms = sqlite_busy_ms(lock_wait_timeout)
 
