@@ -4,6 +4,7 @@ wire. One service per backend for the module; every test keeps to its own semaph
 from __future__ import annotations
 
 import hashlib
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -619,3 +620,17 @@ def test_a_body_that_asks_nothing_is_taken_where_a_route_reads_none(service: Ser
         assert chunked.json()["error"]["message"].startswith("GET /v1/holders/{name} takes no body")
         assert admin.request("DELETE", f"/v1/semaphores/{name}", content=b"{}").status_code == 200
         assert admin.get(f"/v1/semaphores/{name}").status_code == 404
+    # A GET's body has no size limit: one that says it is long is answered before it is sent (it was read
+    # whole, before the token was checked, and 400 MB of it took 700 MB of the instance's memory).
+    for token, status in ((None, "401"), (ADMIN, "422")):
+        assert _answer_before_the_body(service, f"/v1/holders/{name}", token).startswith(f"HTTP/1.1 {status} ")
+
+
+def _answer_before_the_body(service: Service, path: str, token: str | None) -> str:
+    """The status line of a GET that says it carries 100 MB of body and sends 5 bytes of it."""
+    host, port = service.url.removeprefix("http://").split(":")
+    auth = "" if token is None else f"Authorization: Bearer {token}\r\n"
+    head = f"GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: 100000000\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(head.encode() + b'{"a":')
+        return conn.recv(4096).decode().partition("\r\n")[0]

@@ -33,8 +33,10 @@ def _one_value_per_name(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 _DECODER = json.JSONDecoder(object_pairs_hook=_one_value_per_name)
-#: A body that asks nothing: empty, or an empty JSON object (not parsed: any other body is refused unread).
+#: A body that asks nothing: empty, or an empty JSON object (not parsed: any other body is refused unread),
+#: of at most this many bytes; a longer one is refused without reading past them.
 _NOTHING = re.compile(rb"\s*(\{\s*\})?\s*")
+NOTHING_AT_MOST = 64
 
 
 def loads(body: bytes | str) -> Any:
@@ -83,10 +85,19 @@ async def _refuse_a_body(request: Request) -> None:
     JSON object, which some HTTP libraries send with every request and which asks nothing."""
     from permits.server.routes import refuse_caller  # routes builds on this module
 
-    raw = await request.body()
-    if _NOTHING.fullmatch(raw):
-        return
+    # The caller first, and then no more of the body than a body that asks nothing can be: a GET's body has
+    # no size limit of its own (app.py's _BodyLimit), and one read whole, before the token was checked, let
+    # anyone fill the instance's memory.
     await refuse_caller(request)
+    length = request.headers.get("content-length", "").strip()
+    if not (length.isdigit() and int(length) > NOTHING_AT_MOST):
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > NOTHING_AT_MOST:
+                break
+        if len(raw) <= NOTHING_AT_MOST and _NOTHING.fullmatch(raw):
+            return
     path = getattr(request.scope.get("route"), "path_format", request.url.path)
     raise InvalidArgument(
         f"{request.method} {path} takes no body, and this one would be dropped unread: give its options in the query",
