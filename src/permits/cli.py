@@ -214,6 +214,28 @@ def db_upgrade(db: str | None) -> None:
     click.echo(f"schema at revision {revision} ({client.url})")
 
 
+@db.command("ping")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="Give up soon after this many seconds, over a link that hangs too (about 15 s at least, with the"
+    ' default lock wait: docs/deployment.md, "A link that hangs").',
+)
+@_db_option
+def db_ping(timeout: float, db: str | None) -> None:
+    """Check that the database (or the service) answers, with the schema this version needs: exit 0, or 1
+    with the error. For scripts and exec probes; it makes no tables, not even SQLite's."""
+    started = monotonic()
+    try:
+        with permits.connect(db, auto_upgrade=False) as client:
+            client.ping(timeout=timeout)
+    except PermitsError as exc:
+        _fail(exc, EXIT_USAGE if isinstance(exc, InvalidArgument | ConfigurationError | UsageError) else EXIT_FAILED)
+    click.echo(f"{client.url} answered in {(monotonic() - started) * 1000:.0f} ms")
+
+
 @db.command("drop-old-functions")
 @click.option("--dry-run", is_flag=True, help="List them, and drop nothing.")
 @_db_option

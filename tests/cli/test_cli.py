@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
 import shlex
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -965,3 +967,23 @@ def test_ctrl_c_while_acquire_waits_says_so_exits_130_and_holds_nothing(db_url: 
         assert "permits: interrupted" in told and "Aborted" not in told, told
         assert [h.key for h in client.holders(name)] == [held.key]
         client.release(held)
+
+
+def test_db_ping_says_whether_the_database_answers_with_the_schema(db_url: str, tmp_path: Path) -> None:
+    """``permits db ping``, for scripts and exec probes: exit 0 when the database answers with the schema
+    this version needs; 1 with the error when it cannot be reached, or has no tables (it makes none); 2
+    for a bad timeout."""
+    with permits.connect(db_url) as client:
+        client.ping()  # the tables, on SQLite
+        url = client.url
+    done = _permits(db_url, "db", "ping")
+    assert done.stdout.startswith(f"{url} answered in "), done.stdout
+    empty = tmp_path / "empty.db"
+    refused = _permits(f"sqlite:///{empty}", "db", "ping", check=False)
+    assert refused.returncode == 1 and "schema_mismatch" in refused.stderr, refused.stderr
+    with contextlib.closing(sqlite3.connect(empty)) as conn:  # still no tables
+        assert conn.execute("SELECT name FROM sqlite_master").fetchall() == []
+    closed = _permits("postgresql://postgres@127.0.0.1:1/nothing", "db", "ping", "--timeout", "1", check=False)
+    assert closed.returncode == 1 and "storage_unavailable" in closed.stderr, closed.stderr
+    bad = _permits(db_url, "db", "ping", "--timeout", "-1", check=False)
+    assert bad.returncode == 2 and "--timeout" in bad.stderr, bad.stderr
