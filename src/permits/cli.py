@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
+from sqlalchemy.engine import make_url
 
 import permits
 from permits._backoff import OUTAGE_BACKOFF
@@ -46,6 +47,7 @@ from permits._exceptions import (
 from permits._io import monotonic
 from permits._models import Want
 from permits._sync.client import Client, Held
+from permits.dialects.sqlite import database_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -220,20 +222,36 @@ def db_upgrade(db: str | None) -> None:
     type=click.FloatRange(min=0),
     default=10.0,
     show_default=True,
-    help="Give up soon after this many seconds, over a link that hangs too (about 15 s at least, with the"
-    ' default lock wait: docs/deployment.md, "A link that hangs").',
+    help="Give up soon after this many seconds, over a link that hangs too (a lock wait and 5 s after it,"
+    ' and at least 15 s, with the defaults: docs/deployment.md, "A link that hangs").',
 )
 @_db_option
 def db_ping(timeout: float, db: str | None) -> None:
     """Check that the database (or the service) answers, with the schema this version needs: exit 0, or 1
-    with the error. For scripts and exec probes; it makes no tables, not even SQLite's."""
+    with the error. For scripts and exec probes; it makes no tables, and no SQLite file."""
     started = monotonic()
     try:
-        with permits.connect(db, auto_upgrade=False) as client:
+        client = permits.connect(db, auto_upgrade=False)
+        try:
+            written = _sqlite_file(client.url)
+            if written is not None and not os.path.exists(written):
+                # Asked, SQLite would make an empty database, which a later command would take for the one
+                # meant: a probe must not leave one behind.
+                raise StorageUnavailable(f"no SQLite database at {os.path.abspath(written)}", url=client.url)
+            # Not the client's context manager: it opens the client first (a service's GET /v1/whoami needs a
+            # token, which readiness does not), outside the ping's timeout.
             client.ping(timeout=timeout)
+        finally:
+            client.close()
     except PermitsError as exc:
         _fail(exc, EXIT_USAGE if isinstance(exc, InvalidArgument | ConfigurationError | UsageError) else EXIT_FAILED)
     click.echo(f"{client.url} answered in {(monotonic() - started) * 1000:.0f} ms")
+
+
+def _sqlite_file(url: str) -> str | None:
+    """The file a SQLite URL names (``None`` for another database, or an in-memory one)."""
+    parsed = make_url(url)
+    return database_file(parsed) if parsed.get_backend_name() == "sqlite" else None
 
 
 @db.command("drop-old-functions")

@@ -23,6 +23,7 @@ from click.testing import CliRunner
 import permits
 import permits.cli
 from permits._sync.client import Held
+from tests._service import running
 
 
 def _permits(db_url: str, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -979,11 +980,32 @@ def test_db_ping_says_whether_the_database_answers_with_the_schema(db_url: str, 
     done = _permits(db_url, "db", "ping")
     assert done.stdout.startswith(f"{url} answered in "), done.stdout
     empty = tmp_path / "empty.db"
+    sqlite3.connect(empty).close()  # a database, with no tables
     refused = _permits(f"sqlite:///{empty}", "db", "ping", check=False)
     assert refused.returncode == 1 and "schema_mismatch" in refused.stderr, refused.stderr
     with contextlib.closing(sqlite3.connect(empty)) as conn:  # still no tables
         assert conn.execute("SELECT name FROM sqlite_master").fetchall() == []
+    missing = tmp_path / "missing.db"
+    absent = _permits(f"sqlite:///{missing}", "db", "ping", check=False)
+    assert absent.returncode == 1 and f"no SQLite database at {missing}" in absent.stderr, absent.stderr
+    assert not missing.exists()  # a probe leaves no empty database for a later command to take
     closed = _permits("postgresql://postgres@127.0.0.1:1/nothing", "db", "ping", "--timeout", "1", check=False)
     assert closed.returncode == 1 and "storage_unavailable" in closed.stderr, closed.stderr
     bad = _permits(db_url, "db", "ping", "--timeout", "-1", check=False)
     assert bad.returncode == 2 and "--timeout" in bad.stderr, bad.stderr
+
+
+def test_db_ping_of_a_service_needs_no_token(tmp_path: Path) -> None:
+    """Through a service it asks readiness, which needs no token, as a load balancer does (opening the
+    client first asked GET /v1/whoami, which does, and failed with unauthorized)."""
+    tokens = [{"name": "ops", "token": "ping-admin-token-0123456789", "admin": True}]
+    with running(f"sqlite:///{tmp_path / 'served.db'}", tokens=tokens) as service:
+        env = {k: v for k, v in os.environ.items() if k != "PERMITS_TOKEN"}
+        done = subprocess.run(
+            [sys.executable, "-m", "permits", "db", "ping", "--db", service.url],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    assert done.returncode == 0 and "answered in" in done.stdout, done.stderr

@@ -214,6 +214,8 @@ def test_sqlite_parameters_that_drop_its_locking_are_refused(tmp_path: Path, que
         "file:{path}%3Fnolock=1?uri=true",  # "?" encoded in the path: SQLAlchemy decodes it, and SQLite reads a query
         "file:{path}%3Fmode=rw&immutable=1?uri=true",
         "file:{path}?no%256Cock=1&uri=true",  # the name encoded: SQLite decodes it to nolock
+        "file:{path}?vfs=unix-none&uri=true",  # a VFS that takes no locks
+        "file:{path}%3Fvfs=unix-none?uri=true",
     ],
 )
 def test_sqlite_parameters_that_drop_its_locking_are_refused_however_they_are_written(
@@ -227,6 +229,19 @@ def test_sqlite_parameters_that_drop_its_locking_are_refused_however_they_are_wr
     ):
         client.list_semaphores()
     assert not path.exists()
+
+
+def test_sqlite_parameters_on_a_path_given_uri_true_are_refused(tmp_path: Path) -> None:
+    """``sqlite:///x.db?mode=ro&uri=true``: the driver opened a file named ``x.db?mode=ro``, writable, beside
+    the one meant. Refused, naming the file: form."""
+    path = tmp_path / "permits.db"
+    with (
+        pytest.raises(permits.ConfigurationError, match="is a path") as refused,
+        permits.connect(f"sqlite:///{path}?mode=ro&uri=true") as client,
+    ):
+        client.list_semaphores()
+    assert f"sqlite:///file:{path}?" in str(refused.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_file_uri_suggested_for_an_odd_path_opens_that_file(tmp_path: Path) -> None:

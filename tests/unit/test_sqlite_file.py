@@ -31,6 +31,7 @@ from permits.dialects.sqlite import database_file
         ("sqlite:///file:/srv/p.db?mode=ro&uri=true", None),
         ("sqlite:///file:/srv/p.db%3Fmode=ro?uri=true", None),  # a query in the path, as SQLite reads it
         ("sqlite:///file://elsewhere/srv/p.db?uri=true", None),  # SQLite opens no other host's file
+        ("sqlite:///file:/shared?vfs=memdb&uri=true", None),  # in memory, named for the process to share
     ],
 )
 def test_the_file_a_url_writes(url: str, written: str | None) -> None:

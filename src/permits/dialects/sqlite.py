@@ -29,6 +29,8 @@ _READ_ONLY = {sqlite3.SQLITE_READONLY}
 _DRIVER_PARAMETERS = {"uri", "timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements"}
 #: SQLite URI parameters that drop its locking: a second process would read and write the file unguarded
 _UNLOCKED = {"immutable", "nolock"}
+#: SQLite VFSes that take no locks, for the same reason (``vfs=unix-none``)
+_UNLOCKED_VFS = {"unix-none", "win32-none"}
 
 _NOW_SQL = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
 
@@ -56,7 +58,9 @@ class SQLite(Dialect):
         # SQLite reads mode=ro, cache=, immutable= ... only from a file: URI (uri=true). In a plain URL
         # SQLAlchemy drops them with a warning nobody sees, so ?mode=ro would open the file read-write.
         uri = _is_uri(url)
-        unlocked = sorted(_UNLOCKED & _sqlite_parameters(url, uri))
+        parameters = _sqlite_query(url, uri)
+        unlocked = sorted(_UNLOCKED & {name for name, _ in parameters})
+        unlocked += [f"vfs={value}" for name, value in parameters if name == "vfs" and value in _UNLOCKED_VFS]
         if unlocked:
             raise ConfigurationError(
                 f"SQLite's {', '.join(unlocked)} turn off the file locking that keeps several processes' grants"
@@ -64,6 +68,14 @@ class SQLite(Dialect):
                 field="url",
             )
         ignored = sorted(set(url.query) - _DRIVER_PARAMETERS)
+        if ignored and uri and not (url.database or "").startswith("file:"):
+            # The driver then opens the path with the query glued to it: a file named "x.db?mode=ro", made
+            # writable, beside the one that was meant.
+            raise ConfigurationError(
+                f"SQLite reads {', '.join(ignored)} only from a file: URI, and {url.database or ''!r} is a path:"
+                f" write it sqlite:///file:{url.database or ''}?...&uri=true",
+                field="url",
+            )
         if ignored and not uri:
             query = "&".join(f"{name}={url.query[name]}" for name in sorted(url.query) if name != "uri")
             # Quoted twice: SQLAlchemy unquotes the URL's path once, and SQLite the file: URI's once more
@@ -187,32 +199,34 @@ def database_file(url: URL) -> str | None:
     database = url.database or ""
     if not (database.startswith("file:") and _is_uri(url)):
         return None if database in ("", ":memory:") else database  # without uri=true, a name like any other
-    path, _, inner = database.removeprefix("file:").partition("#")[0].partition("?")
+    path = database.removeprefix("file:").partition("#")[0].partition("?")[0]
     if path.startswith("//"):  # an authority: empty or localhost, the only ones SQLite opens
         authority, slash, rest = path[2:].partition("/")
         if authority.lower() not in ("", "localhost"):
             return None
         path = slash + rest
-    modes = {
-        unquote(value)
-        for name, _, value in (pair.partition("=") for pair in inner.split("&"))
-        if unquote(name) == "mode"
-    }
-    given = url.query.get("mode")
-    modes |= set(given) if isinstance(given, tuple) else {given} if given else set()
+    parameters = _sqlite_query(url, uri=True)
     path = unquote(path)
-    if path in ("", ":memory:") or modes & {"ro", "memory"}:
+    if path in ("", ":memory:") or ("mode", "ro") in parameters or ("mode", "memory") in parameters:
+        return None
+    if ("vfs", "memdb") in parameters:  # a database in memory, named for sharing within the process
         return None
     return path
 
 
-def _sqlite_parameters(url: URL, uri: bool) -> set[str]:
-    """The names of the parameters SQLite will read, as it reads them: percent-decoded (``no%6Cock`` is
-    ``nolock``), from the URL's query and, in a file: URI, from a query inside the path too (an encoded
-    ``%3F`` there, which SQLAlchemy decodes, starts one)."""
-    names = {unquote(name) for name in url.query}
+def _sqlite_query(url: URL, uri: bool) -> list[tuple[str, str]]:
+    """The parameters SQLite will read, as it reads them: percent-decoded (``no%6Cock`` is ``nolock``), from
+    the URL's query and, in a file: URI, from a query inside the path too (an encoded ``%3F`` there, which
+    SQLAlchemy decodes, starts one)."""
+    pairs = []
+    for name, given in url.query.items():
+        for value in given if isinstance(given, tuple) else (given,):
+            pairs.append((unquote(name), unquote(value)))
     database = url.database or ""
     if uri and database.startswith("file:"):
         inner = database.partition("?")[2].partition("#")[0]  # a "#" ends a URI's query
-        names |= {unquote(pair.partition("=")[0]) for pair in inner.split("&") if pair}
-    return names
+        for pair in inner.split("&"):
+            if pair:
+                name, _, value = pair.partition("=")
+                pairs.append((unquote(name), unquote(value)))
+    return pairs
