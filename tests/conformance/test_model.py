@@ -479,13 +479,10 @@ def test_model_on_a_server_with_a_moving_clock(server: str, monkeypatch: pytest.
             else:
                 pooler = "?pooler=transaction" if variant == "functions" else ""
                 client = stack.enter_context(permits.connect(url + pooler, auto_upgrade=True))
-            # 60 examples on every server and through the service. (40 through the service, each step of which
-            # is a request to another process, reached every kind of answer on an idle machine, but not
-            # "extend: LeaseLost" on MariaDB under the parallel test run's load.) The MySQL-family variants run
-            # 30: MariaDB's own run above covers the model, and they differ from it in a few statements
-            # (RETURNING, a statement per request), which every example runs; 30 reach every kind of answer
-            # too (8.5 s each on an idle machine), where with 60 they took 25 to 66 s each in the parallel run.
-            _run(client, clock, examples=30 if variant in MYSQL_FAMILY else 60, steps=40)
+            # 60 examples on every variant. (40 through the service, each step of which is a request to another
+            # process, reached every kind of answer on an idle machine, but not "extend: LeaseLost" on MariaDB
+            # under the parallel test run's load.)
+            _run(client, clock, examples=60, steps=40)
             if variant in MYSQL_FAMILY:
                 assert type(client._store._dialect) is MYSQL_FAMILY[variant]
         if variant == "functions":  # made (with the moved clock in them) and called; counted as sessions end
