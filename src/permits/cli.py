@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
-from sqlalchemy.engine import make_url
 
 import permits
 from permits._backoff import OUTAGE_BACKOFF
@@ -47,7 +46,6 @@ from permits._exceptions import (
 from permits._io import monotonic
 from permits._models import Want
 from permits._sync.client import Client, Held
-from permits.dialects.sqlite import database_file
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -250,8 +248,13 @@ def db_ping(timeout: float, db: str | None) -> None:
 
 def _sqlite_file(url: str) -> str | None:
     """The file a SQLite URL names (``None`` for another database, or an in-memory one)."""
-    parsed = make_url(url)
-    return database_file(parsed) if parsed.get_backend_name() == "sqlite" else None
+    if not url.startswith("sqlite"):
+        return None  # a server's, or a service's: the CLI through a service never imports SQLAlchemy
+    from sqlalchemy.engine import make_url
+
+    from permits.dialects.sqlite import database_file
+
+    return database_file(make_url(url))
 
 
 @db.command("drop-old-functions")
