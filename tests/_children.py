@@ -252,13 +252,22 @@ def take_turns(args: dict[str, Any]) -> None:
 
 
 def run_take_turns(
-    processes: int, args: dict[str, Any], meanwhile: Callable[[list[subprocess.Popen[str]]], None] | None = None
+    processes: int,
+    args: dict[str, Any],
+    meanwhile: Callable[[list[subprocess.Popen[str]]], None] | None = None,
+    urls: list[str] | None = None,
 ) -> list[dict[str, int]]:
     """Parent side: start ``processes`` children of ``take_turns`` (owners p0, p1, ...), start them together,
     and return what each reported. ``meanwhile`` is called with the children once they have started (to
-    stop them for a while, say)."""
+    stop them for a while, say). ``urls``: child i connects with ``urls[i % len(urls)]`` instead of
+    ``args["url"]`` (several spellings of one database)."""
     children = [
-        spawn("take_turns", {**args, "owner": f"p{i}"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        spawn(
+            "take_turns",
+            {**args, "owner": f"p{i}", **({"url": urls[i % len(urls)]} if urls else {})},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         for i in range(processes)
     ]
     try:

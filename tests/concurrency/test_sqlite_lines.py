@@ -47,11 +47,30 @@ def test_processes_take_even_turns_on_sqlite(
     every write and every waiting acquire going through the lines. Before them three of the four cases
     failed: on the plain mutex one process of six took nearly every turn (Jain 0.18, the others waiting
     4-4.8 s at a time), and on the hot semaphore 24 processes had 0.83 plain and 0.86 fair."""
+    _take_even_turns(tmp_path, capacity, hold, processes, fair)
+
+
+def test_processes_that_name_one_file_as_a_path_and_as_a_uri_share_its_lines(tmp_path: Path) -> None:
+    """As above on the mutex held 20 ms, with three of the six processes naming the file as a writable
+    ``file:`` URI (two spellings of it) and three as a plain path: they share one lines file. A URI's
+    clients had no lines before cc18df7: they took SQLite's lock unordered, beside the others' line, and
+    the turns came out at Jain 0.57-0.58."""
+    path = tmp_path / "lines.db"
+    urls = [f"sqlite:///file:{path}?mode=rwc&uri=true", f"sqlite:///file://localhost{path}?uri=true"]
+    _take_even_turns(tmp_path, 1, 0.02, 6, fair=False, uris=urls)
+
+
+def _take_even_turns(
+    tmp_path: Path, capacity: int, hold: float, processes: int, fair: bool, uris: list[str] | None = None
+) -> None:
+    """``processes`` children take turns on a semaphore of ``capacity`` in ``tmp_path``'s lines.db for 4 s;
+    with ``uris``, every other child names the file by one of them instead of by its path."""
     url = f"sqlite:///{tmp_path / 'lines.db'}"
     with permits.connect(url, auto_upgrade=True) as admin:
         admin.create_semaphore("m", capacity, fair=fair)
         args = {"url": url, "name": "m", "seconds": 4, "hold": hold, "timeout": 5, "tight": True}
-        results = run_take_turns(processes, args)
+        spellings = [url] if uris is None else [spelling for uri in uris for spelling in (url, uri)]
+        results = run_take_turns(processes, args, urls=spellings)
         assert admin.get_semaphore("m").used == 0
         assert admin.reconcile() == []
     turns = [r["granted"] for r in results]
@@ -59,7 +78,7 @@ def test_processes_take_even_turns_on_sqlite(
     assert _jain(turns) >= 0.9, (_jain(turns), results)
     # The first turns wait for every process to start; after that, a turn of the whole line at most.
     assert max(r["longest_ms"] for r in results) < 3000, results
-    assert (tmp_path / "lines.db-permits-lines").exists()
+    assert [f.name for f in tmp_path.iterdir() if f.name.endswith("-permits-lines")] == ["lines.db-permits-lines"]
 
 
 # --------------------------------------------------------------------------- fair semaphores in the line
