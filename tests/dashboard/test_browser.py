@@ -1,13 +1,19 @@
 """The dashboard in a real browser: Debian's Chromium, driven by Playwright, against a real ``permits
-serve`` with tokens, under load made through the API. Each page's screenshot is written to
-docs/dashboard/ by these tests, so the pictures in the docs are the page as it is."""
+serve`` with tokens, under load made through the API. Each page is also photographed: the pictures in
+docs/dashboard/ are these tests' screenshots, written there when ``PERMITS_SCREENSHOTS`` is set. Run this
+file alone then, in one process, so that each page shows what the tests before it in the file made and
+nothing else: ``PERMITS_SCREENSHOTS=1 .venv/bin/python -m pytest tests/dashboard/test_browser.py``. (Spread
+over parallel workers, the pictures varied from run to run.) Otherwise they go to a temporary directory,
+so that a test run leaves the checkout as it was."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,7 +22,8 @@ import pytest
 from tests._service import ROOT, Service, running, wait_until
 from tests.dashboard._browser import needs_chromium
 
-SHOTS = ROOT / "docs" / "dashboard"
+#: Where the screenshots go when asked for (see above).
+DOCS_SHOTS = ROOT / "docs" / "dashboard"
 ADMIN, ALICE = "browser-admin-token-0123456789", "browser-alice-token-0123456789"
 TOKENS = [{"name": "ops", "token": ADMIN, "admin": True}, {"name": "alice", "token": ALICE}]
 FAST = {"PERMITS_DASHBOARD__STEP": "1", "PERMITS_DASHBOARD__POLL_INTERVAL": "0.2"}
@@ -61,7 +68,7 @@ def _semaphores(api: httpx.Client, name: str, capacity: int, held: int) -> list[
     return [api.post("/v1/leases", json={"wants": {name: 1}, "ttl": 120}).json() for _ in range(held)]
 
 
-def test_the_overview_shows_the_right_counts(browser: Any, service: Service, api: httpx.Client) -> None:
+def test_the_overview_shows_the_right_counts(browser: Any, service: Service, api: httpx.Client, shots: Path) -> None:
     run = uuid.uuid4().hex[:4]
     backups, cron = f"backups-{run}", f"cron-{run}"
     _semaphores(api, backups, 10, 7)
@@ -84,12 +91,12 @@ def test_the_overview_shows_the_right_counts(browser: Any, service: Service, api
     sync_api.expect(page.locator("#semaphores tbody tr")).to_have_count(1)
     page.fill("#filter", "")
     wait_until(lambda: page.locator(f'tr[data-name="{backups}"] svg title').count() == 1, timeout=10)
-    _shot(page, "overview.png")
+    _shot(page, shots, "overview.png")
     _no_errors(page)
 
 
 def test_the_countdown_moves_and_a_release_disappears_without_a_reload(
-    browser: Any, service: Service, api: httpx.Client
+    browser: Any, service: Service, api: httpx.Client, shots: Path
 ) -> None:
     name = f"deploys-{uuid.uuid4().hex[:4]}"
     leases = _semaphores(api, name, 3, 2)
@@ -103,7 +110,7 @@ def test_the_countdown_moves_and_a_release_disappears_without_a_reload(
     time.sleep(2.5)
     later = _seconds(row.locator('[data-col="expires_in"]').inner_text())
     assert later < first, (first, later)
-    _shot(page, "semaphore.png")
+    _shot(page, shots, "semaphore.png")
     api.post("/v1/leases/release", json={"key": leases[0]["key"]})
     sync_api.expect(row).to_have_count(0, timeout=10_000)
     assert page.evaluate("window.__not_reloaded") is True
@@ -118,7 +125,9 @@ def _seconds(text: str) -> int:
     return int(found.group(1))
 
 
-def test_an_admin_capacity_change_appears_in_the_history(browser: Any, service: Service, api: httpx.Client) -> None:
+def test_an_admin_capacity_change_appears_in_the_history(
+    browser: Any, service: Service, api: httpx.Client, shots: Path
+) -> None:
     name = f"reports-{uuid.uuid4().hex[:4]}"
     _semaphores(api, name, 2, 1)
     page = _open(browser, service, ADMIN, f"/#/s/{name}")
@@ -127,7 +136,7 @@ def test_an_admin_capacity_change_appears_in_the_history(browser: Any, service: 
     sync_api.expect(dialog).to_be_visible()
     dialog.locator('input[name="capacity"]').fill("5")
     dialog.locator('textarea[name="reason"]').fill("quarter-end reports")
-    _shot(page, "admin.png")
+    _shot(page, shots, "admin.png")
     dialog.get_by_role("button", name="Change capacity").click()
     history = page.locator("#capacity-history")
     sync_api.expect(history).to_contain_text("quarter-end reports", timeout=10_000)
@@ -256,7 +265,7 @@ def test_the_token_is_entered_once(browser: Any, service: Service) -> None:
     context.close()
 
 
-def test_the_events_page_is_live(browser: Any, service: Service, api: httpx.Client) -> None:
+def test_the_events_page_is_live(browser: Any, service: Service, api: httpx.Client, shots: Path) -> None:
     name = f"events-{uuid.uuid4().hex[:4]}"
     _semaphores(api, name, 2, 0)
     page = _open(browser, service, ADMIN, "/#/events")
@@ -268,17 +277,19 @@ def test_the_events_page_is_live(browser: Any, service: Service, api: httpx.Clie
     sync_api.expect(events.locator('li[data-type="grant"]', has_text=name)).to_have_count(1, timeout=10_000)
     sync_api.expect(events.locator('li[data-type="end"]', has_text=name)).to_have_count(1, timeout=10_000)
     sync_api.expect(events.locator('li[data-type="capacity"]', has_text=name)).to_have_count(1, timeout=10_000)
-    _shot(page, "events.png")
+    _shot(page, shots, "events.png")
     _no_errors(page)
 
 
-def test_a_phone_sized_screen_needs_no_sideways_scrolling(browser: Any, service: Service, api: httpx.Client) -> None:
+def test_a_phone_sized_screen_needs_no_sideways_scrolling(
+    browser: Any, service: Service, api: httpx.Client, shots: Path
+) -> None:
     name = f"phone-{uuid.uuid4().hex[:4]}"
     _semaphores(api, name, 4, 4)
     page = _open(browser, service, ALICE, "/", viewport={"width": 390, "height": 844}, is_mobile=True)
     sync_api.expect(page.locator(f'tr[data-name="{name}"]')).to_be_visible()
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
-    _shot(page, "phone.png")
+    _shot(page, shots, "phone.png")
 
 
 def test_the_page_follows_any_instance(browser: Any, servers: Any, ns: str) -> None:
@@ -300,7 +311,13 @@ def test_the_page_follows_any_instance(browser: Any, servers: Any, ns: str) -> N
             )
 
 
-def _shot(page: Any, name: str) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return DOCS_SHOTS if os.environ.get("PERMITS_SCREENSHOTS") else tmp_path_factory.mktemp("screenshots")
+
+
+def _shot(page: Any, shots: Path, name: str) -> None:
+    shots.mkdir(parents=True, exist_ok=True)
     page.wait_for_timeout(300)  # let the last fetch paint
-    page.screenshot(path=str(SHOTS / name), full_page=True)
+    page.screenshot(path=str(shots / name), full_page=True)
+    assert (shots / name).stat().st_size > 0
