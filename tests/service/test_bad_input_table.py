@@ -401,11 +401,33 @@ def test_row(row: Row, deployment: tuple[str, Service], monkeypatch: pytest.Monk
         answer = response.json()
         status, code, named = row.http
         assert (response.status_code, answer["error"]["code"]) == (status, code), answer
+        declared = _declared_statuses(service, method, path)
+        assert declared is None or str(status) in declared, f"{method} {path}: {status} is not in {declared}"
         if named is not None:
             assert answer["error"]["details"].get("field") == named, answer
         assert set(answer["error"]) == {"code", "message", "details"}
         assert _state(ctx) == before
         _no_probe_lease(ctx, admin)
+
+
+_DOCUMENTS: dict[str, dict[str, Any]] = {}
+
+
+def _declared_statuses(service: Service, method: str, path: str) -> set[str] | None:
+    """The statuses that the service's OpenAPI document lists for the operation that serves ``method`` on
+    ``path`` (None: no operation does, a request that routing refuses). A path without parameters wins
+    over one whose parameter would match it too (``/v1/leases/release`` over ``/v1/leases/{key}``)."""
+    if service.url not in _DOCUMENTS:
+        _DOCUMENTS[service.url] = httpx.get(f"{service.url}/openapi.json", timeout=30).json()
+    path = path.partition("?")[0]
+    templates = sorted(_DOCUMENTS[service.url]["paths"].items(), key=lambda item: "{" in item[0])
+    for template, operations in templates:
+        pattern = "".join(
+            ".*" if part.startswith("{") else re.escape(part) for part in re.split(r"({[^}]+})", template)
+        )
+        if re.fullmatch(pattern, path, re.DOTALL) and method.lower() in operations:
+            return set(operations[method.lower()]["responses"])
+    return None
 
 
 @pytest.mark.parametrize("name", ["'; DROP TABLE permits_lease; --", "%", "_", "a\\b", "100%_done", " ", "lóck"])

@@ -22,7 +22,7 @@ from permits import _validate
 from permits._core import observe
 from permits._models import ms_to_datetime
 from permits.server import body, events, schemas
-from permits.server.routes import _ERRORS, Caller, State
+from permits.server.routes import READ, Caller, State
 
 router = APIRouter(route_class=body.Route)
 
@@ -70,7 +70,7 @@ async def asset(name: str) -> Response:
     return Response(body, media_type=kind, headers=_page_headers())
 
 
-@router.get("/v1/overview", responses=_ERRORS, tags=["dashboard"])
+@router.get("/v1/overview", responses=schemas.error_responses(*READ), tags=["dashboard"])
 async def overview(identity: Caller, state: State, prefix: str = "") -> dict[str, Any]:
     """Every semaphore now, with its last hour's utilisation per minute and its refusal and timeout rates."""
     step_ms = round(state.config.dashboard.step * 1000)
@@ -119,7 +119,7 @@ def _latest(snapshot: observe.Snapshot) -> int:
     return 0
 
 
-@router.get("/v1/stats/{name:text}", responses=_ERRORS, tags=["dashboard"])
+@router.get("/v1/stats/{name:text}", responses=schemas.error_responses(*READ, 404), tags=["dashboard"])
 async def stats(
     name: schemas.NameInPath,
     identity: Caller,
@@ -144,7 +144,7 @@ async def _now_ms(state: Any) -> int:
     return now
 
 
-@router.get("/v1/endings/{name:text}", responses=_ERRORS, tags=["dashboard"])
+@router.get("/v1/endings/{name:text}", responses=schemas.error_responses(*READ, 404), tags=["dashboard"])
 async def endings(
     name: schemas.NameInPath, identity: Caller, state: State, limit: Annotated[int, Query(ge=1, le=1000)] = 50
 ) -> dict[str, Any]:
@@ -173,7 +173,7 @@ async def endings(
     return {"name": name, "endings": out}
 
 
-@router.get("/v1/admin-log", responses=_ERRORS, tags=["dashboard"])
+@router.get("/v1/admin-log", responses=schemas.error_responses(*READ), tags=["dashboard"])
 async def admin_log(
     identity: Caller, state: State, name: schemas.NameInQuery = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50
 ) -> dict[str, Any]:
@@ -198,7 +198,7 @@ async def admin_log(
     return {"entries": entries}
 
 
-@router.get("/v1/events", responses=_ERRORS, tags=["dashboard"])
+@router.get("/v1/events", responses=schemas.error_responses(*READ), tags=["dashboard"])
 async def events_poll(identity: Caller, state: State, since: schemas.CursorInQuery = None) -> dict[str, Any]:
     """Events after ``since`` (a cursor from an earlier answer), oldest first, and the cursor to ask with
     next. Without ``since``: no events, and the cursor of now. An ending may come twice (the feed re-reads
@@ -233,7 +233,10 @@ class _Stream(StreamingResponse):
 
 @router.get(
     "/v1/events/stream",
-    responses={**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}},
+    responses={
+        **schemas.error_responses(*READ, 429),  # 429: the instance's max_streams
+        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    },
     response_class=StreamingResponse,
     tags=["dashboard"],
 )

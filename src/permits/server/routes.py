@@ -54,7 +54,20 @@ router = APIRouter(prefix="/v1", route_class=body.Route)
 #: ``request_id`` (an acquire's field: a ``new_only`` request's retries know its lease as their own);
 #: ``release_own`` (a release's ``request_id``: only the lease that request got).
 FEATURES = ("keep_place", "new_only", "lease_ttl", "request_id", "release_own")
-_ERRORS = schemas.error_responses(401, 403, 404, 409, 410, 413, 422, 429, 503)
+
+# The error statuses each route may answer with, as its OpenAPI operation lists them (errors.py maps each
+# error to its status). Every route: 401 without a valid token, 422 for bad input (a query parameter
+# given twice, a body on a GET or DELETE, a field out of bounds) and, where it asks the database, 503 when
+# that is unavailable (acquire's also while the instance shuts down, or its queue is slow). A route that
+# takes a body: 413 for one over the size limit (DELETE's too, whose body is refused). 403 only on admin
+# routes; 429 only on acquire (a token's lease quota, an instance's waiters) and the dashboard's event
+# stream (its streams); 410 only where a lease that ran out is an error (acquire under the key of one,
+# extend); 409 for the conflicts named at each. An unexpected failure is a bare 500, on any route, and is
+# not listed.
+#: what every route that reads the database may answer with (the dashboard's routes too)
+READ = (401, 422, 503)
+_WRITE = (*READ, 413)
+_ADMIN = (*_WRITE, 403)
 
 
 async def _state(request: Request) -> ServiceState:
@@ -154,7 +167,7 @@ def _who(identity: Identity, who: str | None) -> str:
 # ---------------------------------------------------------------------------------------------- whoami
 
 
-@router.get("/whoami", response_model=schemas.WhoAmIOut, responses=_ERRORS, tags=["service"])
+@router.get("/whoami", response_model=schemas.WhoAmIOut, responses=schemas.error_responses(401, 422), tags=["service"])
 async def whoami(identity: Caller, state: State) -> dict[str, Any]:
     """The identity of the token, whether it is an admin, and the bounds this service sets."""
     limits = state.config.limits
@@ -176,7 +189,14 @@ async def whoami(identity: Caller, state: State) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- leases
 
 
-@router.post("/leases", status_code=201, response_model=schemas.LeaseOut, responses=_ERRORS, tags=["leases"])
+@router.post(
+    "/leases",
+    status_code=201,
+    response_model=schemas.LeaseOut,
+    # 404 a semaphore; 409 no room (acquire_timeout), another request's key (idempotency_conflict, key_in_use)
+    responses=schemas.error_responses(*_WRITE, 404, 409, 410, 429),
+    tags=["leases"],
+)
 async def acquire(body: schemas.AcquireIn, identity: Caller, state: State, request: Request) -> JSONResponse:
     """Take every wanted permit or none, waiting up to ``wait`` seconds for room.
 
@@ -279,7 +299,9 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
     return _lease_json(lease, identity, body.owner)
 
 
-@router.post("/leases/release", response_model=schemas.ReleaseOut, responses=_ERRORS, tags=["leases"])
+@router.post(
+    "/leases/release", response_model=schemas.ReleaseOut, responses=schemas.error_responses(*_WRITE), tags=["leases"]
+)
 async def release(body: schemas.ReleaseIn, identity: Caller, state: State) -> dict[str, Any]:
     """Give a lease's permits back: ``released``, ``already_released``, ``lost`` (it had ended by expiry or
     revocation before) or ``not_found``. Idempotent. With ``request_id``, only the lease that request got."""
@@ -294,7 +316,12 @@ async def release_lease(body: schemas.ReleaseIn, identity: Identity, state: Serv
     return {"outcome": str(outcome)}
 
 
-@router.post("/leases/extend", response_model=schemas.LeaseOut, responses=_ERRORS, tags=["leases"])
+@router.post(
+    "/leases/extend",
+    response_model=schemas.LeaseOut,
+    responses=schemas.error_responses(*_WRITE, 404, 410),
+    tags=["leases"],
+)
 async def extend(body: schemas.ExtendIn, identity: Caller, state: State) -> dict[str, Any]:
     """Push a held lease's expiry to now + ``ttl`` on the database's clock; 410 ``lease_lost`` if it ended."""
     _check_ttl(body.ttl, state.config.limits.max_ttl)
@@ -302,7 +329,9 @@ async def extend(body: schemas.ExtendIn, identity: Caller, state: State) -> dict
     return _lease_json(lease, identity, body.owner)
 
 
-@router.post("/leases/give-up", response_model=schemas.GiveUpOut, responses=_ERRORS, tags=["leases"])
+@router.post(
+    "/leases/give-up", response_model=schemas.GiveUpOut, responses=schemas.error_responses(*_WRITE), tags=["leases"]
+)
 async def give_up(body: schemas.LeaseRefIn, identity: Caller, state: State) -> dict[str, Any]:
     """Give up the places in fair queues that a request kept (``keep_place``) when it stopped waiting:
     the places behind them move up now, not when they expire. Idempotent; ``places`` is 0 when there
@@ -312,7 +341,9 @@ async def give_up(body: schemas.LeaseRefIn, identity: Caller, state: State) -> d
     return {"places": places}
 
 
-@router.post("/leases/revoke", response_model=schemas.LeaseOut, responses=_ERRORS, tags=["admin"])
+@router.post(
+    "/leases/revoke", response_model=schemas.LeaseOut, responses=schemas.error_responses(*_ADMIN, 404), tags=["admin"]
+)
 async def revoke(
     body: schemas.RevokeIn, identity: Annotated[Identity, Depends(_AdminOnly("revoking a lease"))], state: State
 ) -> dict[str, Any]:
@@ -322,7 +353,12 @@ async def revoke(
     return _wire.lease_out(lease)
 
 
-@router.get("/leases/{key:text}", response_model=schemas.LeaseOut, responses=_ERRORS, tags=["leases"])
+@router.get(
+    "/leases/{key:text}",
+    response_model=schemas.LeaseOut,
+    responses=schemas.error_responses(*READ, 404),
+    tags=["leases"],
+)
 async def get_lease(
     key: schemas.KeyInPath, identity: Caller, state: State, owner: schemas.OwnerInQuery = None
 ) -> dict[str, Any]:
@@ -334,14 +370,24 @@ async def get_lease(
 # ------------------------------------------------------------------------------------------ semaphores
 
 
-@router.get("/semaphores", response_model=schemas.SemaphoreListOut, responses=_ERRORS, tags=["semaphores"])
+@router.get(
+    "/semaphores",
+    response_model=schemas.SemaphoreListOut,
+    responses=schemas.error_responses(*READ),
+    tags=["semaphores"],
+)
 async def list_semaphores(identity: Caller, state: State, prefix: str = "") -> dict[str, Any]:
     """Every semaphore whose name starts with ``prefix``, by name."""
     return {"semaphores": [_wire.semaphore_out(s) for s in await state.client.list_semaphores(prefix)]}
 
 
 @router.post(
-    "/semaphores", status_code=201, response_model=schemas.SemaphoreOut, responses=_ERRORS, tags=["semaphores"]
+    "/semaphores",
+    status_code=201,
+    response_model=schemas.SemaphoreOut,
+    # 409 semaphore_exists; 404 when one made at the same moment by another request is deleted before it is read
+    responses=schemas.error_responses(*_ADMIN, 404, 409),
+    tags=["semaphores"],
 )
 async def create_semaphore(
     body: schemas.CreateSemaphoreIn,
@@ -364,14 +410,22 @@ async def create_semaphore(
     return JSONResponse(_wire.semaphore_out(sem), status_code=201, headers={"Location": where})
 
 
-@router.get("/semaphores/{name:text}", response_model=schemas.SemaphoreOut, responses=_ERRORS, tags=["semaphores"])
+@router.get(
+    "/semaphores/{name:text}",
+    response_model=schemas.SemaphoreOut,
+    responses=schemas.error_responses(*READ, 404),
+    tags=["semaphores"],
+)
 async def get_semaphore(name: schemas.NameInPath, identity: Caller, state: State) -> dict[str, Any]:
     """Capacity, use and last fencing token of one semaphore."""
     return _wire.semaphore_out(await state.client.get_semaphore(name))
 
 
 @router.patch(
-    "/semaphores/{name:text}", response_model=schemas.CapacityChangeOut, responses=_ERRORS, tags=["semaphores"]
+    "/semaphores/{name:text}",
+    response_model=schemas.CapacityChangeOut,
+    responses=schemas.error_responses(*_ADMIN, 404),
+    tags=["semaphores"],
 )
 async def set_capacity(
     name: schemas.NameInPath,
@@ -386,7 +440,12 @@ async def set_capacity(
     return _wire.change_out(change)
 
 
-@router.delete("/semaphores/{name:text}", response_model=schemas.DeletedOut, responses=_ERRORS, tags=["semaphores"])
+@router.delete(
+    "/semaphores/{name:text}",
+    response_model=schemas.DeletedOut,
+    responses=schemas.error_responses(*_ADMIN, 404, 409),  # 409 semaphore_in_use
+    tags=["semaphores"],
+)
 async def delete_semaphore(
     name: schemas.NameInPath,
     identity: Annotated[Identity, Depends(_AdminOnly("deleting a semaphore"))],
@@ -403,7 +462,12 @@ async def delete_semaphore(
     return {"deleted": name, "revoked": revoked}
 
 
-@router.get("/holders/{name:text}", response_model=schemas.HoldersOut, responses=_ERRORS, tags=["semaphores"])
+@router.get(
+    "/holders/{name:text}",
+    response_model=schemas.HoldersOut,
+    responses=schemas.error_responses(*READ, 404),
+    tags=["semaphores"],
+)
 async def holders(name: schemas.NameInPath, identity: Caller, state: State) -> dict[str, Any]:
     """The leases holding permits of ``name``, in token order. A client token sees the keys of its own
     leases only."""
@@ -414,7 +478,12 @@ async def holders(name: schemas.NameInPath, identity: Caller, state: State) -> d
     }
 
 
-@router.get("/waiters/{name:text}", response_model=schemas.WaitersOut, responses=_ERRORS, tags=["semaphores"])
+@router.get(
+    "/waiters/{name:text}",
+    response_model=schemas.WaitersOut,
+    responses=schemas.error_responses(*READ, 404),
+    tags=["semaphores"],
+)
 async def waiters(name: schemas.NameInPath, identity: Caller, state: State) -> dict[str, Any]:
     """The requests waiting for room on a fair semaphore, in queue order (a client token sees the keys of
     its own only)."""
@@ -428,7 +497,7 @@ async def waiters(name: schemas.NameInPath, identity: Caller, state: State) -> d
 @router.get(
     "/capacity-history/{name:text}",
     response_model=schemas.CapacityHistoryOut,
-    responses=_ERRORS,
+    responses=schemas.error_responses(*READ, 404),
     tags=["semaphores"],
 )
 async def capacity_history(
@@ -441,7 +510,7 @@ async def capacity_history(
 # --------------------------------------------------------------------------------------------- upkeep
 
 
-@router.post("/sweep", response_model=schemas.SweepOut, responses=_ERRORS, tags=["admin"])
+@router.post("/sweep", response_model=schemas.SweepOut, responses=schemas.error_responses(*_ADMIN), tags=["admin"])
 async def sweep(
     identity: Annotated[Identity, Depends(_AdminOnly("sweeping"))],
     state: State,
@@ -457,7 +526,9 @@ async def sweep(
     return _wire.sweep_out(result)
 
 
-@router.post("/reconcile", response_model=schemas.ReconcileOut, responses=_ERRORS, tags=["admin"])
+@router.post(
+    "/reconcile", response_model=schemas.ReconcileOut, responses=schemas.error_responses(*_ADMIN), tags=["admin"]
+)
 async def reconcile(
     identity: Annotated[Identity, Depends(_AdminOnly("reconciling"))],
     state: State,
