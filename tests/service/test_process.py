@@ -121,6 +121,9 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, sqlite_url: str) -> None:
 def test_openapi_document_describes_every_route(sqlite_url: str) -> None:
     with running(sqlite_url) as service:
         document = httpx.get(f"{service.url}/openapi.json").json()
+        for path in ("/healthz", "/readyz", "/metrics"):  # refused on every path, as the document says below
+            twice = httpx.get(f"{service.url}{path}?a=1&a=2")
+            assert (twice.status_code, twice.json()["error"]["code"]) == (422, "invalid_argument"), path
     paths = document["paths"]
     for path in (
         "/v1/leases",
@@ -154,6 +157,10 @@ def test_openapi_document_describes_every_route(sqlite_url: str) -> None:
     assert len(declared) > 20
     for path, method, status, answer in declared:
         assert answer["headers"]["Retry-After"]["required"] is True, (path, method, status)
+    # A query parameter given twice is refused on every path, and every operation says so.
+    for path, item in paths.items():
+        for method, operation in item.items():
+            assert "422" in operation["responses"], (method, path)
     # Each operation lists the error statuses it may answer with, not every one the API has (routes.py):
     # what a generated client handles, and what schemathesis and the bad-input table hold the answers to.
     errors = {

@@ -93,12 +93,13 @@ def create_app(
 
     app.add_middleware(_AccessLog, metrics=state.metrics)
 
-    @app.get("/healthz", tags=["service"])
+    # 422 on these too: the URL's check (_url_problem) refuses a query parameter given twice on every path.
+    @app.get("/healthz", tags=["service"], responses=schemas.error_responses(422))
     async def healthz() -> dict[str, str]:
         """The process is up (liveness)."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["service"], responses=schemas.error_responses(503))
+    @app.get("/readyz", tags=["service"], responses=schemas.error_responses(422, 503))
     async def readyz() -> JSONResponse:
         """The database answers and the instance is not shutting down (readiness)."""
         if state.waker.draining.is_set():
@@ -120,6 +121,10 @@ def create_app(
             # Spelt out: with "model", the route's own media type (text/plain) would be stated for it.
             401: {
                 "description": "no token, or an unknown one (not in open mode)",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}},
+            },
+            422: {
+                "description": "a query parameter given twice, or a URL that is not UTF-8",
                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorOut"}}},
             },
         },
