@@ -157,10 +157,15 @@ class PrivateServer:
 
         Not a process group kill: PostgreSQL puts each backend in a session of its own, and a backend that
         outlives its postmaster keeps the shared memory attached, so that a new postmaster refuses to start.
+        The server is stopped (SIGSTOP) before its processes are listed, so that none it forks in between
+        escapes the list: a backend forked for a connection at that moment once did, under load ("pre-existing
+        shared memory block is still in use" at the next start).
         """
         if self.process is None:
             return
         self.events.append(("kill", time.monotonic()))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signal.SIGSTOP)
         doomed = [self.process.pid, *_descendants(self.process.pid)]
         for pid in doomed:
             with contextlib.suppress(ProcessLookupError):
