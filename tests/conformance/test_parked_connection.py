@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -287,6 +288,48 @@ def test_no_connection_free_in_time_is_a_typed_error_that_wrote_nothing(
     assert caught.value.code == "storage_unavailable"
     assert client.get_semaphore(f"{ns}t").used == 0
     assert client.holders(f"{ns}t") == []
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_a_full_pool_holds_an_acquire_no_longer_than_its_deadline_and_grace(
+    make_client: Callable[..., Any], ns: str
+) -> None:
+    """Every connection of the client's pool (its default size) checked out elsewhere and kept: on both
+    clients, ``acquire(timeout=0.5)`` gives up within its deadline and the store's grace, where it waited
+    the pool's 30 s before; and the pool takes its connections back as before."""
+    client = make_client(owner=f"{ns}o", lock_wait_timeout=0.5)
+    client.create_semaphore(f"{ns}t", 1)
+    store = _store(client)
+    _call(client, store._unpark_into_pool)
+    engine = store._engine
+    free = engine.pool.size() + engine.pool._max_overflow - engine.pool.checkedout()
+
+    async def check_out_async() -> list[Any]:
+        return [await engine.connect().start() for _ in range(free)]
+
+    async def give_back_async(held: list[Any]) -> None:
+        for conn in held:
+            await conn.close()
+
+    flavour_is_async = hasattr(engine, "sync_engine")
+    held = client._call(check_out_async()) if flavour_is_async else [engine.connect() for _ in range(free)]
+    try:
+        began = time.monotonic()
+        with pytest.raises(permits.StorageUnavailable) as caught:
+            client.acquire(f"{ns}t", key="k", ttl=30, timeout=0.5)
+        took = time.monotonic() - began
+        assert 5.5 <= took < 8.5, took  # deadline 0.5 s, then the grace: a lock wait (0.5 s) and 5 s
+        said = re.search(r"came free within ([\d.]+) s", str(caught.value))
+        assert said is not None and 5.0 <= float(said.group(1)) <= 6.0, caught.value  # the wait, not 30 s
+    finally:
+        if flavour_is_async:
+            client._call(give_back_async(held))
+        else:
+            for conn in held:
+                conn.close()
+    assert client.get_semaphore(f"{ns}t").used == 0  # nothing was sent
+    lease = client.acquire(f"{ns}t", key="k", ttl=30, timeout=5)  # the connections back, the pool serves again
+    assert client.release(lease) is permits.ReleaseOutcome.RELEASED
 
 
 @pytest.mark.parametrize("flavour", ["sync"])  # threads, on the sync store (the tasks' twin is below)

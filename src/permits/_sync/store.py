@@ -1384,7 +1384,7 @@ class SQLStore:
                 if faults is not None:
                     faults.append(self._dialect.classify(exc))
             except PoolTimeout as exc:
-                raise self._pool_exhausted() from exc
+                raise self._pool_exhausted(exc) from exc
 
     def _with_retries(self, attempt: Callable[[], Any]) -> Any:
         failures = lost = 0
@@ -1398,13 +1398,14 @@ class SQLStore:
                 )
                 lost += self._dialect.classify(exc) is Fault.UNAVAILABLE
             except PoolTimeout as exc:
-                raise self._pool_exhausted() from exc
+                raise self._pool_exhausted(exc) from exc
 
-    def _pool_exhausted(self) -> StorageUnavailable:
+    def _pool_exhausted(self, exc: PoolTimeout) -> StorageUnavailable:
         """What a caller gets when no connection of the pool came free in time: nothing was sent, and
-        nothing written. Its wait (the pool's timeout) was the retry, so it is not retried again here."""
-        timeout = getattr(self._engine.pool, "timeout", None)
-        within = f" within {timeout():g} s" if callable(timeout) else ""
+        nothing written. Its wait (the pool's timeout, or less where the caller's deadline came first:
+        stores/_engine.py) was the retry, so it is not retried again here."""
+        waited = getattr(exc, "permits_waited", None)
+        within = f" within {waited:.3g} s" if isinstance(waited, float) else ""
         return StorageUnavailable(
             f"no connection to {self.url} came free{within}: every connection this client's pool may open"
             " is in use (more threads or tasks at once than the pool holds, or the database is slow to answer)",

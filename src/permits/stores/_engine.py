@@ -4,17 +4,22 @@ translation of driver errors into permits errors (the one choke point)."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import logging
 import weakref
 from collections.abc import Callable, MutableMapping
+from time import monotonic
 from typing import Any
 
 from sqlalchemy import Engine, event
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.pool import AsyncAdaptedQueuePool, QueuePool
 
 from permits._config import Settings
-from permits._deadline import reply_within, store_grace, store_least_reply
+from permits._deadline import give_up_at, reply_within, store_grace, store_least_reply
 from permits._exceptions import (
     ConfigurationError,
     PermitsError,
@@ -44,7 +49,63 @@ def engine_args(dialect: Dialect, settings: Settings, asynchronous: bool) -> tup
         options["connect_args"] = {**options.get("connect_args", {}), **bounded}
     if settings.pool_size is not None:
         options["pool_size"] = options["max_overflow"] = settings.pool_size
-    return dialect.engine_url(settings.database_url, asynchronous), options
+    url = dialect.engine_url(settings.database_url, asynchronous)
+    if "poolclass" not in options:
+        # The pool SQLAlchemy would choose: each dialect class has it (DefaultDialect.get_pool_class).
+        chosen = getattr(url.get_dialect(_is_async=asynchronous), "get_pool_class")(url)  # noqa: B009
+        if chosen in (QueuePool, AsyncAdaptedQueuePool):  # not an in-memory SQLite's single connection
+            options["poolclass"] = _caller_bound(chosen, store_grace(settings.lock_wait_timeout))
+    return url, options
+
+
+#: Set while this thread's (or task's) checkout waits for a pooled connection: only then is the pool's
+#: timeout the caller's (``_CallerBoundWait``).
+_CHECKING_OUT: contextvars.ContextVar[bool] = contextvars.ContextVar("permits_checking_out", default=False)
+
+
+class _CallerBoundWait:
+    """A queue pool whose checkout waits for a connection to come back no longer than the caller's deadline
+    and the store's grace leave (``permits._deadline``), as an attempt waits for its answer: where more
+    threads or tasks than the pool holds are busy on a slow database, ``acquire(timeout=2)`` gives up within
+    the bounds of a late attempt, not after the pool's own timeout (30 s). A caller without a deadline, and
+    the pool's ``timeout()`` and ``recreate()``, keep the pool's own."""
+
+    #: seconds past the caller's deadline that a checkout may still wait (``store_grace``): set on the class
+    #: made for each lock wait (``_caller_bound``)
+    grace: float = 0.0
+    _pool_timeout: float
+
+    @property
+    def _timeout(self) -> float:
+        if not _CHECKING_OUT.get():
+            return self._pool_timeout
+        end = give_up_at(self.grace)
+        return self._pool_timeout if end is None else max(0.0, min(self._pool_timeout, end - monotonic()))
+
+    @_timeout.setter
+    def _timeout(self, seconds: float) -> None:  # QueuePool.__init__ sets it
+        self._pool_timeout = float(seconds)
+
+    def _do_get(self) -> Any:
+        outer = _CHECKING_OUT.set(True)
+        try:
+            waits = self._timeout
+            return super()._do_get()  # type: ignore[misc]
+        except PoolTimeout as exc:
+            if not hasattr(exc, "permits_waited"):  # QueuePool's _do_get may call itself: the wait that ran out
+                exc.permits_waited = waits  # type: ignore[attr-defined]
+            raise
+        finally:
+            _CHECKING_OUT.reset(outer)
+
+
+@functools.cache
+def _caller_bound(pool: type[QueuePool], grace: float) -> type[QueuePool]:
+    # SQLAlchemy names a pool's logger after its class: its messages stay under sqlalchemy.pool.
+    namespace = f"sqlalchemy.pool.impl.{pool.__name__}"
+    return type(
+        f"CallerBound{pool.__name__}", (_CallerBoundWait, pool), {"grace": grace, "_sqla_logger_namespace": namespace}
+    )
 
 
 def _reply_within(settings: Settings) -> float:
