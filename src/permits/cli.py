@@ -39,6 +39,7 @@ from permits._exceptions import (
     KeyInUse,
     LeaseLost,
     PermitsError,
+    SemaphoreExists,
     ServiceUnavailable,
     StorageUnavailable,
     UsageError,
@@ -510,8 +511,8 @@ def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> f
     type=click.IntRange(1),
     default=None,
     metavar="CAPACITY",
-    help="Create each semaphore that does not exist with CAPACITY permits first (as `permits sem create"
-    " --exist-ok`: one that exists with another capacity is an error), as flock creates its lock file.",
+    help="Create each semaphore that does not exist with CAPACITY permits first, as flock creates its lock"
+    " file. One that exists with another capacity is an error; its fair mode does not matter.",
 )
 @click.option(
     "--key",
@@ -600,11 +601,22 @@ def run(
             options = replace(options, timeout=max(0.0, options.timeout - (monotonic() - started)))
         if create_capacity is not None:
             for want in parsed:
-                client.create_semaphore(want.name, create_capacity, exist_ok=True)
+                _create_unless_there(client, want.name, create_capacity)
         status, lost = _run_holding(client, parsed, command, options)
     if lost:
         sys.exit(EXIT_LEASE_LOST)
     sys.exit(status if status >= 0 else 128 - status)
+
+
+def _create_unless_there(client: Client, name: str, capacity: int) -> None:
+    """``run --create``: the semaphore made without fair mode if missing. One that exists with this capacity
+    is used whatever its mode: the run does not choose it (a read-write lock, or a semaphore made fair at
+    setup, is fair). One with another capacity is an error, as a typo in a cron line would be."""
+    try:
+        client.create_semaphore(name, capacity, exist_ok=True)
+    except SemaphoreExists:
+        if client.get_semaphore(name).capacity != capacity:
+            raise
 
 
 def _reach_through_an_outage(client: Client, wants: list[Want], timeout: float | None) -> None:

@@ -69,7 +69,8 @@ def test_run_takes_flocks_short_options(db_url: str, ns: str, tmp_path: Path) ->
 
 def test_run_creates_missing_semaphores_with_create(db_url: str, ns: str, tmp_path: Path) -> None:
     """``--create N``: a cron line needs no setup step, as flock creates its lock file. A semaphore that
-    exists with another capacity is an error, as with ``sem create --exist-ok``, and nothing runs."""
+    exists with another capacity is an error, as with ``sem create --exist-ok``, and nothing runs; its fair
+    mode does not matter."""
     names = [f"{ns}made", f"{ns}also"]
     ran = tmp_path / "ran"
     done = _permits(db_url, "run", "--create", "1", *names, "--", "touch", str(ran))
@@ -83,6 +84,15 @@ def test_run_creates_missing_semaphores_with_create(db_url: str, ns: str, tmp_pa
     assert not (tmp_path / "no").exists()
     zero = _permits(db_url, "run", "--create", "0", names[0], "--", "true", check=False)
     assert zero.returncode == 2
+    # One made fair at setup, or a read-write lock (fair too), is used as it is: the run does not choose the
+    # mode. Another capacity is still an error.
+    with permits.connect(db_url) as client:
+        client.create_semaphore(f"{ns}fair", 3, fair=True)
+        readers = client.create_rwlock(f"{ns}rw").capacity
+    assert _permits(db_url, "run", "--create", "3", f"{ns}fair", "--", "true").returncode == 0
+    assert _permits(db_url, "run", "--create", str(readers), f"{ns}rw:1", "--", "true").returncode == 0
+    other = _permits(db_url, "run", "--create", "2", f"{ns}fair", "--", "true", check=False)
+    assert other.returncode == 1 and "semaphore_exists" in other.stderr, other.stderr
 
 
 def test_db_may_come_before_the_command_and_the_commands_own_wins(tmp_path: Path) -> None:
