@@ -4,13 +4,13 @@
     python benchmarks/report.py --out docs/benchmarks.md      # full: ~40 minutes on 2 cores
     python benchmarks/report.py --quick                         # CI: under 2 minutes, to stdout
 
-Four systems on each backend, in one run on one machine:
+Five systems on each backend, in one run on one machine:
 - ``floor``: one conditional UPDATE to take a permit and one to give it back, each in autocommit;
 - ``lease-floor``: the floor plus the one keyed, fenced, expiring lease row that any design with permits'
   guarantees must write (benchmarks/baselines.py);
 - ``seed``: the design of shared/seeds/001 as written (SELECT FOR UPDATE, SUM, two INSERTs; release as
   two UPDATEs);
-- ``permits``: the library, with every guarantee on.
+- ``permits``: the library, with every guarantee on; ``permits-fair``, the same on fair semaphores.
 Each at 1, 4 and 16 client processes (and 64 on the hot semaphore), ``hot`` (one semaphore of capacity
 10), ``spread`` (one each) and ``hotx3`` (three shared semaphores taken together by every acquire), then
 again with old released rows already in the tables.
@@ -285,8 +285,9 @@ def _markdown(
         "  permit back. One request each way on the raw driver (a CTE on PostgreSQL, a multi-statement batch",
         "  on MariaDB). It keeps no history and no fair queue and validates nothing: the distance between it",
         "  and `floor` is what recording a lease costs any design, on that engine.",
-        "- `seed`: the design of shared/seeds/001 (Part 4-5) as written: idempotency SELECT, SELECT ... FOR",
-        "  UPDATE, SUM over permit rows, two INSERTs, COMMIT; release as a SELECT and two UPDATEs.",
+        "- `seed`: the design of shared/seeds/001 (Parts 3-5) as written: idempotency SELECT; BEGIN and the",
+        "  seed's lock-timeout SET (on MariaDB, reset before COMMIT); SELECT ... FOR UPDATE (SQLite: BEGIN",
+        "  IMMEDIATE); SUM over permit rows; two INSERTs; COMMIT. Release: a SELECT and two UPDATEs.",
         "- `permits`: the library's sync client, `acquire` (waiting for room as `with client.lease(...)` does,",
         "  up to 5 s) then `release`, every guarantee on. `permits-fair`: the same on fair semaphores.",
         "- Peers: other ways to share a capacity, each used as its documentation shows with its non-blocking",
@@ -308,10 +309,10 @@ def _markdown(
         "  same share, 1/clients when one got everything. `refused`: the share of tries that found no room.",
         "  `errors`: failed cycles, and clients that crashed.",
         "- `CPU ms/cycle`: the CPU time used per granted cycle over the counted seconds (benchmarks/harness.py,",
-        "  `RunResult.cpu`): by all the clients, each counting its own process's, and by the database server's",
-        "  processes (for a peer on its own store, by that store's). SQLite runs inside the clients, so its",
-        "  work is theirs. `cores`: the CPU the whole machine had in use then, of its "
-        f"{os.cpu_count()}; where it is near that, the cell",
+        "  `RunResult.cpu`): by all the clients, each counting its own process's, and by every database and",
+        "  peer-store server process on the machine (postgres, mariadbd, redis-server, etcd, ZooKeeper's JVM;",
+        "  idle ones add little). SQLite runs inside the clients, so its work is theirs. `cores`: the CPU the",
+        f"  whole machine had in use then, of its {os.cpu_count()}; where it is near that, the cell",
         "  was bound by CPU, and a system's CPU per cycle bounds its throughput.",
         "",
     ]

@@ -1,7 +1,7 @@
 """permits through its HTTP service, as a benchmark system (see the interface at the top of harness.py).
 
 ``setup`` starts one ``permits serve`` process in front of the backend, with the pre-lock on or off; each
-client process talks to it with the public sync client over HTTP (``try_acquire`` then ``release``), or,
+client process talks to it with the public sync client over HTTP (``acquire(timeout=5)`` then ``release``), or,
 with ``lean``, with the standard library's ``http.client`` (``lean_http.py``), as a client in any other
 language would: the service's figures then leave out what its Python client costs.
 While the clients run, the parent samples the service's /metrics for the database connections it has
