@@ -394,14 +394,26 @@ def acquire(
         _echo_json(lease.to_dict())
 
 
+#: ``permits release`` and ``extend``: their ``--timeout``.
+_call_timeout_option = click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Give up soon after this many seconds, over a link that hangs too (exit 1, storage_unavailable:"
+    " the call may or may not have been made)  [default: the store's own bounds]",
+)
+
+
 @main.command()
 @click.argument("key")
+@_call_timeout_option
 @_owner_option
 @_db_option
-def release(key: str, owner: str | None, db: str | None) -> None:
+def release(key: str, timeout: float | None, owner: str | None, db: str | None) -> None:
     """Release the lease KEY: prints released, already_released, lost or not_found."""
-    with _client(db, owner) as client:
-        outcome = client.release(key)
+    # The client's opening too holds to the deadline, not only the call.
+    with caller_deadline(None if timeout is None else monotonic() + timeout), _client(db, owner) as client:
+        outcome = client.release(key, timeout=timeout)
     click.echo(str(outcome))
     if outcome is permits.ReleaseOutcome.NOT_FOUND:
         sys.exit(EXIT_FAILED)
@@ -410,12 +422,13 @@ def release(key: str, owner: str | None, db: str | None) -> None:
 @main.command()
 @click.argument("key")
 @click.option("--ttl", type=float, default=None, help="New TTL in seconds, from now  [default: the lease's own TTL]")
+@_call_timeout_option
 @_owner_option
 @_db_option
-def extend(key: str, ttl: float | None, owner: str | None, db: str | None) -> None:
+def extend(key: str, ttl: float | None, timeout: float | None, owner: str | None, db: str | None) -> None:
     """Extend the lease KEY by its own TTL, or by --ttl this once; prints it as JSON."""
-    with _client(db, owner) as client:
-        _echo_json(client.extend(key, ttl).to_dict())
+    with caller_deadline(None if timeout is None else monotonic() + timeout), _client(db, owner) as client:
+        _echo_json(client.extend(key, ttl, timeout=timeout).to_dict())
 
 
 @main.command("lease")

@@ -108,7 +108,12 @@ def test_bad_reason_and_release_arguments(client: Any, ns: str) -> None:
     for ttl in (0, -1, math.nan, math.inf, 10**9):
         with pytest.raises(InvalidArgument):
             client.extend(lease, ttl)
-    assert client.get_lease(lease.key).expires_in <= 60
+    for bad in (-1, math.nan, "soon", True):
+        for call in (client.extend, client.release):
+            with pytest.raises(InvalidArgument) as refused:
+                call(lease, timeout=bad)
+            assert refused.value.details["field"] == "timeout", refused.value
+    assert 0 < client.get_lease(lease.key).expires_in <= 60  # still held, not extended
 
 
 def test_flags_and_limits_are_checked_and_named(client: Any, ns: str) -> None:

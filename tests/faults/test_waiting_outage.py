@@ -14,12 +14,14 @@ service. The holder and the checks go to the database directly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
@@ -27,7 +29,7 @@ import httpx
 import pytest
 
 import permits
-from permits import ServiceUnavailable, StorageUnavailable
+from permits import ReleaseOutcome, ServiceUnavailable, StorageUnavailable
 from permits._async.http_store import SERVICE_GRACE_SECONDS
 from permits._config import DEFAULT_LOCK_WAIT_TIMEOUT
 from permits._deadline import store_grace, store_least_reply
@@ -447,6 +449,90 @@ def test_a_ping_with_a_timeout_over_a_link_that_hangs_gives_up_soon_after_it(db_
             proxy.resume()
             client.close() if flavour == "sync" else client.shutdown()
     assert took < 1 + HANG_BOUND["db"], took
+
+
+def test_a_release_and_an_extend_with_a_timeout_over_a_link_that_hangs_give_up_soon_after_it(
+    db_url: str, flavour: str, backend: str, ns: str
+) -> None:
+    """``release(timeout=1)`` and ``extend(timeout=1)`` over a link that stalls raise the outage soon after
+    their second, as ``ping`` does, not after every attempt's reply deadline and the store's retries (30 to
+    46 s each on PostgreSQL, 2 minutes on MariaDB, measured). Once the link is back, the release asked again
+    ends the lease once. ``permits release`` and ``extend`` with ``--timeout`` hold to it too, their client's
+    opening included. The calls are made at once, each on a thread of its own: each is timed on its own, and
+    the test waits out one bound, not four."""
+    name = f"{ns}hangs"
+    with permits.connect(db_url) as direct, CuttingProxy.before(db_url) as proxy:
+        direct.create_semaphore(name, 2)
+        url = proxy.url_for(db_url)
+        client: Any = permits.connect(url) if flavour == "sync" else AsyncFacade(permits.connect_async(url))
+        try:
+            lease = client.acquire(name, ttl=300)  # opened, with a pooled connection
+            calls = {
+                "extend": lambda: client.extend(lease, timeout=1),
+                "release": lambda: client.release(lease, timeout=1),
+            }
+            if flavour == "sync" and backend == "postgresql":  # the CLI's opening is the same on both servers
+                other = direct.acquire(name, ttl=300, owner=f"{ns}cli")
+                for verb in ("extend", "release"):
+                    argv = [verb, "--timeout", "1", "--owner", other.owner, "--db", url, other.key]
+                    calls[f"permits {verb}"] = functools.partial(_exits_with_the_outage, argv)
+            proxy.stall()
+            try:
+                with ThreadPoolExecutor(len(calls)) as pool:
+                    took = dict(zip(calls, pool.map(_raising_the_outage, calls.values()), strict=True))
+            finally:
+                proxy.resume()
+            assert client.release(lease) in (ReleaseOutcome.RELEASED, ReleaseOutcome.ALREADY_RELEASED)
+        finally:
+            client.close() if flavour == "sync" else client.shutdown()
+        assert all(h.key != lease.key for h in direct.holders(name)), direct.holders(name)
+        assert direct.reconcile() == []
+    assert max(took.values()) < 1 + HANG_BOUND["db"], took
+
+
+def test_a_watchdog_over_a_link_that_hangs_reports_the_loss_at_the_deadline_and_stops_soon_after(
+    db_url: str, ns: str
+) -> None:
+    """A watchdog whose extend meets a link that stalls reports the lease lost at its deadline, and its
+    extend gives up soon after it: the extend's timeout is the time the lease had left. Before, the extend
+    waited out the store's reply deadline and retries (45 s on PostgreSQL, 2 minutes on MariaDB), and
+    stopping the watchdog, as leaving a ``lease()`` block does, waited for it."""
+    name = f"{ns}watched"
+    with permits.connect(db_url) as direct, CuttingProxy.before(db_url) as proxy:
+        direct.create_semaphore(name, 1)
+        with permits.connect(proxy.url_for(db_url)) as client:
+            lease = client.acquire(name, ttl=3)
+            watchdog = client.keepalive(lease)
+            watchdog.start()
+            proxy.stall()
+            try:
+                assert watchdog.lost.wait(3 + BOUND), "the loss was never reported"
+                assert watchdog.reason == "expired"
+                started = time.monotonic()
+                watchdog.stop()
+                took = time.monotonic() - started
+            finally:
+                proxy.resume()
+    # The extend was sent about a third of the TTL in, and waits for its answer at least the store's least
+    # reply time: it has given up by then, and a little later on a loaded machine.
+    assert took < store_least_reply(DEFAULT_LOCK_WAIT_TIMEOUT) + 10, took
+
+
+def _raising_the_outage(call: Callable[[], object]) -> float:
+    """How long ``call`` took to raise ``StorageUnavailable``."""
+    started = time.monotonic()
+    with pytest.raises(StorageUnavailable):
+        call()
+    return time.monotonic() - started
+
+
+def _exits_with_the_outage(argv: list[str]) -> None:
+    """Runs ``permits ARGV``; raises ``StorageUnavailable`` if it failed with the outage (exit 1)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "permits", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1 and "storage_unavailable" in run.stderr, (run.returncode, run.stderr)
+    raise StorageUnavailable(run.stderr)
 
 
 def test_readiness_over_a_link_that_hangs_answers_503_soon(db_url: str, backend: str) -> None:

@@ -538,22 +538,40 @@ class Client:
         return Watchdog(self, lease, ttl=ttl_, max_hold=hold, on_lost=on_lost)
 
     def release(
-        self, lease: Lease | str, *, owner: str | None = None, request_id: str | None = None
+        self,
+        lease: Lease | str,
+        *,
+        owner: str | None = None,
+        request_id: str | None = None,
+        timeout: Seconds | None = None,
     ) -> ReleaseOutcome:
         """Give a lease's permits back. Idempotent: ``RELEASED``, ``ALREADY_RELEASED``, ``LOST`` (it had
         ended by expiry or revocation before this call) or ``NOT_FOUND``. With ``request_id`` (the one an
         acquire with ``new_only`` was given), only the lease that request got: a lease under the key that
         records another request's id, or none, is left alone, and the answer is ``NOT_FOUND``. For a caller
-        that gave up on such an acquire without learning whether it was granted."""
+        that gave up on such an acquire without learning whether it was granted.
+
+        With ``timeout``, it gives up soon after that many seconds over a link that hangs, as ``ping`` does,
+        raising ``StorageUnavailable`` (``ServiceUnavailable``): the release may or may not have been made,
+        and calling again is safe. Unreleased, the lease ends at its expiry."""
         owner_, key_ = self._lease_ref(lease, owner)
         own = None if request_id is None else _validate.request_id(request_id)
+        limit = _validate.timeout(timeout, inf_is_none=True)
         # A Lease says which semaphores it holds; a key alone does not.
         one_semaphore = isinstance(lease, Lease) and len(lease.counts) == 1
-        if own is None:  # as before request ids: a store of another package's may not know them
-            return self._store.release(owner_, key_, one_semaphore)
-        return self._store.release(owner_, key_, one_semaphore, request_id=own)
+        with caller_deadline(None if limit is None else monotonic() + limit):
+            if own is None:  # as before request ids: a store of another package's may not know them
+                return self._store.release(owner_, key_, one_semaphore)
+            return self._store.release(owner_, key_, one_semaphore, request_id=own)
 
-    def extend(self, lease: Lease | str, ttl: Seconds | None = None, *, owner: str | None = None) -> Lease:
+    def extend(
+        self,
+        lease: Lease | str,
+        ttl: Seconds | None = None,
+        *,
+        owner: str | None = None,
+        timeout: Seconds | None = None,
+    ) -> Lease:
         """Set a held lease to expire ``ttl`` seconds from now, on the database's clock. Without ``ttl``,
         by the lease's own TTL (``lease.ttl``), the one it was acquired with, whichever client asks. A ``ttl``
         given changes the expiry, not the lease's TTL. (A lease granted before the database's schema kept
@@ -561,10 +579,16 @@ class Client:
 
         Raises ``LeaseLost`` if it was released or has expired (its permits may be someone else's now),
         ``LeaseNotFound`` if it never existed.
+
+        With ``timeout``, it gives up soon after that many seconds over a link that hangs, as ``ping`` does,
+        raising ``StorageUnavailable`` (``ServiceUnavailable``); whether the lease was extended is then
+        unknown. (The watchdog gives each of its extends the time the lease has left.)
         """
         owner_, key_ = self._lease_ref(lease, owner)
         ttl_ms = None if ttl is None else _validate.ttl_ms(ttl)
-        return self._store.extend(owner_, key_, ttl_ms)
+        limit = _validate.timeout(timeout, inf_is_none=True)
+        with caller_deadline(None if limit is None else monotonic() + limit):
+            return self._store.extend(owner_, key_, ttl_ms)
 
     def revoke(self, lease: Lease | str, *, owner: str | None = None, reason: str) -> Lease:
         """End someone's lease now, as an administrator, recording ``reason``; its permits come back at

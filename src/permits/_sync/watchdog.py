@@ -178,7 +178,9 @@ class Watchdog:
                     return
             asked = monotonic()
             try:
-                extended = self._client.extend(self.lease, ttl)
+                # Bounded by the lease's deadline: past it the lease is lost (_guard_expiry says so), and an
+                # extend still waiting on a link that hangs would only linger, retried for minutes.
+                extended = self._client.extend(self.lease, ttl, timeout=max(0.0, self.deadline - asked))
                 if self.lost.is_set():
                     return  # its answer came too late: the lease was given up for lost at its deadline
                 self.lease = extended
