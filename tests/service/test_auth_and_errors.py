@@ -531,6 +531,11 @@ def test_readyz_is_not_ready_on_a_database_whose_schema_went_away(tmp_path: Path
         with engine.begin() as conn:
             conn.execute(text("DROP TABLE permits_alembic_version"))
         assert _error(http.get("/readyz")) == (503, "schema_mismatch")
+        with engine.begin() as conn:  # a database that fails the probe otherwise: not ready either, not a 500
+            conn.execute(text("CREATE VIEW permits_alembic_version AS SELECT json('not json') AS version_num"))
+        response = http.get("/readyz")
+        assert _error(response) == (503, "storage_error"), response.text
+        assert response.headers["retry-after"].isdigit()
         engine.dispose()
 
 

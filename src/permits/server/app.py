@@ -109,7 +109,9 @@ def create_app(
         try:
             await state.client.ping(timeout=READY_TIMEOUT_SECONDS)
         except PermitsError as exc:
-            return errors.error_response(exc)
+            # Whatever failed (the database refused the probe's read, say), the instance cannot serve: a 503,
+            # which is what a probe reads as "not ready", with the error's own code; never a 500.
+            return errors.error_response(exc, status=503)
         return JSONResponse({"status": "ready"})
 
     @app.get(

@@ -105,8 +105,9 @@ def error_body(code: str, message: str, details: dict[str, Any] | None = None) -
     return {"error": {"code": code, "message": message, "details": details or {}}}
 
 
-def error_response(error: PermitsError) -> JSONResponse:
-    status = status_for(error)
+def error_response(error: PermitsError, *, status: int | None = None) -> JSONResponse:
+    """The answer to a refused request: the error's own status, or ``status`` where a route says otherwise."""
+    status = status_for(error) if status is None else status
     if isinstance(error, StorageError):
         logger.warning("storage error: %s: %s", error.code, error.message)
         body = error_body(error.code, _STORAGE_MESSAGES.get(error.code, _STORAGE_MESSAGES[StorageError.code]))
