@@ -199,7 +199,8 @@ async def async_lock_within(lock: asyncio.Lock, seconds: float | None) -> bool:
 
 
 def sync_lock_within(lock: threading.Lock, seconds: float | None) -> bool:
-    return lock.acquire(timeout=-1 if seconds is None else max(0.0, seconds))
+    # Capped: a wait past threading.TIMEOUT_MAX (about 292 years) raises OverflowError, not a wait.
+    return lock.acquire(timeout=-1 if seconds is None else min(max(0.0, seconds), threading.TIMEOUT_MAX))
 
 
 # ---- a deadline on a database reply: a link or a server that hangs without failing

@@ -215,17 +215,29 @@ def db_upgrade(db: str | None) -> None:
     click.echo(f"schema at revision {revision} ({client.url})")
 
 
+def _wait_seconds(_ctx: click.Context, _param: click.Parameter, value: float | None) -> float | None:
+    """A --timeout (-w): a number of seconds >= 0, or ``None`` (and ``inf``) for no bound. Anything else is a
+    usage error, before anything is asked: a NaN or a negative wait compared as none at all (``-w -1`` ran
+    COMMAND as ``-n`` would), and ``inf`` overflowed the waits it was added to."""
+    if value is None or value == math.inf:
+        return None
+    if not math.isfinite(value) or value < 0:
+        raise click.BadParameter(f"{value:g} is not a number of seconds >= 0 (or inf)")
+    return value
+
+
 @db.command("ping")
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0),
+    type=float,
     default=10.0,
     show_default=True,
+    callback=_wait_seconds,
     help="Give up soon after this many seconds, over a link that hangs too (a lock wait and 5 s after it,"
     ' and at least 15 s, with the defaults: docs/deployment.md, "A link that hangs").',
 )
 @_db_option
-def db_ping(timeout: float, db: str | None) -> None:
+def db_ping(timeout: float | None, db: str | None) -> None:
     """Check that the database (or the service) answers, with the schema this version needs: exit 0, or 1
     with the error. For scripts and exec probes; it makes no tables, and no SQLite file."""
     started = monotonic()
@@ -370,7 +382,9 @@ def sem_rm(name: str, force: bool, db: str | None) -> None:
 @click.option(
     "--ttl", type=float, default=None, help="Lease TTL in seconds (default 60, or through a service the service's)."
 )
-@click.option("--timeout", type=float, default=0.0, show_default=True, help="Seconds to wait for room.")
+@click.option(
+    "--timeout", type=float, default=0.0, show_default=True, callback=_wait_seconds, help="Seconds to wait for room."
+)
 @click.option(
     "--new-only", is_flag=True, help="Refuse a KEY that names a lease already (key_in_use), instead of printing it."
 )
@@ -397,8 +411,9 @@ def acquire(
 #: ``permits release`` and ``extend``: their ``--timeout``.
 _call_timeout_option = click.option(
     "--timeout",
-    type=click.FloatRange(min=0),
+    type=float,
     default=None,
+    callback=_wait_seconds,
     help="Give up soon after this many seconds, over a link that hangs too (exit 1, storage_unavailable:"
     " the call may or may not have been made)  [default: the store's own bounds]",
 )
@@ -515,7 +530,12 @@ def _kill_after(_ctx: click.Context, _param: click.Parameter, value: float) -> f
     help="Lease TTL; renewed every ttl/3 (default 60, or through a service the service's default).",
 )
 @click.option(
-    "-w", "--timeout", type=float, default=None, help="Seconds to wait for room (default: for ever), as flock's -w."
+    "-w",
+    "--timeout",
+    type=float,
+    default=None,
+    callback=_wait_seconds,
+    help="Seconds to wait for room (default: for ever), as flock's -w.",
 )
 @click.option("-n", "--nonblock", is_flag=True, help="Do not wait: the same as --timeout 0, as flock's -n.")
 @click.option(

@@ -47,6 +47,33 @@ def test_run_refuses_a_max_hold_that_is_not_positive_before_it_acquires(db_url: 
         assert client.get_semaphore(name).used == 0 and client.holders(name) == []
 
 
+def test_a_wait_that_is_not_a_number_of_seconds_is_a_usage_error_before_anything_is_asked(tmp_path: Path) -> None:
+    """``-w -1`` and ``-w nan`` compared as no wait at all: COMMAND ran as with ``-n``. ``--timeout inf``
+    overflowed the waits it was added to (a traceback). Now a bad wait is exit 2, with nothing taken or run,
+    and ``inf`` waits with no bound. Checked before the database is reached, so SQLite stands for all."""
+    db_url = f"sqlite:///{tmp_path / 'p.db'}"
+    ran = tmp_path / "ran"
+    _permits(db_url, "sem", "create", "m", "--capacity", "1")
+    _permits(db_url, "acquire", "m", "--key", "held")
+    for argv in (
+        ["run", "-w", "-1", "m", "--", "touch", str(ran)],
+        ["run", "--timeout", "nan", "m", "--", "touch", str(ran)],
+        ["acquire", "m", "--key", "k", "--timeout", "nan"],
+        ["release", "held", "--timeout", "-1"],
+        ["extend", "held", "--timeout", "nan"],
+        ["db", "ping", "--timeout", "-inf"],
+    ):
+        done = _permits(db_url, *argv, check=False)
+        assert done.returncode == 2 and "is not a number of seconds" in done.stderr, (argv, done.stderr)
+        assert "Traceback" not in done.stderr
+    assert not ran.exists()
+    with permits.connect(db_url) as client:
+        assert [h.key for h in client.holders("m")] == ["held"]  # still held: neither released nor extended
+    assert _permits(db_url, "extend", "held", "--timeout", "inf").returncode == 0
+    assert _permits(db_url, "release", "held", "--timeout", "inf").stdout.strip() == "released"
+    assert _permits(db_url, "run", "-w", "inf", "m", "--", "touch", str(ran)).returncode == 0 and ran.exists()
+
+
 def test_run_takes_flocks_short_options(db_url: str, ns: str, tmp_path: Path) -> None:
     """-n (do not wait), -w SECONDS and -E STATUS, as flock(1) spells them, so a crontab line moves from
     flock to permits run by its lock's name alone."""

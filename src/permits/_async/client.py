@@ -551,8 +551,9 @@ class AsyncClient:
         that gave up on such an acquire without learning whether it was granted.
 
         With ``timeout``, it gives up soon after that many seconds over a link that hangs, as ``ping`` does,
-        raising ``StorageUnavailable`` (``ServiceUnavailable``): the release may or may not have been made,
-        and calling again is safe. Unreleased, the lease ends at its expiry."""
+        raising ``StorageUnavailable`` (through a service, soon after it and the service's ``answer_grace``):
+        the release may or may not have been made, and calling again is safe. Unreleased, the lease ends at
+        its expiry. (A ``lease()`` block's exit bounds its release so, by the time the lease has left.)"""
         owner_, key_ = self._lease_ref(lease, owner)
         own = None if request_id is None else _validate.request_id(request_id)
         limit = _validate.timeout(timeout, inf_is_none=True)
@@ -580,9 +581,9 @@ class AsyncClient:
         ``LeaseNotFound`` if it never existed.
 
         With ``timeout``, it gives up soon after that many seconds over a link that hangs, as ``ping`` does,
-        raising ``StorageUnavailable`` (``ServiceUnavailable``); whether the lease was extended is then
-        unknown. (The watchdog gives each of its extends the time the lease has left.)
-        """
+        raising ``StorageUnavailable`` (through a service, soon after it and the service's ``answer_grace``);
+        whether the lease was extended is then unknown. (The watchdog gives each of its extends the time the
+        lease has left.)"""
         owner_, key_ = self._lease_ref(lease, owner)
         ttl_ms = None if ttl is None else _validate.ttl_ms(ttl)
         limit = _validate.timeout(timeout, inf_is_none=True)
@@ -896,7 +897,11 @@ class AsyncHeld:
                 await self.watchdog.stop()
             # The lease itself rather than its key: it says which semaphores it holds (see release).
             held: Lease | str = self._key if self.lease is None else self.lease
-            return await self._client.release(held, owner=self._owner)
+            # Bounded by the lease's own deadline: past it the permits come back at its expiry anyway, and over
+            # a link that hangs the store's own bounds would hold the block's exit for minutes (the store still
+            # waits one reply, and a lock wait and 5 s past the deadline, before giving up: permits._deadline).
+            deadline = max(self._deadline, self.watchdog.deadline if self.watchdog is not None else 0.0)
+            return await self._client.release(held, owner=self._owner, timeout=max(0.0, deadline - monotonic()))
         finally:
             self._in_use.release()
 
