@@ -14,6 +14,7 @@ service. The holder and the checks go to the database directly.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import signal
@@ -512,6 +513,37 @@ def test_a_lease_block_over_a_link_that_hangs_is_lost_at_its_deadline_and_left_s
                 proxy.resume()
     # The extend was sent about a third of the TTL in, and the release after the deadline: each waits for its
     # answer the store's least reply time, then gives up. A little more on a loaded machine.
+    assert took < 2 * store_least_reply(DEFAULT_LOCK_WAIT_TIMEOUT) + 10, took
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])  # the stores' bounds are the sync test's, on both servers
+def test_an_asyncio_lease_block_over_a_link_that_hangs_is_cancelled_at_its_deadline_and_left_soon_after(
+    db_url: str, ns: str
+) -> None:
+    """The same in asyncio, where the loss also cancels the block's task: the block is left, its release
+    raising the outage, within the same bound."""
+    name = f"{ns}watched"
+
+    async def hold(url: str) -> float:
+        async with permits.connect_async(url) as client:
+            held = client.lease(name, ttl=3, keepalive=True)
+            lost_at = 0.0
+            with pytest.raises(StorageUnavailable):
+                async with held:
+                    proxy.stall()
+                    try:
+                        await asyncio.sleep(3 + BOUND)  # cancelled at the loss
+                    finally:
+                        lost_at = time.monotonic()
+            assert held.watchdog is not None and held.watchdog.reason == "expired"
+            return time.monotonic() - lost_at
+
+    with permits.connect(db_url) as direct, CuttingProxy.before(db_url) as proxy:
+        direct.create_semaphore(name, 1)
+        try:
+            took = asyncio.run(hold(proxy.url_for(db_url)))
+        finally:
+            proxy.resume()
     assert took < 2 * store_least_reply(DEFAULT_LOCK_WAIT_TIMEOUT) + 10, took
 
 
