@@ -625,6 +625,12 @@ def test_a_body_that_asks_nothing_is_taken_where_a_route_reads_none(service: Ser
         assert chunked.json()["error"]["message"].startswith("GET /v1/holders/{name} takes no body")
         assert admin.request("DELETE", f"/v1/semaphores/{name}", content=b"{}").status_code == 200
         assert admin.get(f"/v1/semaphores/{name}").status_code == 404
+        # The app's own routes too: a probe's, the metrics', the API reference's.
+        for path in ("/healthz", "/readyz", "/metrics", "/docs", "/redoc"):
+            assert admin.request("GET", path, content=b"{}").status_code == 200, path
+            refused = admin.request("GET", path, content=b'{"verbose": true}')
+            assert _error(refused) == (422, "invalid_argument"), (path, refused.text)
+            assert refused.json()["error"]["details"]["field"] == "body"
     # A GET's body has no size limit: one that says it is long is answered before it is sent (it was read
     # whole, before the token was checked, and 400 MB of it took 700 MB of the instance's memory).
     for token, status in ((None, "401"), (ADMIN, "422")):

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import permits
 from permits._exceptions import InvalidArgument, PermitsError, RequestTooLarge, ServiceUnavailable
-from permits.server import auth, dashboard, errors, reference, routes, schemas, stats
+from permits.server import auth, body, dashboard, errors, reference, routes, schemas, stats
 from permits.server.config import ServerConfig
 from permits.server.hot import HotRoutes, replaying
 from permits.server.maintenance import LivenessProbe, Maintainer
@@ -75,6 +75,9 @@ def create_app(
         docs_url=None,  # reference.py serves both pages without a CDN
         redoc_url=None,
     )
+    # The app's own routes (/healthz, /readyz, /metrics, the API reference) refuse a body too, as the API's
+    # do, rather than drop it unread.
+    app.router.route_class = body.Route
     app.state.permits = state
     _document_limits(app, config)
     errors.install(app)
