@@ -298,6 +298,7 @@ CASES: dict[str, Case] = {
     "query-twice": Case(None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}?force=false&force=true", None)),
     "delete-body": Case(None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}", {"force": True, "reason": "moved"})),
     "get-body": Case(None, lambda ctx: ("GET", f"/v1/holders/{ctx.s}", {"owner": "someone"})),
+    "probe-body": Case(None, lambda ctx: ("GET", "/healthz", {"verbose": True})),
     "delete-body-no-token": Case(
         None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}", {"force": True, "reason": "moved"}), token=None
     ),
