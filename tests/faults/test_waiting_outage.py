@@ -583,3 +583,38 @@ def test_readiness_over_a_link_that_hangs_answers_503_soon(db_url: str, backend:
     assert answer.status_code == 503, answer.text
     assert answer.json()["error"]["code"] == "storage_unavailable", answer.text
     assert took < READY_TIMEOUT_SECONDS + HANG_BOUND["db"], took
+
+
+@pytest.mark.parametrize("backend", ["postgresql"])  # the stores' bounds are tested on both servers above
+def test_a_service_answers_a_release_or_an_extend_over_a_link_that_hangs_soon(db_url: str, ns: str) -> None:
+    """``POST /v1/leases/extend`` and ``/release`` while the service's link to its database stalls: a 503
+    ``storage_unavailable`` soon (15 s), which the client sends again; not after the store's retries, with each
+    resend another handler waiting beside the first (before: 30 s for the extend, about 2 minutes for the
+    release, whose turn in its semaphore's line was held to no deadline). A release may go in a turn first,
+    and then alone: two least waits for a reply at most. Asked at once, each on a thread of its own."""
+    name = f"{ns}hung"
+    with CuttingProxy.before(db_url) as proxy:
+        service = Service.started(proxy.url_for(db_url), env={"PERMITS_MAINTENANCE__ENABLED": "false"})
+        try:
+            with httpx.Client(base_url=service.url, timeout=300) as http:
+                assert http.post("/v1/semaphores", json={"name": name, "capacity": 3}).status_code == 201
+                for key in ("e", "r"):
+                    assert http.post("/v1/leases", json={"wants": {name: 1}, "key": key, "ttl": 600}).status_code == 201
+                proxy.stall()
+
+                def answer(path: str, key: str) -> tuple[httpx.Response, float]:
+                    started = time.monotonic()
+                    return http.post(path, json={"key": key}), time.monotonic() - started
+
+                with ThreadPoolExecutor(2) as pool:
+                    extend = pool.submit(answer, "/v1/leases/extend", "e")
+                    release = pool.submit(answer, "/v1/leases/release", "r")
+                    (extended, extend_took), (released, release_took) = extend.result(), release.result()
+        finally:
+            proxy.resume()
+            service.stop()
+    for response in (extended, released):
+        assert response.status_code == 503 and response.json()["error"]["code"] == "storage_unavailable", response.text
+    least, grace = store_least_reply(DEFAULT_LOCK_WAIT_TIMEOUT), store_grace(DEFAULT_LOCK_WAIT_TIMEOUT)
+    assert extend_took < least + grace + 5, extend_took
+    assert release_took < 2 * least + grace + 5, release_took

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from permits._backoff import Backoff
-from permits._deadline import caller_deadline, detached
+from permits._deadline import CALLER_DEADLINE, caller_deadline, detached
 from permits._exceptions import ServiceUnavailable
 from permits._io import monotonic
 from permits._models import Lease, ReleaseOutcome, Want
@@ -108,6 +108,9 @@ class _Ticket:
 class _Release:
     owner: str
     key: str
+    #: when its request stops waiting for the turn's answer (``monotonic()``; its caller's deadline), after
+    #: which it releases alone; ``None``: never
+    deadline: float | None = None
     #: what became of it (``None``: a turn did not release it; release it alone)
     future: asyncio.Future[ReleaseOutcome | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -186,7 +189,7 @@ class HandOff:
         when the turn did not release it (it was not held, or the turn failed): release it alone, which says
         what it is. A caller that stops waiting does not take it back: it goes in the turn all the same."""
         line = self._line(name)
-        release = _Release(owner, key)
+        release = _Release(owner, key, CALLER_DEADLINE.get())
         line.releases.append(release)
         line.room.set()  # a turn is due
         self._start(name, line)
@@ -496,10 +499,13 @@ class HandOff:
             return False
         for ticket in batch:
             ticket.attempting = True
-        # A turn of grants only is held to the latest of its requests' deadlines (permits._deadline): over a
-        # link that hangs, its waiters would otherwise wait out every retry's reply deadline. One that carries
-        # releases is not: a release must not be cut short for a waiter's timeout.
-        turn_deadline = max(t.deadline for t in batch) if batch and not releases else None
+        # A turn is held to the latest of its requests' deadlines (permits._deadline): over a link that hangs,
+        # its waiters would otherwise wait out every retry's reply deadline, and its releases' requests, held
+        # to their own (routes.release_lease), would be answered only then. Not to an earlier one: a release
+        # must not be cut short for a waiter's timeout, nor a grant for a release's. A release with no
+        # deadline holds the turn to none.
+        held_to = [r.deadline for r in releases if r.deadline is not None]
+        turn_deadline = max([t.deadline for t in batch] + held_to) if len(held_to) == len(releases) else None
         try:
             with caller_deadline(turn_deadline):
                 async with self._prelock.hold([name]):
@@ -557,7 +563,8 @@ class HandOff:
 
     async def _release_alone(self, name: str, release: _Release) -> None:
         try:
-            outcome = await self._inner.release(release.owner, release.key, True)
+            with caller_deadline(release.deadline):  # its request's, as a turn is held to (see _turn)
+                outcome = await self._inner.release(release.owner, release.key, True)
         except Exception:
             outcome = None  # its caller releases it alone, and meets the error itself
         if not release.future.done():

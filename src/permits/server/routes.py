@@ -21,7 +21,7 @@ from starlette.convertors import PathConvertor, register_url_convertor
 import permits
 from permits import _validate, _wire
 from permits._core import flows
-from permits._deadline import store_least_reply
+from permits._deadline import caller_deadline, store_least_reply
 from permits._exceptions import (
     ENDS_THE_REQUEST,
     AcquireTimeout,
@@ -311,7 +311,13 @@ async def release(body: schemas.ReleaseIn, identity: Caller, state: State) -> di
 async def release_lease(body: schemas.ReleaseIn, identity: Identity, state: ServiceState) -> dict[str, Any]:
     """What ``POST /v1/leases/release`` does once its caller and body are checked (status 200). Shared with
     the hot routes (``permits.server.hot``)."""
-    outcome = await state.client.release(body.key, owner=identity.db_owner(body.owner), request_id=body.request_id)
+    # Held to the request's wait, which is none, as an acquire's attempts are held to its own: over a link to
+    # the database that hangs, the store gives up after one reply's least wait and its grace, and the answer is
+    # a 503 the client sends again, within its answer_grace; not minutes of the store's retries, with every
+    # resend another handler waiting beside the first (docs/deployment.md, "A link that hangs").
+    with caller_deadline(monotonic()):
+        owner = identity.db_owner(body.owner)
+        outcome = await state.client.release(body.key, owner=owner, request_id=body.request_id)
     state.metrics.releases.labels(str(outcome)).inc()
     return {"outcome": str(outcome)}
 
@@ -325,7 +331,8 @@ async def release_lease(body: schemas.ReleaseIn, identity: Identity, state: Serv
 async def extend(body: schemas.ExtendIn, identity: Caller, state: State) -> dict[str, Any]:
     """Push a held lease's expiry to now + ``ttl`` on the database's clock; 410 ``lease_lost`` if it ended."""
     _check_ttl(body.ttl, state.config.limits.max_ttl)
-    lease = await state.client.extend(body.key, body.ttl, owner=identity.db_owner(body.owner))
+    with caller_deadline(monotonic()):  # as release_lease's, for the same reason
+        lease = await state.client.extend(body.key, body.ttl, owner=identity.db_owner(body.owner))
     return _lease_json(lease, identity, body.owner)
 
 
