@@ -590,8 +590,8 @@ def test_a_service_answers_a_release_or_an_extend_over_a_link_that_hangs_soon(db
     """``POST /v1/leases/extend`` and ``/release`` while the service's link to its database stalls: a 503
     ``storage_unavailable`` soon (15 s), which the client sends again; not after the store's retries, with each
     resend another handler waiting beside the first (before: 30 s for the extend, about 2 minutes for the
-    release, whose turn in its semaphore's line was held to no deadline). A release may go in a turn first,
-    and then alone: two least waits for a reply at most. Asked at once, each on a thread of its own."""
+    release, whose turn in its semaphore's line was held to no deadline, and which was then tried again alone).
+    Asked at once, each on a thread of its own."""
     name = f"{ns}hung"
     with CuttingProxy.before(db_url) as proxy:
         service = Service.started(proxy.url_for(db_url), env={"PERMITS_MAINTENANCE__ENABLED": "false"})
@@ -617,4 +617,4 @@ def test_a_service_answers_a_release_or_an_extend_over_a_link_that_hangs_soon(db
         assert response.status_code == 503 and response.json()["error"]["code"] == "storage_unavailable", response.text
     least, grace = store_least_reply(DEFAULT_LOCK_WAIT_TIMEOUT), store_grace(DEFAULT_LOCK_WAIT_TIMEOUT)
     assert extend_took < least + grace + 5, extend_took
-    assert release_took < 2 * least + grace + 5, release_took
+    assert release_took < least + grace + 5, release_took  # the turn's outage answers it: no second attempt

@@ -631,6 +631,9 @@ def test_a_body_that_asks_nothing_is_taken_where_a_route_reads_none(service: Ser
             refused = admin.request("GET", path, content=b'{"verbose": true}')
             assert _error(refused) == (422, "invalid_argument"), (path, refused.text)
             assert refused.json()["error"]["details"]["field"] == "body"
+    # Who may ask first, then what was asked, as on the API's routes.
+    with httpx.Client(base_url=service.url) as anonymous:
+        assert _error(anonymous.request("GET", "/metrics", content=b'{"verbose": true}')) == (401, "unauthorized")
     # A GET's body has no size limit: one that says it is long is answered before it is sent (it was read
     # whole, before the token was checked, and 400 MB of it took 700 MB of the instance's memory).
     for token, status in ((None, "401"), (ADMIN, "422")):

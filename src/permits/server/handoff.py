@@ -47,7 +47,7 @@ from typing import Any
 
 from permits._backoff import Backoff
 from permits._deadline import CALLER_DEADLINE, caller_deadline, detached
-from permits._exceptions import ServiceUnavailable
+from permits._exceptions import ServiceUnavailable, StorageUnavailable
 from permits._io import monotonic
 from permits._models import Lease, ReleaseOutcome, Want
 from permits._pacing import RECHECK_SECONDS
@@ -108,13 +108,32 @@ class _Ticket:
 class _Release:
     owner: str
     key: str
-    #: when its request stops waiting for the turn's answer (``monotonic()``; its caller's deadline), after
-    #: which it releases alone; ``None``: never
+    #: its request's deadline (``monotonic()``; the route's, its arrival), to which the turn that carries it
+    #: is held; ``None``: none
     deadline: float | None = None
-    #: what became of it (``None``: a turn did not release it; release it alone)
-    future: asyncio.Future[ReleaseOutcome | None] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
+    #: what became of it (``None``: a turn did not release it; release it alone), or the outage that cut it
+    #: short at its deadline (see ``settle``)
+    future: asyncio.Future[ReleaseOutcome | None] = field(default_factory=lambda: _future_retrieved())
+
+    def settle(self, exc: Exception) -> None:
+        """The turn failed with ``exc``: its request releases alone (``None``), which says what became of the
+        lease; or, where the store gave up on the database at its deadline, its request is answered with
+        that outage at once (a 503 its client sends again): a second attempt, alone and past the deadline,
+        would only wait out another reply."""
+        if self.future.done():
+            return
+        if isinstance(exc, StorageUnavailable) and self.deadline is not None:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(None)
+
+
+def _future_retrieved() -> asyncio.Future[ReleaseOutcome | None]:
+    """A future whose outcome counts as seen even if its waiter was cancelled first: no "exception was never
+    retrieved" in the log for a release whose request went away."""
+    future: asyncio.Future[ReleaseOutcome | None] = asyncio.get_running_loop().create_future()
+    future.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return future
 
 
 @dataclass(eq=False)
@@ -517,8 +536,7 @@ class HandOff:
                     )
         except Exception as exc:
             for release in releases:
-                if not release.future.done():
-                    release.future.set_result(None)
+                release.settle(exc)
             for ticket in batch:
                 self._answer(line, ticket, error=exc)
             return bool(batch)
@@ -565,8 +583,9 @@ class HandOff:
         try:
             with caller_deadline(release.deadline):  # its request's, as a turn is held to (see _turn)
                 outcome = await self._inner.release(release.owner, release.key, True)
-        except Exception:
-            outcome = None  # its caller releases it alone, and meets the error itself
+        except Exception as exc:
+            release.settle(exc)  # its caller releases it alone, and meets the error itself; or the outage
+            return
         if not release.future.done():
             release.future.set_result(outcome)
         if outcome in (ReleaseOutcome.RELEASED, ReleaseOutcome.LOST):
