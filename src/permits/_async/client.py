@@ -556,13 +556,18 @@ class AsyncClient:
         its expiry. (A ``lease()`` block's exit bounds its release so, by the time the lease has left.)"""
         owner_, key_ = self._lease_ref(lease, owner)
         own = None if request_id is None else _validate.request_id(request_id)
-        limit = _validate.timeout(timeout, inf_is_none=True)
+        deadline = _deadline_after(timeout)
         # A Lease says which semaphores it holds; a key alone does not.
         one_semaphore = isinstance(lease, Lease) and len(lease.counts) == 1
-        with caller_deadline(None if limit is None else monotonic() + limit):
-            if own is None:  # as before request ids: a store of another package's may not know them
-                return await self._store.release(owner_, key_, one_semaphore)
-            return await self._store.release(owner_, key_, one_semaphore, request_id=own)
+        if deadline is None:  # the common call, on the path of every cycle: no deadline of its own to set
+            return await self._release(owner_, key_, one_semaphore, own)
+        with caller_deadline(deadline):
+            return await self._release(owner_, key_, one_semaphore, own)
+
+    async def _release(self, owner: str, key: str, one_semaphore: bool, request_id: str | None) -> ReleaseOutcome:
+        if request_id is None:  # as before request ids: a store of another package's may not know them
+            return await self._store.release(owner, key, one_semaphore)
+        return await self._store.release(owner, key, one_semaphore, request_id=request_id)
 
     async def extend(
         self,
@@ -586,8 +591,7 @@ class AsyncClient:
         lease has left.)"""
         owner_, key_ = self._lease_ref(lease, owner)
         ttl_ms = None if ttl is None else _validate.ttl_ms(ttl)
-        limit = _validate.timeout(timeout, inf_is_none=True)
-        with caller_deadline(None if limit is None else monotonic() + limit):
+        with caller_deadline(_deadline_after(timeout)):
             return await self._store.extend(owner_, key_, ttl_ms)
 
     async def revoke(self, lease: Lease | str, *, owner: str | None = None, reason: str) -> Lease:
@@ -695,8 +699,7 @@ class AsyncClient:
         retries alone."""
         if self._closed:
             raise UsageError("this client is closed")
-        limit = _validate.timeout(timeout, inf_is_none=True)
-        with caller_deadline(None if limit is None else monotonic() + limit):
+        with caller_deadline(_deadline_after(timeout)):
             await self._store.ping()
 
     async def upgrade_schema(self) -> str:
@@ -736,6 +739,15 @@ class AsyncClient:
 def _described(wants: tuple[Want, ...]) -> str:
     """``backups:1, db:2``: wants as messages and reprs name them."""
     return ", ".join(f"{w.name}:{w.count}" for w in wants)
+
+
+def _deadline_after(timeout: Seconds | None) -> float | None:
+    """When a call given ``timeout`` ends (``monotonic()`` time), or ``None`` for no deadline of its own
+    (``None``, or ``math.inf``); a bad timeout is an ``InvalidArgument``, before anything is asked."""
+    if timeout is None:
+        return None
+    limit = _validate.timeout(timeout, inf_is_none=True)
+    return None if limit is None else monotonic() + limit
 
 
 def _request_id(new_only: bool, given: str | None) -> str | None:

@@ -557,13 +557,18 @@ class Client:
         its expiry. (A ``lease()`` block's exit bounds its release so, by the time the lease has left.)"""
         owner_, key_ = self._lease_ref(lease, owner)
         own = None if request_id is None else _validate.request_id(request_id)
-        limit = _validate.timeout(timeout, inf_is_none=True)
+        deadline = _deadline_after(timeout)
         # A Lease says which semaphores it holds; a key alone does not.
         one_semaphore = isinstance(lease, Lease) and len(lease.counts) == 1
-        with caller_deadline(None if limit is None else monotonic() + limit):
-            if own is None:  # as before request ids: a store of another package's may not know them
-                return self._store.release(owner_, key_, one_semaphore)
-            return self._store.release(owner_, key_, one_semaphore, request_id=own)
+        if deadline is None:  # the common call, on the path of every cycle: no deadline of its own to set
+            return self._release(owner_, key_, one_semaphore, own)
+        with caller_deadline(deadline):
+            return self._release(owner_, key_, one_semaphore, own)
+
+    def _release(self, owner: str, key: str, one_semaphore: bool, request_id: str | None) -> ReleaseOutcome:
+        if request_id is None:  # as before request ids: a store of another package's may not know them
+            return self._store.release(owner, key, one_semaphore)
+        return self._store.release(owner, key, one_semaphore, request_id=request_id)
 
     def extend(
         self,
@@ -587,8 +592,7 @@ class Client:
         lease has left.)"""
         owner_, key_ = self._lease_ref(lease, owner)
         ttl_ms = None if ttl is None else _validate.ttl_ms(ttl)
-        limit = _validate.timeout(timeout, inf_is_none=True)
-        with caller_deadline(None if limit is None else monotonic() + limit):
+        with caller_deadline(_deadline_after(timeout)):
             return self._store.extend(owner_, key_, ttl_ms)
 
     def revoke(self, lease: Lease | str, *, owner: str | None = None, reason: str) -> Lease:
@@ -696,8 +700,7 @@ class Client:
         retries alone."""
         if self._closed:
             raise UsageError("this client is closed")
-        limit = _validate.timeout(timeout, inf_is_none=True)
-        with caller_deadline(None if limit is None else monotonic() + limit):
+        with caller_deadline(_deadline_after(timeout)):
             self._store.ping()
 
     def upgrade_schema(self) -> str:
@@ -737,6 +740,15 @@ class Client:
 def _described(wants: tuple[Want, ...]) -> str:
     """``backups:1, db:2``: wants as messages and reprs name them."""
     return ", ".join(f"{w.name}:{w.count}" for w in wants)
+
+
+def _deadline_after(timeout: Seconds | None) -> float | None:
+    """When a call given ``timeout`` ends (``monotonic()`` time), or ``None`` for no deadline of its own
+    (``None``, or ``math.inf``); a bad timeout is an ``InvalidArgument``, before anything is asked."""
+    if timeout is None:
+        return None
+    limit = _validate.timeout(timeout, inf_is_none=True)
+    return None if limit is None else monotonic() + limit
 
 
 def _request_id(new_only: bool, given: str | None) -> str | None:
