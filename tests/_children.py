@@ -193,8 +193,9 @@ def take_turns(args: dict[str, Any]) -> None:
     semaphore, whether or not it waits in the server's line), how many of them waited in the lines of
     several semaphores (LINES_ENTER, or the queued grant that takes its line), how many asked outside a
     line first (ACQUIRE_ONE_LINE_FREE), how many of those were refused there and then asked in the line
-    (ACQUIRE_ONE_QUEUED or MariaDB's LINE_WAIT right after it), and how many asked at the head of MariaDB's
-    line (LINE_GRANT, ``in_line``), as one JSON line."""
+    (ACQUIRE_ONE_QUEUED or MariaDB's LINE_WAIT right after it), how many asked at the head of MariaDB's
+    line (LINE_GRANT, ``in_line``), and how many were made by a request that held a place in a fair queue
+    (``queued``: ordered by that queue, not by a line), as one JSON line."""
     granted = timed_out = 0
     longest = 0.0  # the longest acquire or release that did not time out, in seconds
     attempts = [0]
@@ -202,6 +203,7 @@ def take_turns(args: dict[str, Any]) -> None:
     line_free = [0]
     line_refused = [0]
     in_line = [0]
+    queued = [0]
     last = [""]
     # ``names`` instead of ``name``: one permit of each, in one acquire
     wants: Any = dict.fromkeys(args["names"], 1) if "names" in args else args["name"]
@@ -209,13 +211,16 @@ def take_turns(args: dict[str, Any]) -> None:
         if hasattr(client._store, "after_statement"):
 
             def count(statement: str) -> None:
-                attempts[0] += statement in (
+                attempt = statement in (
                     "ACQUIRE_ONE",
                     "ACQUIRE_ONE_QUEUED",
                     "ACQUIRE_ONE_LINE_FREE",
                     "LINE_GRANT",
                     "SEM_TAKE",
                 )
+                attempts[0] += attempt
+                # This process has one acquire at a time: any place its store keeps is that request's.
+                queued[0] += attempt and bool(client._store._queued)
                 line_free[0] += statement == "ACQUIRE_ONE_LINE_FREE"
                 if statement in ("ACQUIRE_MANY", "ACQUIRE_MANY_QUEUED"):  # one statement for all the semaphores
                     attempts[0] += len(wants)
@@ -247,7 +252,8 @@ def take_turns(args: dict[str, Any]) -> None:
             granted += 1
     report = {"granted": granted, "timed_out": timed_out, "attempts": attempts[0], "lines": lines[0]}
     longest_ms = round(longest * 1000)
-    report.update(line_free=line_free[0], line_refused=line_refused[0], in_line=in_line[0], longest_ms=longest_ms)
+    report.update(line_free=line_free[0], line_refused=line_refused[0], in_line=in_line[0], queued=queued[0])
+    report.update(longest_ms=longest_ms)
     _say(json.dumps(report))
 
 

@@ -125,12 +125,17 @@ def test_processes_take_even_turns_through_the_line(url: str, ns: str, capacity:
     assert _jain(turns) >= 0.9, (_jain(turns), results)
     # The attempts of waiting acquires went through the line, but for those that asked outside it first:
     # granted there while nobody is in the line, or refused there about once per LINE_BUSY_SECONDS per
-    # process (then the client asks in the line at once for a while).
+    # process (then the client asks in the line at once for a while). On a fair semaphore, a head whose
+    # wait for room (LINE_HEAD_WAIT_SECONDS) ran out takes a place in the fair queue, which orders it from
+    # then on: its attempts are made outside the line. That happens where commits are slow (a CI run with
+    # the disk busy: 110 turns, about half the attempts in the fair queue); a plain semaphore has no queue.
     attempts = sum(r["attempts"] for r in results)
     line_free = sum(r["line_free"] for r in results)
-    assert sum(r["in_line"] for r in results) >= 0.9 * (attempts - line_free), results
+    queued = sum(r["queued"] for r in results)
+    assert fair or queued == 0, results
+    assert sum(r["in_line"] for r in results) >= 0.9 * (attempts - line_free - queued), results
     assert all(r["line_refused"] <= seconds / LINE_BUSY_SECONDS + 2 for r in results), results
-    paced = attempts - sum(r["line_refused"] for r in results)
+    paced = attempts - sum(r["line_refused"] for r in results) - queued
     assert paced / sum(turns) <= 1.5, (paced / sum(turns), results)
 
 
