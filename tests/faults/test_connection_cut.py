@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 #: Each test cuts or stalls only its own proxy's links, and its time bounds allow for a loaded machine
 #: (BOUND): they run beside the other tests, not alone as the rest of tests/faults does.
-pytestmark = pytest.mark.beside_others
+pytestmark = [pytest.mark.beside_others, pytest.mark.waits]
 
 #: every STRIDE-th byte of the reply stream is a cut point, and every one of the first HEAD and last TAIL
 STRIDE = 11

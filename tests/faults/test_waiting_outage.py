@@ -41,7 +41,7 @@ from tests.conftest import AsyncFacade, in_thread
 
 #: Each test cuts only its own proxy's links: they run beside the other tests. A bound on how late an
 #: answer may come on a loaded machine.
-pytestmark = [pytest.mark.beside_others, pytest.mark.slow]  # slow: each waits out seconds of outage
+pytestmark = [pytest.mark.beside_others, pytest.mark.slow, pytest.mark.waits]  # slow: each waits out seconds of outage
 BOUND = 20.0
 #: Longer than the store's quick retries of a lost connection, so the waiting loop itself meets the outage.
 OUTAGE_SECONDS = 3.0
