@@ -408,7 +408,7 @@ def acquire(
         _echo_json(lease.to_dict())
 
 
-#: ``permits release`` and ``extend``: their ``--timeout``.
+#: ``permits release``, ``extend`` and ``revoke``: their ``--timeout``.
 _call_timeout_option = click.option(
     "--timeout",
     type=float,
@@ -454,6 +454,19 @@ def show_lease(key: str, owner: str | None, db: str | None) -> None:
     """Show the lease KEY as JSON."""
     with _client(db, owner) as client:
         _echo_json(client.get_lease(key).to_dict())
+
+
+@main.command()
+@click.argument("key")
+@click.option("--reason", required=True, help="Why: kept with the lease, and in the service's admin log.")
+@_call_timeout_option
+@_owner_option
+@_db_option
+def revoke(key: str, reason: str, timeout: float | None, owner: str | None, db: str | None) -> None:
+    """End the lease KEY of --owner now, as an administrator (its holder learns it at its next extend);
+    prints the lease as JSON. `permits sem show NAME` lists holders' owners and keys."""
+    with caller_deadline(None if timeout is None else monotonic() + timeout), _client(db, owner) as client:
+        _echo_json(client.revoke(key, reason=reason, timeout=timeout).to_dict())
 
 
 @main.command()

@@ -61,6 +61,7 @@ def test_a_wait_that_is_not_a_number_of_seconds_is_a_usage_error_before_anything
         ["acquire", "m", "--key", "k", "--timeout", "nan"],
         ["release", "held", "--timeout", "-1"],
         ["extend", "held", "--timeout", "nan"],
+        ["revoke", "held", "--reason", "r", "--timeout", "-1"],
         ["db", "ping", "--timeout", "-inf"],
     ):
         done = _permits(db_url, *argv, check=False)
@@ -200,6 +201,31 @@ def test_lease_commands(db_url: str, ns: str) -> None:
     assert _permits(db_url, "release", f"{ns}nope", check=False).returncode == 1
     assert "no drift" in _permits(db_url, "reconcile").stdout
     assert "swept" in _permits(db_url, "sweep").stdout
+
+
+def test_revoke_ends_anyones_lease_by_owner_and_key(db_url: str, ns: str) -> None:
+    """An operator's end of a stuck holder's lease: ``permits sem show`` lists the owner and key, ``permits
+    revoke`` ends it with a reason, and its permits are free at once; the holder's next extend is refused."""
+    name = f"{ns}r"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    with permits.connect(db_url, owner=f"{ns}host-3") as holder:
+        lease = holder.acquire(name, key="nightly", ttl=300)
+        shown = json.loads(_permits(db_url, "sem", "show", name).stdout)["holders"]
+        assert [(h["owner"], h["key"]) for h in shown] == [(f"{ns}host-3", "nightly")]
+        mine = _permits(db_url, "revoke", "nightly", "--reason", "host-3 lost its disk", check=False)
+        assert mine.returncode == 1 and "lease_not_found" in mine.stderr  # --owner defaults to the caller's own
+        ended = json.loads(
+            _permits(db_url, "revoke", "nightly", "--owner", f"{ns}host-3", "--reason", "host-3 lost its disk").stdout
+        )
+        assert ended["end_reason"] == "revoked" and ended["end_note"] == "host-3 lost its disk", ended
+        assert holder.get_semaphore(name).used == 0
+        with pytest.raises(permits.LeaseLost):
+            holder.extend(lease)
+    again = _permits(db_url, "revoke", "nightly", "--owner", f"{ns}host-3", "--reason", "again")
+    unchanged = ("end_reason", "end_note", "ended_at")
+    assert [json.loads(again.stdout)[f] for f in unchanged] == [ended[f] for f in unchanged], "answered as it is"
+    no_reason = _permits(db_url, "revoke", "nightly", "--owner", f"{ns}host-3", check=False)
+    assert no_reason.returncode == 2 and "--reason" in no_reason.stderr
 
 
 @pytest.mark.parametrize(

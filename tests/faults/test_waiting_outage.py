@@ -452,31 +452,33 @@ def test_a_ping_with_a_timeout_over_a_link_that_hangs_gives_up_soon_after_it(db_
     assert took < 1 + HANG_BOUND["db"], took
 
 
-def test_a_release_and_an_extend_with_a_timeout_over_a_link_that_hangs_give_up_soon_after_it(
+def test_a_release_an_extend_and_a_revoke_with_a_timeout_over_a_link_that_hangs_give_up_soon_after_it(
     db_url: str, flavour: str, backend: str, ns: str
 ) -> None:
-    """``release(timeout=1)`` and ``extend(timeout=1)`` over a link that stalls raise the outage soon after
-    their second, as ``ping`` does, not after every attempt's reply deadline and the store's retries (30 to
-    46 s each on PostgreSQL, 2 minutes on MariaDB, measured). Once the link is back, the release asked again
-    ends the lease once. ``permits release`` and ``extend`` with ``--timeout`` hold to it too, their client's
-    opening included. The calls are made at once, each on a thread of its own: each is timed on its own, and
-    the test waits out one bound, not four."""
+    """``release(timeout=1)``, ``extend(timeout=1)`` and ``revoke(..., timeout=1)`` over a link that stalls
+    raise the outage soon after their second, as ``ping`` does, not after every attempt's reply deadline and
+    the store's retries (30 to 46 s each on PostgreSQL, 2 minutes on MariaDB, measured). Once the link is
+    back, the release asked again ends the lease once. ``permits release``, ``extend`` and ``revoke`` with
+    ``--timeout`` hold to it too, their client's opening included. The calls are made at once, each on a
+    thread of its own: each is timed on its own, and the test waits out one bound, not six."""
     name = f"{ns}hangs"
     with permits.connect(db_url) as direct, CuttingProxy.before(db_url) as proxy:
-        direct.create_semaphore(name, 2)
+        direct.create_semaphore(name, 3)
         url = proxy.url_for(db_url)
         client: Any = permits.connect(url) if flavour == "sync" else AsyncFacade(permits.connect_async(url))
         try:
             lease = client.acquire(name, ttl=300)  # opened, with a pooled connection
+            stuck = direct.acquire(name, ttl=300, owner=f"{ns}stuck")
             calls = {
                 "extend": lambda: client.extend(lease, timeout=1),
                 "release": lambda: client.release(lease, timeout=1),
+                "revoke": lambda: client.revoke(stuck, reason="stuck", timeout=1),
             }
             if flavour == "sync" and backend == "postgresql":  # the CLI's opening is the same on both servers
                 other = direct.acquire(name, ttl=300, owner=f"{ns}cli")
-                for verb in ("extend", "release"):
-                    argv = [verb, "--timeout", "1", "--owner", other.owner, "--db", url, other.key]
-                    calls[f"permits {verb}"] = functools.partial(_exits_with_the_outage, argv)
+                for argv in (["extend"], ["release"], ["revoke", "--reason", "stuck"]):
+                    argv += ["--timeout", "1", "--owner", other.owner, "--db", url, other.key]
+                    calls[f"permits {argv[0]}"] = functools.partial(_exits_with_the_outage, argv)
             proxy.stall()
             try:
                 with ThreadPoolExecutor(len(calls)) as pool:
@@ -484,9 +486,10 @@ def test_a_release_and_an_extend_with_a_timeout_over_a_link_that_hangs_give_up_s
             finally:
                 proxy.resume()
             assert client.release(lease) in (ReleaseOutcome.RELEASED, ReleaseOutcome.ALREADY_RELEASED)
+            assert client.revoke(stuck, reason="stuck").end_reason == "revoked"  # asked again: safe
         finally:
             client.close() if flavour == "sync" else client.shutdown()
-        assert all(h.key != lease.key for h in direct.holders(name)), direct.holders(name)
+        assert all(h.key not in (lease.key, stuck.key) for h in direct.holders(name)), direct.holders(name)
         assert direct.reconcile() == []
     assert max(took.values()) < 1 + HANG_BOUND["db"], took
 
@@ -586,11 +589,12 @@ def test_readiness_over_a_link_that_hangs_answers_503_soon(db_url: str, backend:
 
 
 @pytest.mark.parametrize("backend", ["postgresql"])  # the stores' bounds are tested on both servers above
-def test_a_service_answers_a_release_or_an_extend_over_a_link_that_hangs_soon(db_url: str, ns: str) -> None:
+def test_a_service_answers_what_does_not_wait_over_a_link_that_hangs_soon(db_url: str, ns: str) -> None:
     """``POST /v1/leases/extend`` and ``/release`` while the service's link to its database stalls: a 503
     ``storage_unavailable`` soon (15 s), which the client sends again; not after the store's retries, with each
     resend another handler waiting beside the first (before: 30 s for the extend, about 2 minutes for the
     release, whose turn in its semaphore's line was held to no deadline, and which was then tried again alone).
+    So too a revoke, a read of the API and one of the dashboard's, which it polls (before: 70, 80 and 75 s).
     Asked at once, each on a thread of its own."""
     name = f"{ns}hung"
     with CuttingProxy.before(db_url) as proxy:
@@ -598,23 +602,34 @@ def test_a_service_answers_a_release_or_an_extend_over_a_link_that_hangs_soon(db
         try:
             with httpx.Client(base_url=service.url, timeout=300) as http:
                 assert http.post("/v1/semaphores", json={"name": name, "capacity": 3}).status_code == 201
-                for key in ("e", "r"):
-                    assert http.post("/v1/leases", json={"wants": {name: 1}, "key": key, "ttl": 600}).status_code == 201
+                leases = {}
+                for key in ("e", "r", "v"):
+                    granted = http.post("/v1/leases", json={"wants": {name: 1}, "key": key, "ttl": 600})
+                    assert granted.status_code == 201
+                    leases[key] = granted.json()
                 proxy.stall()
 
-                def answer(path: str, key: str) -> tuple[httpx.Response, float]:
+                def answer(method: str, path: str, body: dict[str, Any] | None = None) -> tuple[httpx.Response, float]:
                     started = time.monotonic()
-                    return http.post(path, json={"key": key}), time.monotonic() - started
+                    return http.request(method, path, json=body), time.monotonic() - started
 
-                with ThreadPoolExecutor(2) as pool:
-                    extend = pool.submit(answer, "/v1/leases/extend", "e")
-                    release = pool.submit(answer, "/v1/leases/release", "r")
-                    (extended, extend_took), (released, release_took) = extend.result(), release.result()
+                asked = {
+                    "extend": ("POST", "/v1/leases/extend", {"key": "e"}),
+                    "release": ("POST", "/v1/leases/release", {"key": "r"}),
+                    "revoke": ("POST", "/v1/leases/revoke", {"key": "v", "owner": leases["v"]["owner"], "reason": "x"}),
+                    "holders": ("GET", f"/v1/holders/{name}", None),
+                    "overview": ("GET", "/v1/overview", None),
+                }
+                with ThreadPoolExecutor(len(asked)) as pool:
+                    futures = {what: pool.submit(answer, *request) for what, request in asked.items()}
+                    answers = {what: future.result() for what, future in futures.items()}
         finally:
             proxy.resume()
             service.stop()
-    for response in (extended, released):
-        assert response.status_code == 503 and response.json()["error"]["code"] == "storage_unavailable", response.text
     least, grace = store_least_reply(DEFAULT_LOCK_WAIT_TIMEOUT), store_grace(DEFAULT_LOCK_WAIT_TIMEOUT)
-    assert extend_took < least + grace + 5, extend_took
-    assert release_took < least + grace + 5, release_took  # the turn's outage answers it: no second attempt
+    took = {what: round(seconds, 1) for what, (_, seconds) in answers.items()}
+    for what, (response, _) in answers.items():
+        assert response.status_code == 503, (what, response.text, took)
+        assert response.json()["error"]["code"] == "storage_unavailable", (what, response.text, took)
+    # A release's turn's outage answers it: no second attempt.
+    assert max(took.values()) < least + grace + 5, took

@@ -594,12 +594,20 @@ class AsyncClient:
         with caller_deadline(_deadline_after(timeout)):
             return await self._store.extend(owner_, key_, ttl_ms)
 
-    async def revoke(self, lease: Lease | str, *, owner: str | None = None, reason: str) -> Lease:
+    async def revoke(
+        self, lease: Lease | str, *, owner: str | None = None, reason: str, timeout: Seconds | None = None
+    ) -> Lease:
         """End someone's lease now, as an administrator, recording ``reason``; its permits come back at
         once. The holder finds out at its next extend (``LeaseLost`` with reason ``revoked``). Returns the
-        lease as it is afterwards; one that had ended already is returned unchanged."""
+        lease as it is afterwards; one that had ended already is returned unchanged.
+
+        With ``timeout``, it gives up soon after that many seconds over a link that hangs, as ``release``
+        does, raising ``StorageUnavailable``; whether the lease was revoked is then unknown, and asking again
+        is safe."""
         owner_, key_ = self._lease_ref(lease, owner)
-        return await self._store.revoke(owner_, key_, _validate.reason(reason, required=True))
+        note = _validate.reason(reason, required=True)
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.revoke(owner_, key_, note)
 
     async def get_lease(self, key: str, *, owner: str | None = None) -> Lease:
         """The lease under ``key``, held or ended. Raises ``LeaseNotFound``."""

@@ -22,7 +22,7 @@ from permits import _validate
 from permits._core import observe
 from permits._models import ms_to_datetime
 from permits.server import body, events, schemas
-from permits.server.routes import READ, Caller, State
+from permits.server.routes import READ, Caller, State, held_to_arrival
 
 router = APIRouter(route_class=body.Route)
 
@@ -75,10 +75,11 @@ async def overview(identity: Caller, state: State, prefix: str = "") -> dict[str
     """Every semaphore now, with its last hour's utilisation per minute and its refusal and timeout rates."""
     step_ms = round(state.config.dashboard.step * 1000)
     fresh_ms = FRESH_STEPS * step_ms
-    snapshot = await state.sql_store.run_flow(
-        lambda: observe.overview_rows(HOUR_MINUTES * observe.MINUTE_MS, max(5 * observe.MINUTE_MS, fresh_ms)),
-        readonly=True,
-    )
+    with held_to_arrival():  # as the API's reads: polled, they must not pile up over a link that hangs
+        snapshot = await state.sql_store.run_flow(
+            lambda: observe.overview_rows(HOUR_MINUTES * observe.MINUTE_MS, max(5 * observe.MINUTE_MS, fresh_ms)),
+            readonly=True,
+        )
     now_ms = int(snapshot.semaphores[0][5]) if snapshot.semaphores else _latest(snapshot)
     util = observe.utilisation_by_minute(snapshot.minutes, now_ms, HOUR_MINUTES)
     waiting = observe.waiting_now(snapshot.instances, now_ms, fresh_ms)
@@ -129,10 +130,11 @@ async def stats(
     """One point per minute for a semaphore's charts: utilisation, grants, refusals, timeouts, wait and
     hold times (p50 and p99)."""
     name = _validate.name(name)
-    await state.client.get_semaphore(name)  # 404 for a name that does not exist
     window_ms = minutes * observe.MINUTE_MS
-    samples, seen = await state.sql_store.run_flow(lambda: observe.semaphore_series(name, window_ms), readonly=True)
-    now_ms = await _now_ms(state)
+    with held_to_arrival():
+        await state.client.get_semaphore(name)  # 404 for a name that does not exist
+        samples, seen = await state.sql_store.run_flow(lambda: observe.semaphore_series(name, window_ms), readonly=True)
+        now_ms = await _now_ms(state)
     points = observe.minute_points(samples, seen, now_ms, minutes)
     for point in points:
         point["t"] = ms_to_datetime(point.pop("t_ms")).isoformat()
@@ -151,8 +153,9 @@ async def endings(
     """Recent lease endings of a semaphore, newest first, with their reason (released, expired, swept,
     owner_dead, revoked, stale)."""
     name = _validate.name(name)
-    await state.client.get_semaphore(name)
-    rows = await state.sql_store.run_flow(lambda: observe.endings(name, limit), readonly=True)
+    with held_to_arrival():
+        await state.client.get_semaphore(name)
+        rows = await state.sql_store.run_flow(lambda: observe.endings(name, limit), readonly=True)
     out = []
     for owner, key, count, token, acquired_ms, ended_ms, reason, note in rows:
         shown = identity.admin or identity.owns(str(owner))
@@ -179,7 +182,8 @@ async def admin_log(
 ) -> dict[str, Any]:
     """Admin actions taken through the service, newest first, with who and why."""
     wanted = None if name is None else _validate.name(name)
-    rows = await state.sql_store.run_flow(lambda: observe.admin_log(wanted, limit), readonly=True)
+    with held_to_arrival():
+        rows = await state.sql_store.run_flow(lambda: observe.admin_log(wanted, limit), readonly=True)
     entries = []
     for _id, at_ms, actor, action, sem, lease_owner, lease_key, reason, detail in rows:
         shown = lease_owner is None or identity.admin or identity.owns(str(lease_owner))
@@ -204,10 +208,12 @@ async def events_poll(identity: Caller, state: State, since: schemas.CursorInQue
     next. Without ``since``: no events, and the cursor of now. An ending may come twice (the feed re-reads
     a short overlap, because an ending's time is taken before its commit): drop repeats by ``lease_id``."""
     if since is None:
-        cursor = await state.sql_store.run_flow(events.head, readonly=True)
+        with held_to_arrival():
+            cursor = await state.sql_store.run_flow(events.head, readonly=True)
         return {"cursor": str(cursor), "events": [], "skipped": False}
     start = events.Cursor.parse(since)
-    batch = await state.sql_store.run_flow(lambda: events.read_since(start), readonly=True)
+    with held_to_arrival():
+        batch = await state.sql_store.run_flow(lambda: events.read_since(start), readonly=True)
     return {
         "cursor": str(batch.cursor),
         "events": [events.shown_to(e, identity) for e in batch.events],
@@ -253,7 +259,8 @@ async def events_stream(
     elif last_event_id is not None:  # a browser's EventSource resuming: the error names the header
         start = events.Cursor.parse(last_event_id, field="last-event-id")
     else:
-        start = await state.sql_store.run_flow(events.head, readonly=True)
+        with held_to_arrival():  # as events_poll's: browsers reconnect their streams
+            start = await state.sql_store.run_flow(events.head, readonly=True)
     subscriber = await state.broadcaster.subscribe(identity, start)
 
     async def stream() -> AsyncIterator[str]:

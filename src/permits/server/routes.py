@@ -167,6 +167,17 @@ def _who(identity: Identity, who: str | None) -> str:
 # ---------------------------------------------------------------------------------------------- whoami
 
 
+def held_to_arrival() -> caller_deadline:
+    """The database work of a request that does not wait, held to its arrival, as an acquire's attempts are
+    held to its wait: over a link to the database that hangs, the store gives up after one reply's least wait
+    and its grace, and the answer is a 503 that the client may send again; not minutes of the store's
+    retries, with every resend another handler waiting beside the first (docs/deployment.md, "A link that
+    hangs"). Not for a sweep or a reconcile, whose batches a large database may keep busy for longer, nor for
+    a semaphore's delete (see there). On a database that is merely slow it gives up sooner too: a pooled
+    connection is waited for 10 s, not 30, and a transaction's reply 15 s, not 20 (the defaults)."""
+    return caller_deadline(monotonic())
+
+
 @router.get("/whoami", response_model=schemas.WhoAmIOut, responses=schemas.error_responses(401, 422), tags=["service"])
 async def whoami(identity: Caller, state: State) -> dict[str, Any]:
     """The identity of the token, whether it is an admin, and the bounds this service sets."""
@@ -226,7 +237,8 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
         owner = identity.db_owner(body.owner)
         key = body.key if body.key is not None else uuid.uuid4().hex
         try:
-            await state.check_lease_quota(identity, owner, body.key)
+            with caller_deadline(monotonic() + wait):  # as the attempts are held to the request's wait
+                await state.check_lease_quota(identity, owner, body.key)
         except LimitExceeded:
             _validate.wants(pairs)  # bad input is a 422 whatever the quota: a 429 would say "retry"
             state.metrics.acquires.labels("limited").inc()
@@ -311,11 +323,7 @@ async def release(body: schemas.ReleaseIn, identity: Caller, state: State) -> di
 async def release_lease(body: schemas.ReleaseIn, identity: Identity, state: ServiceState) -> dict[str, Any]:
     """What ``POST /v1/leases/release`` does once its caller and body are checked (status 200). Shared with
     the hot routes (``permits.server.hot``)."""
-    # Held to the request's wait, which is none, as an acquire's attempts are held to its own: over a link to
-    # the database that hangs, the store gives up after one reply's least wait and its grace, and the answer is
-    # a 503 the client sends again, within its answer_grace; not minutes of the store's retries, with every
-    # resend another handler waiting beside the first (docs/deployment.md, "A link that hangs").
-    with caller_deadline(monotonic()):
+    with held_to_arrival():
         owner = identity.db_owner(body.owner)
         outcome = await state.client.release(body.key, owner=owner, request_id=body.request_id)
     state.metrics.releases.labels(str(outcome)).inc()
@@ -331,7 +339,7 @@ async def release_lease(body: schemas.ReleaseIn, identity: Identity, state: Serv
 async def extend(body: schemas.ExtendIn, identity: Caller, state: State) -> dict[str, Any]:
     """Push a held lease's expiry to now + ``ttl`` on the database's clock; 410 ``lease_lost`` if it ended."""
     _check_ttl(body.ttl, state.config.limits.max_ttl)
-    with caller_deadline(monotonic()):  # as release_lease's, for the same reason
+    with held_to_arrival():
         lease = await state.client.extend(body.key, body.ttl, owner=identity.db_owner(body.owner))
     return _lease_json(lease, identity, body.owner)
 
@@ -344,7 +352,8 @@ async def give_up(body: schemas.LeaseRefIn, identity: Caller, state: State) -> d
     the places behind them move up now, not when they expire. Idempotent; ``places`` is 0 when there
     were none."""
     owner, key = _validate.owner(identity.db_owner(body.owner)), _validate.key(body.key)
-    places = await state.sql_store.run_flow(lambda: flows.dequeue(owner, key))
+    with held_to_arrival():
+        places = await state.sql_store.run_flow(lambda: flows.dequeue(owner, key))
     return {"places": places}
 
 
@@ -356,7 +365,8 @@ async def revoke(
 ) -> dict[str, Any]:
     """End anyone's lease now, recording why (admin). ``owner`` is the owner as stored, as the holders list
     shows it. The holder finds out at its next extend (410, reason ``revoked``)."""
-    lease = await admin.revoke(state, identity, body.owner, body.key, reason=body.reason)
+    with held_to_arrival():
+        lease = await admin.revoke(state, identity, body.owner, body.key, reason=body.reason)
     return _wire.lease_out(lease)
 
 
@@ -370,7 +380,8 @@ async def get_lease(
     key: schemas.KeyInPath, identity: Caller, state: State, owner: schemas.OwnerInQuery = None
 ) -> dict[str, Any]:
     """One of your leases, held or ended; 404 when there is none under this key (or it is not yours)."""
-    lease = await state.client.get_lease(key, owner=identity.db_owner(owner))
+    with held_to_arrival():
+        lease = await state.client.get_lease(key, owner=identity.db_owner(owner))
     return _lease_json(lease, identity, owner)
 
 
@@ -385,7 +396,9 @@ async def get_lease(
 )
 async def list_semaphores(identity: Caller, state: State, prefix: str = "") -> dict[str, Any]:
     """Every semaphore whose name starts with ``prefix``, by name."""
-    return {"semaphores": [_wire.semaphore_out(s) for s in await state.client.list_semaphores(prefix)]}
+    with held_to_arrival():
+        found = await state.client.list_semaphores(prefix)
+    return {"semaphores": [_wire.semaphore_out(s) for s in found]}
 
 
 @router.post(
@@ -403,16 +416,17 @@ async def create_semaphore(
     request: Request,
 ) -> JSONResponse:
     """Create a semaphore (admin). With ``exist_ok``, one of the same capacity is returned instead of 409."""
-    sem = await admin.create_semaphore(
-        state,
-        identity,
-        body.name,
-        body.capacity,
-        exist_ok=body.exist_ok,
-        fair=body.fair,
-        who=_who(identity, body.who),
-        reason=body.reason,
-    )
+    with held_to_arrival():
+        sem = await admin.create_semaphore(
+            state,
+            identity,
+            body.name,
+            body.capacity,
+            exist_ok=body.exist_ok,
+            fair=body.fair,
+            who=_who(identity, body.who),
+            reason=body.reason,
+        )
     where = f"{request.scope['root_path']}/v1/semaphores/{quote(sem.name, safe='')}"
     return JSONResponse(_wire.semaphore_out(sem), status_code=201, headers={"Location": where})
 
@@ -425,7 +439,8 @@ async def create_semaphore(
 )
 async def get_semaphore(name: schemas.NameInPath, identity: Caller, state: State) -> dict[str, Any]:
     """Capacity, use and last fencing token of one semaphore."""
-    return _wire.semaphore_out(await state.client.get_semaphore(name))
+    with held_to_arrival():
+        return _wire.semaphore_out(await state.client.get_semaphore(name))
 
 
 @router.patch(
@@ -441,9 +456,10 @@ async def set_capacity(
     state: State,
 ) -> dict[str, Any]:
     """Change a capacity, with a reason kept in its history (admin). Lowering it revokes nothing."""
-    change = await admin.set_capacity(
-        state, identity, name, body.capacity, reason=body.reason, who=_who(identity, body.who)
-    )
+    with held_to_arrival():
+        change = await admin.set_capacity(
+            state, identity, name, body.capacity, reason=body.reason, who=_who(identity, body.who)
+        )
     return _wire.change_out(change)
 
 
@@ -465,6 +481,9 @@ async def delete_semaphore(
     """Delete a semaphore (admin); 409 ``semaphore_in_use`` while permits are held, unless ``force``, which
     revokes those leases. Its fencing tokens are kept for a semaphore created again under the name. The
     ``reason`` goes to the admin log."""
+    # Not held to its arrival (held_to_arrival): a delete is the one request a client does not send again
+    # after a 503 storage_unavailable (a second one could delete a semaphore made again meanwhile), and a
+    # forced one ends every lease that holds the semaphore, in one transaction.
     revoked = await admin.delete_semaphore(state, identity, name, force=force, reason=reason)
     return {"deleted": name, "revoked": revoked}
 
@@ -478,7 +497,8 @@ async def delete_semaphore(
 async def holders(name: schemas.NameInPath, identity: Caller, state: State) -> dict[str, Any]:
     """The leases holding permits of ``name``, in token order. A client token sees the keys of its own
     leases only."""
-    found = await state.client.holders(name)
+    with held_to_arrival():
+        found = await state.client.holders(name)
     return {
         "name": name,
         "holders": [_wire.holder_out(h, show_key=identity.admin or identity.owns(h.owner)) for h in found],
@@ -494,7 +514,8 @@ async def holders(name: schemas.NameInPath, identity: Caller, state: State) -> d
 async def waiters(name: schemas.NameInPath, identity: Caller, state: State) -> dict[str, Any]:
     """The requests waiting for room on a fair semaphore, in queue order (a client token sees the keys of
     its own only)."""
-    found = await state.client.waiters(name)
+    with held_to_arrival():
+        found = await state.client.waiters(name)
     return {
         "name": name,
         "waiters": [_wire.waiter_out(w, show_key=identity.admin or identity.owns(w.owner)) for w in found],
@@ -511,7 +532,9 @@ async def capacity_history(
     name: schemas.NameInPath, identity: Caller, state: State, limit: Annotated[int, Query(ge=1, le=10_000)] = 100
 ) -> dict[str, Any]:
     """Capacity changes of ``name``, newest first (its creation included)."""
-    return {"changes": [_wire.change_out(c) for c in await state.client.capacity_history(name, limit=limit)]}
+    with held_to_arrival():
+        changes = await state.client.capacity_history(name, limit=limit)
+    return {"changes": [_wire.change_out(c) for c in changes]}
 
 
 # --------------------------------------------------------------------------------------------- upkeep
