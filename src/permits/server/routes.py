@@ -237,8 +237,8 @@ async def acquire_lease(body: schemas.AcquireIn, identity: Identity, state: Serv
         owner = identity.db_owner(body.owner)
         key = body.key if body.key is not None else uuid.uuid4().hex
         try:
-            with caller_deadline(monotonic() + wait):  # as the attempts are held to the request's wait
-                await state.check_lease_quota(identity, owner, body.key)
+            # Its reads, where it makes any, held to the request's wait, as the attempts are.
+            await state.check_lease_quota(identity, owner, body.key, deadline=monotonic() + wait)
         except LimitExceeded:
             _validate.wants(pairs)  # bad input is a 422 whatever the quota: a 429 would say "retry"
             state.metrics.acquires.labels("limited").inc()

@@ -12,6 +12,7 @@ from typing import Any, cast
 from permits import _validate
 from permits._async.client import AsyncClient
 from permits._config import DEFAULT_TTL, Settings
+from permits._deadline import caller_deadline
 from permits._exceptions import ConfigurationError, LeaseNotFound, LimitExceeded
 from permits._io import monotonic
 from permits._models import Lease
@@ -115,7 +116,9 @@ class ServiceState:
     def waker(self) -> Waker:
         return self.instance_store.waker
 
-    async def check_lease_quota(self, identity: Identity, owner: str, key: str | None) -> None:
+    async def check_lease_quota(
+        self, identity: Identity, owner: str, key: str | None, deadline: float | None = None
+    ) -> None:
         """Refuse a new acquire (429) when the identity holds ``max_leases_per_client`` leases already.
 
         The count is read at most once a second per instance and advanced by the grants made here since;
@@ -123,7 +126,7 @@ class ServiceState:
         and retries since the last read never refuse a client below its bound. Across several instances the
         bound can be passed by the grants of the last second. A retry of a request that was granted (``key``
         holds a live lease: the reply was lost) is not a new acquire: it is let through, and answered from
-        that lease.
+        that lease. The reads it makes hold to ``deadline`` (``permits._deadline``); most checks make none.
         """
         if not identity.scoped:
             return
@@ -132,11 +135,11 @@ class ServiceState:
         now = monotonic()
         fresh = False
         if quota is None or now - quota.read_at > QUOTA_REFRESH_SECONDS:
-            quota, fresh = await self._read_quota(identity.name, now), True
+            quota, fresh = await self._read_quota(identity.name, now, deadline), True
         if quota.count + quota.granted_since >= limit and not fresh:
             # The estimate only says the bound may be near: it counts every grant made here since the
             # read, retries and leases released since included. A refusal rests on a count read now.
-            quota = await self._read_quota(identity.name, now)
+            quota = await self._read_quota(identity.name, now, deadline)
         if quota.count >= limit:
             # Checked before the lookup: the database must not be sent what it cannot take (a NUL in a key is
             # an error on PostgreSQL), and bad input is a 422 whatever the quota. Below the bound, the client
@@ -144,21 +147,23 @@ class ServiceState:
             if key is not None:
                 _validate.key(key)
             _validate.owner(owner)
-            if key is not None and await self._holds(owner, key):
+            if key is not None and await self._holds(owner, key, deadline):
                 return
             raise LimitExceeded(
                 f"{identity.name!r} holds {limit} leases, the most this service allows per client",
                 limit="max_leases_per_client",
             )
 
-    async def _read_quota(self, identity: str, now: float) -> _Quota:
-        quota = _Quota(await self.sql_store.count_held_leases(identity), now)
+    async def _read_quota(self, identity: str, now: float, deadline: float | None) -> _Quota:
+        with caller_deadline(deadline):
+            quota = _Quota(await self.sql_store.count_held_leases(identity), now)
         self._quotas[identity] = quota
         return quota
 
-    async def _holds(self, owner: str, key: str) -> bool:
+    async def _holds(self, owner: str, key: str, deadline: float | None) -> bool:
         try:
-            lease: Lease = await self.sql_store.get_lease(owner, key)
+            with caller_deadline(deadline):
+                lease: Lease = await self.sql_store.get_lease(owner, key)
         except LeaseNotFound:
             return False
         return lease.held
