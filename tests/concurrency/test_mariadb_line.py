@@ -139,6 +139,43 @@ def test_processes_take_even_turns_through_the_line(url: str, ns: str, capacity:
     assert paced / sum(turns) <= 1.5, (paced / sum(turns), results)
 
 
+def test_the_line_takes_over_again_after_one_slow_holder_on_a_fair_mutex(url: str, ns: str) -> None:
+    """One hold longer than the head's wait (LINE_HEAD_WAIT_SECONDS) makes the head take a place in the fair
+    queue, and the heads after it too while that queue holds the room. The head's wait starts again each time
+    the queue ahead of it moves (LINE_HEAD, as PostgreSQL's queued grant), so the queue is served and the line
+    takes over again. Before, it did not: six processes on a mutex held 20 ms took 42 turns a second, then
+    13 to 17 for as long as they went on (five runs of ten seconds after the slow hold), their waiters each
+    pacing itself by how slowly the queue moved. Now they were back to 42 within 1 to 4 s."""
+    name = f"{ns}m"
+    rates: dict[str, float] = {}
+
+    def one_slow_hold(children: list[subprocess.Popen[str]]) -> None:
+        with permits.connect(url) as admin:
+
+            def turns() -> int:
+                return admin.get_semaphore(name).last_token
+
+            time.sleep(0.3)
+            start = turns()
+            time.sleep(1.0)
+            rates["before"] = (turns() - start) / 1.0
+            held = admin.acquire(name, ttl=30, timeout=5)
+            time.sleep(0.3)
+            admin.release(held)
+            time.sleep(6.0)
+            start = turns()
+            time.sleep(2.0)
+            rates["after"] = (turns() - start) / 2.0
+
+    with permits.connect(url, auto_upgrade=True) as admin:
+        admin.create_semaphore(name, 1, fair=True)
+        args = {"url": url, "name": name, "seconds": 10.5, "hold": 0.02, "timeout": 5}
+        results = run_take_turns(6, args, meanwhile=one_slow_hold)
+        assert admin.reconcile() == []
+    assert all(r["timed_out"] == 0 for r in results), results
+    assert rates["after"] >= 0.7 * rates["before"], (rates, results)
+
+
 def test_a_grant_while_nobody_is_in_the_line_is_one_request(url: str, ns: str) -> None:
     """Uncontended, an acquire that may wait is granted outside the line, in the one request of a grant."""
     with permits.connect(url, auto_upgrade=True) as client:

@@ -398,10 +398,10 @@ def _acquire_one_in_line(
 ) -> Flow[Lease | Queued | AskInLine | None]:
     """``_acquire_one`` in the semaphore's line on MariaDB, in one transaction on one connection: wait for the
     turn (``LINE_WAIT``, whole seconds within ``line_wait_ms``), ask (``LINE_GRANT``, which commits if it
-    granted, and so lets the line go), and, refused, wait at the head up to ``line_head_ms`` for room
-    (``LINE_HEAD``, which commits either way). A wait in the line that timed out is a refusal. With less than
-    a second left there is no wait in the line: the request asks outside it, granted only while nobody is in
-    it, as it did at first."""
+    granted, and so lets the line go), and, refused, wait at the head up to ``line_head_ms`` for room, again
+    each time the fair queue ahead moves (``LINE_HEAD``, which commits either way). A wait in the line that
+    timed out is a refusal. With less than a second left there is no wait in the line: the request asks
+    outside it, granted only while nobody is in it, as it did at first."""
     assert req.line_wait_ms is not None
     wait_s = req.line_wait_ms // 1000
     try:
@@ -409,13 +409,16 @@ def _acquire_one_in_line(
             done = yield Stmt("ACQUIRE_ONE_LINE_FREE", params, alone=True)
         else:
             wait = {"name": params["name"], "wait_s": wait_s, "count": params["count"]}
-            in_line, sem_id, _ = (yield Stmt("LINE_WAIT", wait, alone=True)).rows[0]
+            in_line, sem_id, _, fair = (yield Stmt("LINE_WAIT", wait, alone=True)).rows[0]
             if not int(in_line):  # timed out, or no such semaphore, or one too small: the refusal says which
                 raise _refused(d, req, recheck)
             at_head = {**params, "sem_id": int(sem_id)}
             done = yield Stmt("LINE_GRANT", at_head, alone=True)
             if not done.rows:
-                done = yield Stmt("LINE_HEAD", {**at_head, "tries": head_tries(req.line_head_ms)}, alone=True)
+                # On a fair semaphore the head's wait starts again as the fair queue ahead of it moves, within
+                # the caller's time (LINE_HEAD, dialects/mysql.py).
+                head = {"tries": head_tries(req.line_head_ms), "most_tries": head_tries(req.line_wait_ms)}
+                done = yield Stmt("LINE_HEAD", {**at_head, **head, "fair": int(fair)}, alone=True)
     except DuplicateKey:
         raise Restart(lambda: _replay(req)) from None
     if not done.rows:
