@@ -408,7 +408,7 @@ def _acquire_one_in_line(
         if wait_s < 1:
             done = yield Stmt("ACQUIRE_ONE_LINE_FREE", params, alone=True)
         else:
-            wait = {"name": params["name"], "wait_s": wait_s, "count": params["count"]}
+            wait = {"name": params["name"], "wait_s": wait_s, "wait_ms": req.line_wait_ms, "count": params["count"]}
             in_line, sem_id, _, fair = (yield Stmt("LINE_WAIT", wait, alone=True)).rows[0]
             if not int(in_line):  # timed out, or no such semaphore, or one too small: the refusal says which
                 raise _refused(d, req, recheck)

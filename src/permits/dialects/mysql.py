@@ -179,11 +179,14 @@ _LINE_FREE = f"""
 # transaction itself. First, before the wait (what follows the wait delays every waiter behind), it reads
 # without a lock the semaphore's id, for the grant, and whether the count fits its capacity at all: if not,
 # or if there is no such semaphore, it does not wait, and ends its transaction. READ COMMITTED: see
-# LINE_HEAD; SET TRANSACTION lasts one transaction. params: name, wait_s, count -> one row: in the line (1;
+# LINE_HEAD; SET TRANSACTION lasts one transaction. It notes when the caller's time ends (@permits_ends, by
+# SYSDATE, the time as each statement runs), for LINE_HEAD. params: name, wait_s, wait_ms, count -> one row:
+# in the line (1;
 # its transaction stays open for LINE_GRANT on the same connection) or not (0: timed out, or no wait could
 # help; nothing is open), the semaphore's id (NULL: no such semaphore), whether the count fits, and whether
 # the semaphore is fair (for LINE_HEAD)
 _LINE_WAIT = f"""
+            SET @permits_ends = SYSDATE(6) + INTERVAL :wait_ms * 1000 MICROSECOND;
             SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
             SELECT MAX(id), COALESCE(MAX(:count <= capacity), 0), COALESCE(MAX(fair), 0)
             INTO @permits_sem, @permits_fits, @permits_fair
@@ -227,13 +230,16 @@ _LINE_GRANT = (
 #
 # On a fair semaphore (``fair``, LINE_WAIT's), live places in its fair queue ahead of the head keep the room
 # for their waiters, who ask outside the line; each time fewer of the places that were ahead at the head's
-# first refusal here remain (one was served, or given up), its ``tries`` start again, up to ``most_tries``
-# in all (the caller's time), as PostgreSQL's head's wait starts again (pg_functions.py, where the same
-# cascade is described). Without that, one holder slower than the head's wait (LINE_HEAD_WAIT_SECONDS) made
-# the head take a place behind the queue, and the next head behind it, for as long as waiters came: six
-# processes on a fair mutex held 20 ms, after one hold of 0.3 s, took 10 to 17 turns a second for the next
-# ten seconds, against 42 before (tests/concurrency/test_mariadb_line.py). params: LINE_GRANT's, tries,
-# most_tries, fair -> as ACQUIRE_ONE
+# first refusal here remain (one was served, or given up), its ``tries`` start again, until the caller's
+# time ends (@permits_ends, which LINE_WAIT noted before its wait; ``most_tries`` too, in case SYSDATE is
+# NOW, fixed for the whole statement, under --sysdate-is-now), as PostgreSQL's head's wait starts again
+# (pg_functions.py, where the same cascade is described). The head asks once at least, as there. Without
+# that, one holder slower than the head's wait (LINE_HEAD_WAIT_SECONDS) made the head take a place behind
+# the queue, and the next head behind it, for as long as waiters came: six processes on a fair mutex held
+# 20 ms, 42 turns a second, took 12 to 17 a second after one hold of 0.3 s, for the ten seconds measured
+# (tests/concurrency/test_mariadb_line.py). Unlike PostgreSQL's, ``{now}`` here may be read again at each
+# count, so a place that lapses during the wait counts as served. params: LINE_GRANT's, tries, most_tries,
+# fair -> as ACQUIRE_ONE
 _PLACES_AHEAD = """FROM permits_waiter w
                         WHERE w.semaphore_id = :sem_id AND w.expires_at_ms > {now}
                           AND w.ticket < COALESCE(
@@ -253,7 +259,9 @@ _LINE_HEAD = (
     + _TAKE_IN_LINE.replace("\n", "\n        ")
     + """;
                     SET tries = tries + 1, asked = asked + 1;
-                    IF @permits_token IS NOT NULL OR asked >= :most_tries THEN LEAVE head; END IF;
+                    IF @permits_token IS NOT NULL OR asked >= :most_tries OR SYSDATE(6) >= @permits_ends THEN
+                        LEAVE head;
+                    END IF;
                     IF :fair THEN
                         IF last_ahead IS NULL THEN
                             SELECT COUNT(*), MAX(w.ticket) INTO ahead, horizon
