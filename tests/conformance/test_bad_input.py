@@ -113,7 +113,10 @@ def test_bad_reason_and_release_arguments(client: Any, ns: str) -> None:
             with pytest.raises(InvalidArgument) as refused:
                 call(lease, timeout=bad)
             assert refused.value.details["field"] == "timeout", refused.value
-    assert 0 < client.get_lease(lease.key).expires_in <= 60  # still held, not extended
+        with pytest.raises(InvalidArgument) as refused:
+            client.revoke(lease, reason="stuck", timeout=bad)
+        assert refused.value.details["field"] == "timeout", refused.value
+    assert 0 < client.get_lease(lease.key).expires_in <= 60  # still held: not extended, not revoked
 
 
 def test_flags_and_limits_are_checked_and_named(client: Any, ns: str) -> None:
