@@ -11,9 +11,10 @@ grant behind it); one that asks too rarely leaves returned permits idle. Three s
   (see ``_async/listener.py``): the request sleeps until called, and only the queue's head wakes at a
   release. Elsewhere the shortfall falls only as permits come back, so the pacer measures how fast it
   falls and sleeps about half the predicted time; only the request one permit short listens for a
-  release. Either way the rest of the queue stays asleep instead of stampeding at every release. On
-  SQLite, where every attempt takes the database's write lock, a poll reads the shortfall first and asks
-  only once it is 0 (the store's ``try_acquire``).
+  release, and it asks again within half the time since it became that request (``NEXT_SINCE_SHARE``).
+  Either way the rest of the queue stays asleep instead of stampeding at every release. On SQLite, where
+  every attempt takes the database's write lock, a poll reads the shortfall first and asks only once it is
+  0 (the store's ``try_acquire``).
 - **The server's lock queue.** On PostgreSQL a waiter for several semaphores asks through the queued grant
   made for them: it takes its turn in the line of the first of them, then asks as below. A waiter for one
   permit of one semaphore asks through the queued grant: it sleeps in the
@@ -51,6 +52,16 @@ RECHECK_SECONDS = 1.0
 #: Bounds on the sleep of a queued request that paces itself by its place.
 QUEUE_MIN_SLEEP = 0.002
 QUEUE_MAX_SLEEP = 1.0
+#: A queued request one permit short (next, when a permit comes back) that paces itself by its place sleeps at
+#: most this share of the time since it found itself there, however slowly its queue moved before. Its rate
+#: measures how fast the queue was served, and on MariaDB nothing calls a waiter when its turn comes: so after
+#: one slow holder, a next waiter that slept by a slow rate left the permit idle, the queue moved as slowly as
+#: it had, and the rates stayed low: on MariaDB, six processes on a fair mutex held 20 ms (42 turns a second)
+#: took 1 to 3 s after one hold of 0.3 s to get back to 42, from 8 to 15, and with this share (and a line's
+#: head that no longer keeps the row locked, dialects/mysql.py) came back within 2 s, from 34-41 in the
+#: first second. Holds of 100 ms, eight processes: 5.4 turns a second (of 10 possible) before, 7.6 with it,
+#: for about four more attempts a turn (12 against 8.5); on SQLite 4.9 against 6.6 (docs/benchmarks.md).
+NEXT_SINCE_SHARE = 0.5
 #: A queued request that is called when its turn comes still asks at least this often: a call can be lost
 #: (while the listener reconnects), and a waiter ahead can leave without a call (its place lapses).
 CALLED_MAX_SLEEP = 1.0
@@ -87,6 +98,8 @@ class WaitPacer:
     #: How fast this request's shortfall falls, in permits per second (smoothed); None: not measured yet.
     rate: float | None = None
     _short_at: float = 0.0
+    #: when an attempt first found the request one permit short, in a run of attempts that did
+    _next_since: float | None = field(default=None, repr=False)
     _woken: bool = field(default=False, repr=False)
     #: refusals in a row of a request that fitted its fair queues (``short`` 0 or less): something else
     #: holds it back, such as a plain semaphore of the same request that is full
@@ -122,6 +135,10 @@ class WaitPacer:
             self.rate = sample if self.rate is None else 0.5 * self.rate + 0.5 * sample
         if short is None:
             self.rate = None
+        if short != 1:
+            self._next_since = None
+        elif self._next_since is None:
+            self._next_since = now
         self.fitting_refusals = self.fitting_refusals + 1 if short is not None and short <= 0 else 0
         self.short, self._short_at = short, now
 
@@ -152,9 +169,12 @@ class WaitPacer:
         # Only the request one permit short listens: the next permit back is its own.
         listen = listen and self.short == 1
         if not self.rate:
-            return min(backoff, QUEUE_MAX_SLEEP), listen
-        predicted = self.short / self.rate
-        return min(QUEUE_MAX_SLEEP, max(QUEUE_MIN_SLEEP, predicted / 2)), listen
+            sleep = min(backoff, QUEUE_MAX_SLEEP)
+        else:
+            sleep = min(QUEUE_MAX_SLEEP, max(QUEUE_MIN_SLEEP, self.short / self.rate / 2))  # half the predicted time
+        if self._next_since is not None:
+            sleep = min(sleep, max(QUEUE_MIN_SLEEP, NEXT_SINCE_SHARE * (now - self._next_since)))
+        return sleep, listen
 
     def waits_turn(self) -> bool:
         """The request holds a place in a fair queue and does not fit yet: if the store calls it when its

@@ -263,3 +263,13 @@ def test_the_sqlite_history_measurement_runs() -> None:
     counts = [line.split(" loop steps")[0].split(": ")[-1] for line in out.splitlines() if "loop steps" in line]
     assert len(counts) == 2 and counts[0] == counts[1], out  # the same plans whatever the history
     assert "round 1: empty " in out and "mean change" in out, out
+
+
+@pytest.mark.parametrize("backend", ["mysql"], indirect=True)
+def test_the_slow_hold_measurement_runs(db_url: str) -> None:
+    """benchmarks/slow_hold.py, behind "A fair mutex through one slow hold" in docs/benchmarks.md, in one
+    short run on MariaDB: a line of turns per second before and after the slow hold, and the summary."""
+    out = _run_script("slow_hold.py", db_url, "--runs", "1", "--before", "2", "--after", "2", "--workers", "3")
+    lines = out.splitlines()
+    assert re.fullmatch(r"run 1: turns a second \[\d+, \d+\] \| slow hold \| \[\d+, \d+\]: .*", lines[0]), out
+    assert lines[1].endswith("in the first second after the slow hold"), out

@@ -7,7 +7,8 @@ a real server.
 - An acquire asks outside the line first, and is granted there only while nobody holds the line or waits
   for it; for a while after it found the line busy, its client asks in the line at once.
 - A waiter killed while it waits in the line is not granted a lease after its death.
-- The head of the line, waiting for room, holds no semaphore row: releases go through at once.
+- The head of the line, waiting for room, holds no semaphore row, even after a try that met the row
+  locked by another writer: releases go through at once.
 - A wait in the line lasts no longer than the caller's time; with less than a second left (MariaDB's lock
   waits count whole seconds) an acquire does not wait in the line at all.
 - A connection whose transaction holds the line is never parked when the flow stops half-way: it is
@@ -82,6 +83,31 @@ def _statements_of(client: Any) -> list[str]:
     sent: list[str] = []
     client._store.after_statement = sent.append
     return sent
+
+
+def _waits_at_the_head(
+    name: str, sem_id: int, head_ms: int, fair: bool, steps: list[tuple[float, Callable[[], None]]], waited: list[float]
+) -> flows.Flow[bool]:
+    """A flow for ``run_flow``: owner "o" asks for one permit of ``name`` under key "head" in its line, is
+    refused at its turn (LINE_GRANT), and waits at the head (LINE_HEAD) for up to ``head_ms`` of tries,
+    while each of ``steps`` (seconds from then, what to do) runs on a timer. Appends how long LINE_HEAD took
+    to ``waited``; returns whether it granted."""
+    want = {"owner": "o", "key": "head", "name": name, "count": 1, "ttl_ms": 30_000}
+    params = {**want, "request_id": None, "lock_wait_ms": None, "lock_wait_s": None, "sem_id": sem_id}
+    wait = {"name": name, "wait_s": 5, "wait_ms": 5_000, "count": 1}
+    in_line, _, _, is_fair = (yield flows.Stmt("LINE_WAIT", wait, alone=True)).rows[0]
+    assert int(in_line) and bool(int(is_fair)) is fair
+    assert not (yield flows.Stmt("LINE_GRANT", params, alone=True)).rows
+    timers = [threading.Timer(at, step) for at, step in steps]
+    for timer in timers:
+        timer.start()
+    started = time.monotonic()
+    head = {"tries": flows.head_tries(head_ms), "most_tries": flows.head_tries(5_000), "fair": int(fair)}
+    done = yield flows.Stmt("LINE_HEAD", {**params, **head}, alone=True)
+    waited.append(time.monotonic() - started)
+    for timer in timers:
+        timer.join()
+    return bool(done.rows)
 
 
 @pytest.fixture
@@ -172,28 +198,11 @@ def test_the_head_of_a_fair_semaphores_line_waits_on_while_the_queue_ahead_of_it
 
             waited: list[float] = []
 
-            def at_the_head() -> flows.Flow[bool]:
-                want = {"owner": "o", "key": "head", "name": name, "count": 1, "ttl_ms": 30_000}
-                params = {**want, "request_id": None, "lock_wait_ms": None, "lock_wait_s": None, "sem_id": sem_id}
-                wait = {"name": name, "wait_s": 5, "wait_ms": 5_000, "count": 1}
-                in_line, _, _, fair = (yield flows.Stmt("LINE_WAIT", wait, alone=True)).rows[0]
-                assert int(in_line) and int(fair)
-                assert not (yield flows.Stmt("LINE_GRANT", params, alone=True)).rows
-                timers = [threading.Timer(at, step) for at, step in steps]
-                for timer in timers:
-                    timer.start()
-                started = time.monotonic()
-                head = {"tries": flows.head_tries(600), "most_tries": flows.head_tries(5_000), "fair": 1}
-                done = yield flows.Stmt("LINE_HEAD", {**params, **head}, alone=True)
-                waited.append(time.monotonic() - started)
-                for timer in timers:
-                    timer.join()
-                return bool(done.rows)
-
             place("first", 1)
             later, first = (lambda: place("later", 2)), (lambda: give_up("first"))
             steps = [(0.15, later), (0.3, first), (1.2, lambda: give_up("later"))]
-            assert client._store.run_flow(at_the_head) is False  # the room was held all along
+            granted = client._store.run_flow(lambda: _waits_at_the_head(name, sem_id, 600, True, steps, waited))
+            assert granted is False  # the room was held all along
         finally:
             side.close()
         client.release(held)
@@ -348,6 +357,51 @@ def test_the_head_of_the_line_waiting_for_room_holds_no_semaphore_row(
         assert got, "the head was not granted the permit given back"
         assert sent == ["ACQUIRE_ONE_LINE_FREE", "LINE_WAIT", "LINE_GRANT", "LINE_HEAD"], sent
         client.release(got[0])
+
+
+def test_the_heads_try_that_meets_a_writer_of_the_semaphore_row_keeps_no_lock_on_it(url: str, ns: str) -> None:
+    """At the head (LINE_HEAD, here for up to 3 s), a try meets the semaphore row locked by another writer
+    (here a side session's change in flight, which leaves the mutex with no room when it commits). Under
+    READ COMMITTED an UPDATE that waited for that lock, then found no room, kept the lock to the end of the
+    head's transaction: the release the head waited for then waited for the head, the whole 3 s (on a fair
+    mutex, every hold of 20 ms took 60). The head's UPDATE does not wait for the lock (NOWAIT): the
+    release goes through at once, and the head is granted the permit it gives back."""
+    name = f"{ns}m"
+    with permits.connect(url, auto_upgrade=True) as client, permits.connect(url, owner="giver") as giver:
+        client.create_semaphore(name, 1)
+        held = giver.acquire(name, ttl=30)
+        side = _session(url)
+        gave_back: list[float] = []
+        waited: list[float] = []
+        try:
+            with side.cursor() as cur:
+                cur.execute("SELECT id, capacity FROM permits_semaphore WHERE name = %s", (name,))
+                sem_id, capacity = cur.fetchone() or (None, None)
+
+            def write_in_flight() -> None:
+                # The row as the head finds it while this runs: room (its lease given back); as it is left: none.
+                with side.cursor() as cur:
+                    cur.execute("BEGIN")
+                    cur.execute("UPDATE permits_semaphore SET used = used - 1 WHERE id = %s", (sem_id,))
+                    time.sleep(0.3)
+                    cur.execute("UPDATE permits_semaphore SET used = used + 1 WHERE id = %s", (sem_id,))
+                    cur.execute("COMMIT")
+
+            def release() -> None:
+                started = time.monotonic()
+                giver.release(held)
+                gave_back.append(time.monotonic() - started)
+
+            steps = [(0.2, write_in_flight), (0.8, release)]
+            granted = client._store.run_flow(lambda: _waits_at_the_head(name, sem_id, 3_000, False, steps, waited))
+        finally:
+            side.close()
+        assert capacity == 1
+        assert gave_back[0] < 0.2, gave_back  # 2.8 s before: until the head gave up its 3 s
+        assert granted, "the head was not granted the permit given back"
+        assert waited[0] < 1.5, waited
+        assert client.release("head", owner="o") == "released"
+        assert client.reconcile() == []
 
 
 def test_an_acquire_in_the_line_for_a_semaphore_that_does_not_exist_is_told_so(url: str, ns: str) -> None:

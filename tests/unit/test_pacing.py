@@ -6,6 +6,7 @@ import random
 
 from permits._pacing import (
     IN_LINE_TRIES,
+    NEXT_SINCE_SHARE,
     QUEUE_MAX_SLEEP,
     QUEUE_MIN_SLEEP,
     QUIET_AFTER_LOST_RACES,
@@ -109,6 +110,32 @@ def test_a_queue_that_stops_moving_slows_its_waiters_to_the_cap() -> None:
     assert p.rate == 0
     sleep, _ = p.next_sleep(12.0)  # back to the plain backoff, which by now is near its cap
     assert QUEUE_MAX_SLEEP / 2 <= sleep <= QUEUE_MAX_SLEEP
+
+
+def test_the_next_waiter_asks_again_within_half_the_time_since_it_became_next_however_slow_its_queue_was() -> None:
+    """One slow holder leaves every waiter with a low rate. The one now next (one permit short) does not
+    sleep by it: it asks within ``NEXT_SINCE_SHARE`` of the time since it became next, so the permit that
+    comes back is taken within about that much of the hold, and the queue speeds up again. The others
+    still sleep by their rate."""
+    p = pacer()
+    p.refused(0.0, 3)
+    p.refused(1.0, 2)  # one permit in a second: a slow queue
+    assert p.rate == 1.0
+    assert p.next_sleep(1.0)[0] == 1.0  # two permits short: half its predicted 2 s
+    p.refused(2.0, 1)  # next now
+    sleep, listen = p.next_sleep(2.0)
+    assert listen and sleep == QUEUE_MIN_SLEEP  # (by its rate: 0.5 s)
+    elapsed = 0.0
+    for _ in range(6):
+        elapsed += sleep
+        p.refused(2.0 + elapsed, 1)
+        sleep, _ = p.next_sleep(2.0 + elapsed)
+        assert abs(sleep - max(QUEUE_MIN_SLEEP, NEXT_SINCE_SHARE * elapsed)) < 1e-9
+    assert sleep < 0.1
+    p.refused(2.5, 0)  # its turn
+    assert p.next_sleep(2.5) == (0.0, False)
+    p.refused(2.6, 2)  # passed over after all (another request of the same queue came first): by its rate again
+    assert p.next_sleep(2.6)[0] > 0.1
 
 
 def test_a_waiter_asks_in_the_servers_line_until_refused_there_in_line_tries_times_in_a_row() -> None:

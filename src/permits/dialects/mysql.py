@@ -202,8 +202,21 @@ _LINE_WAIT = f"""
                 END IF;
             END;
             SELECT @permits_line, @permits_sem, @permits_fits, @permits_fair"""
-# The UPDATE of the line's grants: by the semaphore's primary key, which LINE_WAIT read (see LINE_HEAD).
-_TAKE_IN_LINE = _TAKE_ONE.replace("WHERE name = :name AND", "WHERE id = :sem_id AND")
+# The UPDATE of the line's grants: by the semaphore's primary key, which LINE_WAIT read (see LINE_HEAD). It
+# never waits for the row's lock: a lock wait of 0 s is MariaDB's NOWAIT (error 1205 at once, caught where it
+# runs), and the head takes a row busy with another writer as one more refusal, and asks again. An UPDATE that
+# waited for a row's lock (a grant, a release, a change of capacity in flight), then found its WHERE false on
+# the row as that writer left it, keeps the lock to the end of its transaction, even under READ COMMITTED
+# (MariaDB 10.11; a row it reached without waiting it lets go of). The head's transaction lasts its whole
+# wait, so the release it waited for then waited for it, up to LINE_HEAD_WAIT_SECONDS and longer on a fair
+# semaphore: on a fair mutex, where the fair queue's grants come between the head's tries, holds of 20 ms
+# took 60 ms (the release's wait), and the line fell from 42 turns a second to 13 after one slow holder. (A
+# server started with innodb_rollback_on_timeout, off by default, rolls the head's whole transaction back at
+# a 1205: the head then goes on asking outside the line's order for the rest of its wait, and the UPDATE's
+# WHERE still decides every grant.)
+_TAKE_IN_LINE = _TAKE_ONE.replace("WHERE name = :name AND", "WHERE id = :sem_id AND").replace(
+    _LOCK_WAIT_BOUND, "SET STATEMENT innodb_lock_wait_timeout = 0 FOR"
+)
 _GRANT_IN_LINE = (
     _LEASE_ONE + """:sem_id, :count, @permits_token FROM DUAL WHERE @permits_token IS NOT NULL;""" + _PLACES_GIVEN_UP
 )
@@ -211,22 +224,27 @@ _GRANT_IN_LINE = (
 # the line go; refused, the transaction stays open (the line held) for LINE_HEAD. Only a client that was alive
 # at its turn sends this. params: ACQUIRE_ONE's, sem_id -> as ACQUIRE_ONE
 _LINE_GRANT = (
-    "SET @permits_token = NULL;"
-    + _TAKE_IN_LINE
-    + ";"
+    """SET @permits_token = NULL;
+            BEGIN NOT ATOMIC
+                DECLARE CONTINUE HANDLER FOR 1205 BEGIN END;"""
+    + _TAKE_IN_LINE.replace("\n", "\n    ")
+    + """;
+            END;"""
     + _GRANT_IN_LINE
     + """
             BEGIN NOT ATOMIC IF @permits_token IS NOT NULL THEN COMMIT; END IF; END"""
 )
-# Still at the head, refused: ask again every 1 ms and then every 2 ms, up to ``tries`` times, in this one
-# request, as PostgreSQL's queued grant waits at the head (pg_functions.py); then the lease, or nothing, and
+# Still at the head, refused: ask again every 1 ms and then every 2 ms (0.2 ms after a try that found the row
+# busy: the writer in flight is most often a release, which lets go of it within a fraction of a
+# millisecond), up to ``tries`` times, in this one request, as PostgreSQL's queued grant waits at the head
+# (pg_functions.py); then the lease, or nothing, and
 # the COMMIT that lets the line go. A grant for a waiter that died meanwhile is possible only within this
 # wait (``LINE_HEAD_WAIT_SECONDS``), as for any grant whose reply is lost. No UPDATE here may keep the
 # semaphore row locked when it finds no room, or the release the head waits for would wait for the head:
-# READ COMMITTED lets go of a row the UPDATE reached by its primary key and did not change (through the unique
-# index on the name InnoDB kept the lock to the end of the transaction), and nothing reads the row in the
-# loop's condition (MariaDB makes such a read, and a SET from a subquery, a locking one; a SELECT ... INTO
-# is not).
+# READ COMMITTED lets go of a row the UPDATE reached by its primary key, without waiting for its lock (see
+# _TAKE_IN_LINE), and did not change (through the unique index on the name InnoDB kept the lock to the end
+# of the transaction), and nothing reads the row in the loop's condition (MariaDB makes such a read, and a
+# SET from a subquery, a locking one; a SELECT ... INTO is not).
 #
 # On a fair semaphore (``fair``, LINE_WAIT's), live places in its fair queue ahead of the head keep the room
 # for their waiters, who ask outside the line; each time fewer of the places that were ahead at the head's
@@ -255,7 +273,10 @@ _LINE_HEAD = (
                 DECLARE horizon BIGINT DEFAULT NULL;
                 DECLARE ahead BIGINT DEFAULT NULL;
                 DECLARE last_ahead BIGINT DEFAULT NULL;
-                head: LOOP"""
+                DECLARE busy INT DEFAULT 0;
+                DECLARE CONTINUE HANDLER FOR 1205 SET busy = 1;
+                head: LOOP
+                    SET busy = 0;"""
     + _TAKE_IN_LINE.replace("\n", "\n        ")
     + """;
                     SET tries = tries + 1, asked = asked + 1;
@@ -278,7 +299,7 @@ _LINE_HEAD = (
                         SET last_ahead = ahead;
                     END IF;
                     IF tries >= :tries THEN LEAVE head; END IF;
-                    DO SLEEP(IF(tries < 10, 0.001, 0.002));
+                    DO SLEEP(IF(busy, 0.0002, IF(tries < 10, 0.001, 0.002)));
                 END LOOP;
             END;"""
     + _GRANT_IN_LINE
