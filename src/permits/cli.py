@@ -294,6 +294,22 @@ def db_drop_old_functions(dry_run: bool, db: str | None) -> None:
 # ------------------------------------------------------------------------------------------ semaphores
 
 
+#: The ``--timeout`` of the commands that do not wait for room (``release``, ``sem ls``, ...).
+_call_timeout_option = click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    callback=_wait_seconds,
+    help="Give up soon after this many seconds, over a link that hangs too (exit 1, storage_unavailable:"
+    " the call may or may not have been made)  [default: the store's own bounds]",
+)
+
+
+def _within(timeout: float | None) -> caller_deadline:
+    """A command's ``--timeout``, for everything it asks, the client's opening included."""
+    return caller_deadline(None if timeout is None else monotonic() + timeout)
+
+
 @main.group()
 def sem() -> None:
     """Create, change, list, show and delete semaphores."""
@@ -304,20 +320,22 @@ def sem() -> None:
 @click.option("--capacity", type=int, required=True, help="How many permits it holds.")
 @click.option("--exist-ok", is_flag=True, help="Succeed if it exists already with the same capacity.")
 @click.option("--fair", is_flag=True, help="Serve waiting acquires in arrival order.")
+@_call_timeout_option
 @_db_option
-def sem_create(name: str, capacity: int, exist_ok: bool, fair: bool, db: str | None) -> None:
+def sem_create(name: str, capacity: int, exist_ok: bool, fair: bool, timeout: float | None, db: str | None) -> None:
     """Create semaphore NAME."""
-    with _client(db) as client:
+    with _within(timeout), _client(db) as client:
         _echo_json(client.create_semaphore(name, capacity, exist_ok=exist_ok, fair=fair).to_dict())
 
 
 @sem.command("rwlock")
 @click.argument("name")
 @click.option("--exist-ok", is_flag=True, help="Succeed if it exists already.")
+@_call_timeout_option
 @_db_option
-def sem_rwlock(name: str, exist_ok: bool, db: str | None) -> None:
+def sem_rwlock(name: str, exist_ok: bool, timeout: float | None, db: str | None) -> None:
     """Create a read-write lock NAME (take it with NAME:1 to read, NAME:1000000 to write)."""
-    with _client(db) as client:
+    with _within(timeout), _client(db) as client:
         _echo_json(client.create_rwlock(name, exist_ok=exist_ok).to_dict())
 
 
@@ -325,20 +343,22 @@ def sem_rwlock(name: str, exist_ok: bool, db: str | None) -> None:
 @click.argument("name")
 @click.option("--capacity", type=int, required=True)
 @click.option("--reason", required=True, help="Why: kept in the capacity history.")
+@_call_timeout_option
 @_db_option
-def sem_set(name: str, capacity: int, reason: str, db: str | None) -> None:
+def sem_set(name: str, capacity: int, reason: str, timeout: float | None, db: str | None) -> None:
     """Change the capacity of NAME (lowering it revokes nothing)."""
-    with _client(db) as client:
+    with _within(timeout), _client(db) as client:
         _echo_json(client.set_capacity(name, capacity, reason=reason).to_dict())
 
 
 @sem.command("ls")
 @click.option("--prefix", default="", help="Only names that start with this.")
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
+@_call_timeout_option
 @_db_option
-def sem_ls(prefix: str, as_json: bool, db: str | None) -> None:
+def sem_ls(prefix: str, as_json: bool, timeout: float | None, db: str | None) -> None:
     """List semaphores."""
-    with _client(db) as client:
+    with _within(timeout), _client(db) as client:
         sems = client.list_semaphores(prefix)
     if as_json:
         _echo_json([s.to_dict() for s in sems])
@@ -351,10 +371,11 @@ def sem_ls(prefix: str, as_json: bool, db: str | None) -> None:
 
 @sem.command("show")
 @click.argument("name")
+@_call_timeout_option
 @_db_option
-def sem_show(name: str, db: str | None) -> None:
+def sem_show(name: str, timeout: float | None, db: str | None) -> None:
     """Show NAME: capacity, use, holders, waiters (fair mode) and capacity history."""
-    with _client(db) as client:
+    with _within(timeout), _client(db) as client:
         info = client.get_semaphore(name).to_dict()
         info["holders"] = [h.to_dict() for h in client.holders(name)]
         info["waiters"] = [w.to_dict() for w in client.waiters(name)]
@@ -365,10 +386,11 @@ def sem_show(name: str, db: str | None) -> None:
 @sem.command("rm")
 @click.argument("name")
 @click.option("--force", is_flag=True, help="Revoke the leases that hold permits of it.")
+@_call_timeout_option
 @_db_option
-def sem_rm(name: str, force: bool, db: str | None) -> None:
+def sem_rm(name: str, force: bool, timeout: float | None, db: str | None) -> None:
     """Delete NAME (refused while permits are held, unless --force)."""
-    with _client(db) as client:
+    with _within(timeout), _client(db) as client:
         revoked = client.delete_semaphore(name, force=force)
     click.echo(f"deleted {name}" + (f"; revoked {revoked} lease(s)" if revoked else ""))
 
@@ -408,17 +430,6 @@ def acquire(
         _echo_json(lease.to_dict())
 
 
-#: ``permits release``, ``extend`` and ``revoke``: their ``--timeout``.
-_call_timeout_option = click.option(
-    "--timeout",
-    type=float,
-    default=None,
-    callback=_wait_seconds,
-    help="Give up soon after this many seconds, over a link that hangs too (exit 1, storage_unavailable:"
-    " the call may or may not have been made)  [default: the store's own bounds]",
-)
-
-
 @main.command()
 @click.argument("key")
 @_call_timeout_option
@@ -426,8 +437,7 @@ _call_timeout_option = click.option(
 @_db_option
 def release(key: str, timeout: float | None, owner: str | None, db: str | None) -> None:
     """Release the lease KEY: prints released, already_released, lost or not_found."""
-    # The client's opening too holds to the deadline, not only the call.
-    with caller_deadline(None if timeout is None else monotonic() + timeout), _client(db, owner) as client:
+    with _within(timeout), _client(db, owner) as client:
         outcome = client.release(key, timeout=timeout)
     click.echo(str(outcome))
     if outcome is permits.ReleaseOutcome.NOT_FOUND:
@@ -442,17 +452,18 @@ def release(key: str, timeout: float | None, owner: str | None, db: str | None) 
 @_db_option
 def extend(key: str, ttl: float | None, timeout: float | None, owner: str | None, db: str | None) -> None:
     """Extend the lease KEY by its own TTL, or by --ttl this once; prints it as JSON."""
-    with caller_deadline(None if timeout is None else monotonic() + timeout), _client(db, owner) as client:
+    with _within(timeout), _client(db, owner) as client:
         _echo_json(client.extend(key, ttl, timeout=timeout).to_dict())
 
 
 @main.command("lease")
 @click.argument("key")
+@_call_timeout_option
 @_owner_option
 @_db_option
-def show_lease(key: str, owner: str | None, db: str | None) -> None:
+def show_lease(key: str, timeout: float | None, owner: str | None, db: str | None) -> None:
     """Show the lease KEY as JSON."""
-    with _client(db, owner) as client:
+    with _within(timeout), _client(db, owner) as client:
         _echo_json(client.get_lease(key).to_dict())
 
 
@@ -465,7 +476,7 @@ def show_lease(key: str, owner: str | None, db: str | None) -> None:
 def revoke(key: str, reason: str, timeout: float | None, owner: str | None, db: str | None) -> None:
     """End the lease KEY of --owner now, as an administrator (its holder learns it at its next extend);
     prints the lease as JSON. `permits sem show NAME` lists holders' owners and keys."""
-    with caller_deadline(None if timeout is None else monotonic() + timeout), _client(db, owner) as client:
+    with _within(timeout), _client(db, owner) as client:
         _echo_json(client.revoke(key, reason=reason, timeout=timeout).to_dict())
 
 

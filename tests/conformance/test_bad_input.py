@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,38 @@ def test_bad_reason_and_release_arguments(client: Any, ns: str) -> None:
             client.revoke(lease, reason="stuck", timeout=bad)
         assert refused.value.details["field"] == "timeout", refused.value
     assert 0 < client.get_lease(lease.key).expires_in <= 60  # still held: not extended, not revoked
+
+
+def test_a_bad_timeout_for_a_read_or_a_change_is_refused_and_changes_nothing(client: Any, ns: str) -> None:
+    """The reads and the semaphores' changes take a ``timeout`` as ``release`` does: a bad one is an
+    ``InvalidArgument`` naming the field, before anything is asked."""
+    name = f"{ns}s"
+    client.create_semaphore(name, 2)
+    lease = client.try_acquire(name)
+    calls: dict[str, Callable[[Any], Any]] = {
+        "get_lease": lambda bad: client.get_lease(lease.key, timeout=bad),
+        "holders": lambda bad: client.holders(name, timeout=bad),
+        "waiters": lambda bad: client.waiters(name, timeout=bad),
+        "get_semaphore": lambda bad: client.get_semaphore(name, timeout=bad),
+        "list_semaphores": lambda bad: client.list_semaphores(ns, timeout=bad),
+        "capacity_history": lambda bad: client.capacity_history(name, timeout=bad),
+        "create_semaphore": lambda bad: client.create_semaphore(f"{ns}new1", 1, timeout=bad),
+        "create_mutex": lambda bad: client.create_mutex(f"{ns}new2", timeout=bad),
+        "create_rwlock": lambda bad: client.create_rwlock(f"{ns}new3", timeout=bad),
+        "set_capacity": lambda bad: client.set_capacity(name, 5, reason="more", timeout=bad),
+        "delete_semaphore": lambda bad: client.delete_semaphore(name, force=True, timeout=bad),
+    }
+    for bad in (-1, math.nan, "soon", True):
+        for what, call in calls.items():
+            with pytest.raises(InvalidArgument) as refused:
+                call(bad)
+            assert refused.value.details["field"] == "timeout", (what, refused.value)
+    assert client.get_semaphore(name).capacity == 2
+    assert [h.key for h in client.holders(name)] == [lease.key]
+    assert [s.name for s in client.list_semaphores(ns)] == [name]
+    for call in calls.values():  # and a good one is taken
+        call(5)
+    assert [s.name for s in client.list_semaphores(ns)] == [f"{ns}new1", f"{ns}new2", f"{ns}new3"]
 
 
 def test_flags_and_limits_are_checked_and_named(client: Any, ns: str) -> None:

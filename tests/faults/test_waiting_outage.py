@@ -479,12 +479,7 @@ def test_a_release_an_extend_and_a_revoke_with_a_timeout_over_a_link_that_hangs_
                 for argv in (["extend"], ["release"], ["revoke", "--reason", "stuck"]):
                     argv += ["--timeout", "1", "--owner", other.owner, "--db", url, other.key]
                     calls[f"permits {argv[0]}"] = functools.partial(_exits_with_the_outage, argv)
-            proxy.stall()
-            try:
-                with ThreadPoolExecutor(len(calls)) as pool:
-                    took = dict(zip(calls, pool.map(_raising_the_outage, calls.values()), strict=True))
-            finally:
-                proxy.resume()
+            took = _each_raising_the_outage_over_a_stall(proxy, calls)
             assert client.release(lease) in (ReleaseOutcome.RELEASED, ReleaseOutcome.ALREADY_RELEASED)
             assert client.revoke(stuck, reason="stuck").end_reason == "revoked"  # asked again: safe
         finally:
@@ -492,6 +487,58 @@ def test_a_release_an_extend_and_a_revoke_with_a_timeout_over_a_link_that_hangs_
         assert all(h.key not in (lease.key, stuck.key) for h in direct.holders(name)), direct.holders(name)
         assert direct.reconcile() == []
     assert max(took.values()) < 1 + HANG_BOUND["db"], took
+
+
+def test_reads_and_changes_of_semaphores_with_a_timeout_over_a_link_that_hangs_give_up_soon_after_it(
+    db_url: str, flavour: str, backend: str, ns: str
+) -> None:
+    """The reads (a lease, holders, waiters, a semaphore, the list, the capacity history) and the changes
+    of semaphores (create, capacity, delete) with ``timeout=1`` over a link that stalls raise the outage soon
+    after their second, as ``release`` does, not after every attempt's reply deadline and the store's
+    retries. Whether a change was made is then unknown (the proxy delivers what it held once the link
+    flows again), so the changes here leave the same state either way, or one of two. ``permits sem ls``,
+    ``sem show``, ``sem set`` and ``lease`` with ``--timeout`` hold to it too, their client's opening
+    included. The calls are made at once, each on a thread of its own."""
+    name = f"{ns}hangs"
+    with permits.connect(db_url) as direct, CuttingProxy.before(db_url) as proxy:
+        direct.create_semaphore(name, 3, fair=True)
+        direct.create_semaphore(f"{ns}gone", 1)
+        url = proxy.url_for(db_url)
+        client: Any = permits.connect(url) if flavour == "sync" else AsyncFacade(permits.connect_async(url))
+        try:
+            lease = client.acquire(name, ttl=300)  # opened, with a pooled connection
+            calls = {
+                "get_lease": lambda: client.get_lease(lease.key, timeout=1),
+                "holders": lambda: client.holders(name, timeout=1),
+                "waiters": lambda: client.waiters(name, timeout=1),
+                "get_semaphore": lambda: client.get_semaphore(name, timeout=1),
+                "list_semaphores": lambda: client.list_semaphores(ns, timeout=1),
+                "capacity_history": lambda: client.capacity_history(name, timeout=1),
+                "create_semaphore": lambda: client.create_semaphore(f"{ns}new", 1, timeout=1),
+                "set_capacity": lambda: client.set_capacity(name, 3, reason="the same", timeout=1),
+                "delete_semaphore": lambda: client.delete_semaphore(f"{ns}gone", timeout=1),
+            }
+            if flavour == "sync" and backend == "postgresql":  # the CLI's opening is the same on both servers
+                for argv in (
+                    ["sem", "ls"],
+                    ["sem", "show", name],
+                    ["sem", "set", name, "--capacity", "3", "--reason", "the same"],
+                    ["lease", lease.key, "--owner", lease.owner],
+                ):
+                    argv += ["--timeout", "1", "--db", url]
+                    calls[f"permits {' '.join(argv[:2])}"] = functools.partial(_exits_with_the_outage, argv)
+            took = _each_raising_the_outage_over_a_stall(proxy, calls)
+            assert client.get_semaphore(name, timeout=30).capacity == 3  # the link is back: answered
+        finally:
+            client.close() if flavour == "sync" else client.shutdown()
+        assert direct.get_semaphore(name).capacity == 3
+        assert [h.key for h in direct.holders(name)] == [lease.key]
+        assert {s.name for s in direct.list_semaphores(ns)} - {f"{ns}new", f"{ns}gone"} == {name}
+        direct.release(lease)
+        assert direct.reconcile() == []
+    # About 16 s each (the store's least reply time, 15 s, past the timeout); without the timeout, 30 s and
+    # more each on PostgreSQL, and up to 2 minutes on MariaDB.
+    assert max(took.values()) < 1 + store_least_reply(DEFAULT_LOCK_WAIT_TIMEOUT) + 8, took
 
 
 def test_a_lease_block_over_a_link_that_hangs_is_lost_at_its_deadline_and_left_soon_after(db_url: str, ns: str) -> None:
@@ -556,6 +603,19 @@ def _raising_the_outage(call: Callable[[], object]) -> float:
     with pytest.raises(StorageUnavailable):
         call()
     return time.monotonic() - started
+
+
+def _each_raising_the_outage_over_a_stall(
+    proxy: CuttingProxy, calls: dict[str, Callable[[], object]]
+) -> dict[str, float]:
+    """Stall ``proxy``'s link, make every call at once, each on a thread of its own, and resume: how long each
+    took to raise ``StorageUnavailable``."""
+    proxy.stall()
+    try:
+        with ThreadPoolExecutor(len(calls)) as pool:
+            return dict(zip(calls, pool.map(_raising_the_outage, calls.values()), strict=True))
+    finally:
+        proxy.resume()
 
 
 def _exits_with_the_outage(argv: list[str]) -> None:

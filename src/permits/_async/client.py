@@ -609,20 +609,30 @@ class AsyncClient:
         with caller_deadline(_deadline_after(timeout)):
             return await self._store.revoke(owner_, key_, note)
 
-    async def get_lease(self, key: str, *, owner: str | None = None) -> Lease:
+    async def get_lease(self, key: str, *, owner: str | None = None, timeout: Seconds | None = None) -> Lease:
         """The lease under ``key``, held or ended. Raises ``LeaseNotFound``."""
         owner_, key_ = self._lease_ref(key, owner)
-        return await self._store.get_lease(owner_, key_)
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.get_lease(owner_, key_)
 
-    async def holders(self, name: str) -> list[Holder]:
+    async def holders(self, name: str, *, timeout: Seconds | None = None) -> list[Holder]:
         """The leases holding permits of ``name`` now, in token order (expired ones not yet reclaimed show a
         negative ``expires_in``)."""
-        return await self._store.holders(_validate.name(name))
+        name = _validate.name(name)
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.holders(name)
 
     # ---------------------------------------------------------------------------------------- semaphores
 
     async def create_semaphore(
-        self, name: str, capacity: int, *, exist_ok: bool = False, who: str | None = None, fair: bool = False
+        self,
+        name: str,
+        capacity: int,
+        *,
+        exist_ok: bool = False,
+        who: str | None = None,
+        fair: bool = False,
+        timeout: Seconds | None = None,
     ) -> Semaphore:
         """Create a semaphore of ``capacity`` permits. With ``exist_ok``, an existing semaphore of the same
         capacity (and mode) is returned instead of raising ``SemaphoreExists``. ``who`` (default: this
@@ -631,57 +641,69 @@ class AsyncClient:
         ``fair``: waiting acquires are granted in arrival order, a large request included; one that waits
         keeps its place only while it keeps asking (see docs/primitives.md)."""
         by = self.owner if who is None else _validate.who(who)
-        return await self._store.create_semaphore(
-            _validate.name(name),
-            _validate.capacity(capacity),
-            by,
-            _validate.flag(exist_ok, "exist_ok"),
-            _validate.flag(fair, "fair"),
-        )
+        name, capacity = _validate.name(name), _validate.capacity(capacity)
+        exist_ok, fair = _validate.flag(exist_ok, "exist_ok"), _validate.flag(fair, "fair")
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.create_semaphore(name, capacity, by, exist_ok, fair)
 
-    async def create_rwlock(self, name: str, *, exist_ok: bool = False) -> Semaphore:
+    async def create_rwlock(self, name: str, *, exist_ok: bool = False, timeout: Seconds | None = None) -> Semaphore:
         """Create a read-write lock: a fair semaphore of ``RWLOCK_READERS`` permits. Hold it with
         ``permits.shared(name)`` (one permit: many readers at once) or ``permits.exclusive(name)`` (all of
         them: one writer, no reader). Fair mode keeps writers from starving: once a writer waits, readers
         that come after it wait behind it."""
-        return await self.create_semaphore(name, RWLOCK_READERS, exist_ok=exist_ok, fair=True)
+        return await self.create_semaphore(name, RWLOCK_READERS, exist_ok=exist_ok, fair=True, timeout=timeout)
 
-    async def waiters(self, name: str) -> list[Waiter]:
+    async def waiters(self, name: str, *, timeout: Seconds | None = None) -> list[Waiter]:
         """The requests waiting for room on the fair semaphore ``name``, in queue order."""
-        return await self._store.waiters(_validate.name(name))
+        name = _validate.name(name)
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.waiters(name)
 
-    async def create_mutex(self, name: str, *, exist_ok: bool = False) -> Semaphore:
+    async def create_mutex(self, name: str, *, exist_ok: bool = False, timeout: Seconds | None = None) -> Semaphore:
         """Create a semaphore of capacity 1."""
-        return await self.create_semaphore(name, 1, exist_ok=exist_ok)
+        return await self.create_semaphore(name, 1, exist_ok=exist_ok, timeout=timeout)
 
-    async def get_semaphore(self, name: str) -> Semaphore:
+    async def get_semaphore(self, name: str, *, timeout: Seconds | None = None) -> Semaphore:
         """Capacity, use and last token of ``name``. Raises ``SemaphoreNotFound``."""
-        return await self._store.get_semaphore(_validate.name(name))
+        name = _validate.name(name)
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.get_semaphore(name)
 
-    async def list_semaphores(self, prefix: str = "") -> list[Semaphore]:
+    async def list_semaphores(self, prefix: str = "", *, timeout: Seconds | None = None) -> list[Semaphore]:
         """Every semaphore whose name starts with ``prefix``, by name."""
         if not isinstance(prefix, str):
             raise _validate.InvalidArgument("a prefix must be a string", field="prefix")
-        return await self._store.list_semaphores(prefix)
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.list_semaphores(prefix)
 
-    async def set_capacity(self, name: str, capacity: int, *, reason: str, who: str | None = None) -> CapacityChange:
+    async def set_capacity(
+        self, name: str, capacity: int, *, reason: str, who: str | None = None, timeout: Seconds | None = None
+    ) -> CapacityChange:
         """Change a capacity, recording who, why and when. Lowering it below the permits in use revokes
         nothing: no new grant until use drops below the new capacity."""
         by = self.owner if who is None else _validate.who(who)
-        return await self._store.set_capacity(
-            _validate.name(name), _validate.capacity(capacity), by, _validate.reason(reason, required=True)
-        )
+        args = (_validate.name(name), _validate.capacity(capacity), by, _validate.reason(reason, required=True))
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.set_capacity(*args)
 
-    async def capacity_history(self, name: str, *, limit: int = 100) -> list[CapacityChange]:
+    async def capacity_history(
+        self, name: str, *, limit: int = 100, timeout: Seconds | None = None
+    ) -> list[CapacityChange]:
         """The capacity changes of ``name``, newest first (creation included)."""
-        return await self._store.capacity_history(_validate.name(name), _validate.batch_size(limit, "limit"))
+        args = (_validate.name(name), _validate.batch_size(limit, "limit"))
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.capacity_history(*args)
 
-    async def delete_semaphore(self, name: str, *, force: bool = False) -> int:
+    async def delete_semaphore(self, name: str, *, force: bool = False, timeout: Seconds | None = None) -> int:
         """Delete a semaphore. Refused with ``SemaphoreInUse`` while leases hold its permits, unless
         ``force``, which revokes those leases (whole leases: a lease is all or nothing). Returns the number
         of leases revoked. Its fencing tokens are kept: a semaphore created again under the same name
-        carries on above them."""
-        return await self._store.delete_semaphore(_validate.name(name), _validate.flag(force, "force"))
+        carries on above them. With ``timeout``, one that gives up over a link that hangs raises
+        ``StorageUnavailable`` with the delete made or not: asked again, it may find the semaphore gone
+        (``SemaphoreNotFound``)."""
+        args = (_validate.name(name), _validate.flag(force, "force"))
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.delete_semaphore(*args)
 
     # --------------------------------------------------------------------------------------- maintenance
 
