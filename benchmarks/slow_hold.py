@@ -37,7 +37,8 @@ def _one_run(args: argparse.Namespace, client: permits.Client) -> tuple[list[int
     name = f"slow-hold-{uuid.uuid4().hex[:8]}"
     client.create_semaphore(name, 1, fair=not args.plain)
     settle = 1.5  # the workers connect and start
-    stop_at = time.time() + settle + args.before + args.slow + args.after
+    # (and some slack: the slow hold's own acquire waits its turn first)
+    stop_at = time.time() + settle + args.before + args.slow + args.after + 3.0
     workers = [mp.Process(target=_worker, args=(args.url, name, stop_at, args.hold)) for _ in range(args.workers)]
     for worker in workers:
         worker.start()

@@ -56,11 +56,12 @@ QUEUE_MAX_SLEEP = 1.0
 #: most this share of the time since it found itself there, however slowly its queue moved before. Its rate
 #: measures how fast the queue was served, and on MariaDB nothing calls a waiter when its turn comes: so after
 #: one slow holder, a next waiter that slept by a slow rate left the permit idle, the queue moved as slowly as
-#: it had, and the rates stayed low: on MariaDB, six processes on a fair mutex held 20 ms (42 turns a second)
-#: took 1 to 3 s after one hold of 0.3 s to get back to 42, from 8 to 15, and with this share (and a line's
-#: head that no longer keeps the row locked, dialects/mysql.py) came back within 2 s, from 34-41 in the
-#: first second. Holds of 100 ms, eight processes: 5.4 turns a second (of 10 possible) before, 7.6 with it,
-#: for about four more attempts a turn (12 against 8.5); on SQLite 4.9 against 6.6 (docs/benchmarks.md).
+#: it had, and the rates stayed low. On MariaDB, six processes on a fair mutex held 20 ms (42 turns a second),
+#: after one hold of 0.3 s: with the line's head that no longer keeps the row locked (dialects/mysql.py) but
+#: without this share, 8 to 15 turns a second for 1 to 3 s (four runs of five); with both, back within 2 s,
+#: from 19-39 in the first second. Holds of 100 ms, eight processes: 5.4 turns a second (of 10 possible)
+#: before, 7.8 with both, for about 3.5 more attempts a turn (12 against 8.5); on SQLite 4.9 against 7.5
+#: (docs/benchmarks.md, "A fair mutex through one slow hold").
 NEXT_SINCE_SHARE = 0.5
 #: A queued request that is called when its turn comes still asks at least this often: a call can be lost
 #: (while the listener reconnects), and a waiter ahead can leave without a call (its place lapses).

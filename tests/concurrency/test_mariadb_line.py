@@ -31,7 +31,7 @@ import permits
 from permits._core import flows
 from permits._pacing import IN_LINE_TRIES, LINE_BUSY_SECONDS
 from permits._sync import store as sync_store
-from permits.dialects.mysql import MariaDB, MariaDB105, MariaDBCluster, MariaDBStatementLog, MySQL, MySQLCluster
+from permits.dialects.mysql import MariaDB, MariaDB105, MariaDBCluster, MariaDBWithoutLine, MySQL, MySQLCluster
 from tests._children import run_take_turns, spawn
 from tests._private_db import PrivateMariaDB, PrivateServer, private_server
 from tests.conftest import mariadb_session, own_database
@@ -102,12 +102,26 @@ def _waits_at_the_head(
     for timer in timers:
         timer.start()
     started = time.monotonic()
-    head = {"tries": flows.head_tries(head_ms), "most_tries": flows.head_tries(5_000), "fair": int(fair)}
-    done = yield flows.Stmt("LINE_HEAD", {**params, **head}, alone=True)
+    head = {"tries": flows.head_tries(head_ms), "most_tries": flows.head_tries(5_000)}
+    done = yield flows.Stmt("LINE_HEAD_FAIR" if fair else "LINE_HEAD", {**params, **head}, alone=True)
     waited.append(time.monotonic() - started)
     for timer in timers:
         timer.join()
     return bool(done.rows)
+
+
+def _waits_without_the_line(client: Any, name: str) -> None:
+    """A waiter for the mutex ``name``, which ``client`` holds meanwhile, is granted once it is given back,
+    having asked outside any line (ACQUIRE_ONE), as on a server that has none."""
+    held = client.acquire(name, ttl=30)
+    sent = _statements_of(client)
+    waiter = threading.Thread(target=lambda: client.release(client.acquire(name, ttl=30, timeout=5)))
+    waiter.start()
+    time.sleep(0.3)
+    client.release(held)
+    waiter.join(6)
+    assert not waiter.is_alive()
+    assert sent[0] == "ACQUIRE_ONE" and not any(s.startswith("LINE_") for s in sent), sent
 
 
 @pytest.fixture
@@ -119,7 +133,7 @@ def url() -> Iterator[str]:
 def test_only_a_single_mariadb_server_of_10_6_or_later_has_the_line() -> None:
     """The line's grant outside it needs SKIP LOCKED (MariaDB 10.6); a cluster node sends no batches, and its
     row locks are each node's own; the statements are MariaDB's compound statements, not tried on MySQL."""
-    statements = ("ACQUIRE_ONE_LINE_FREE", "LINE_WAIT", "LINE_GRANT", "LINE_HEAD")
+    statements = ("ACQUIRE_ONE_LINE_FREE", "LINE_WAIT", "LINE_GRANT", "LINE_HEAD", "LINE_HEAD_FAIR")
     assert all(MariaDB().has(s) for s in statements)
     for dialect in (MariaDB105(), MariaDBCluster(), MySQL(), MySQLCluster()):
         assert not any(dialect.has(s) for s in statements), dialect
@@ -360,15 +374,19 @@ def test_the_head_of_the_line_waiting_for_room_holds_no_semaphore_row(
 
 
 def test_the_heads_try_that_meets_a_writer_of_the_semaphore_row_keeps_no_lock_on_it(url: str, ns: str) -> None:
-    """At the head (LINE_HEAD, here for up to 3 s), a try meets the semaphore row locked by another writer
-    (here a side session's change in flight, which leaves the mutex with no room when it commits). Under
-    READ COMMITTED an UPDATE that waited for that lock, then found no room, kept the lock to the end of the
-    head's transaction: the release the head waited for then waited for the head, the whole 3 s (on a fair
-    mutex, every hold of 20 ms took 60). The head's UPDATE does not wait for the lock (NOWAIT): the
-    release goes through at once, and the head is granted the permit it gives back."""
+    """At the head of a fair mutex's line (LINE_HEAD, here for up to 3 s), with a place in the fair queue
+    ahead of it, a try meets the semaphore row locked by another writer (here a side session's change in
+    flight, which leaves the mutex with no room when it commits; in use, the grant of a waiter ahead).
+    Under READ COMMITTED an UPDATE that waited for that lock, then found no room, kept the lock to the end
+    of the head's transaction: the release the head waited for then waited for the head, the whole 3 s
+    (with six processes taking turns, every hold of 20 ms took 60). While places are ahead, the head's
+    UPDATE does not wait for the lock (NOWAIT): the release goes through at once, and once the place ahead
+    is given up the head is granted the permit given back. (With none ahead, the head waits for the lock
+    and is handed it as a release commits, as a plain semaphore's head does: then nothing else writes the
+    row between its tries, mostly.)"""
     name = f"{ns}m"
     with permits.connect(url, auto_upgrade=True) as client, permits.connect(url, owner="giver") as giver:
-        client.create_semaphore(name, 1)
+        client.create_semaphore(name, 1, fair=True)
         held = giver.acquire(name, ttl=30)
         side = _session(url)
         gave_back: list[float] = []
@@ -392,13 +410,23 @@ def test_the_heads_try_that_meets_a_writer_of_the_semaphore_row_keeps_no_lock_on
                 giver.release(held)
                 gave_back.append(time.monotonic() - started)
 
-            steps = [(0.2, write_in_flight), (0.8, release)]
-            granted = client._store.run_flow(lambda: _waits_at_the_head(name, sem_id, 3_000, False, steps, waited))
+            def give_up() -> None:
+                with side.cursor() as cur:
+                    cur.execute("DELETE FROM permits_waiter WHERE owner = 'first'")
+
+            with side.cursor() as cur:  # a waiter in the fair queue, ahead of the head: its grants write the row
+                cur.execute(
+                    "INSERT INTO permits_waiter (semaphore_id, ticket, owner, lease_key, count, enqueued_at_ms,"
+                    " expires_at_ms) VALUES (%s, 1, 'first', 'k', 1, 0, 9000000000000)",
+                    (sem_id,),
+                )
+            steps = [(0.2, write_in_flight), (0.8, release), (1.0, give_up)]
+            granted = client._store.run_flow(lambda: _waits_at_the_head(name, sem_id, 3_000, True, steps, waited))
         finally:
             side.close()
         assert capacity == 1
         assert gave_back[0] < 0.2, gave_back  # 2.8 s before: until the head gave up its 3 s
-        assert granted, "the head was not granted the permit given back"
+        assert granted, "the head was not granted the permit given back once the place ahead was given up"
         assert waited[0] < 1.5, waited
         assert client.release("head", owner="o") == "released"
         assert client.reconcile() == []
@@ -592,16 +620,8 @@ def test_a_server_that_logs_statements_gets_no_line(
     name = f"{ns}m"
     with permits.connect(url, auto_upgrade=True) as client:
         client.create_semaphore(name, 1)
-        assert type(client._store._dialect) is MariaDBStatementLog
-        held = client.acquire(name, ttl=30)
-        sent = _statements_of(client)
-        waiter = threading.Thread(target=lambda: client.release(client.acquire(name, ttl=30, timeout=5)))
-        waiter.start()
-        time.sleep(0.3)
-        client.release(held)
-        waiter.join(6)
-        assert not waiter.is_alive()
-        assert sent[0] == "ACQUIRE_ONE" and not any(s.startswith("LINE_") for s in sent), sent
+        assert type(client._store._dialect) is MariaDBWithoutLine
+        _waits_without_the_line(client, name)
     monkeypatch.setattr("permits._sync.store.mysql_family_dialect", lambda *args, **kwargs: MariaDB())
     with permits.connect(url) as client:
         held = client.acquire(name, ttl=30)
@@ -610,6 +630,28 @@ def test_a_server_that_logs_statements_gets_no_line(
                 client.acquire(name, ttl=30, timeout=3)
         finally:
             client.release(held)
+
+
+class _RollbackOnTimeoutMariaDB(PrivateMariaDB):
+    options = ("--innodb-rollback-on-timeout=ON",)
+
+
+@pytest.fixture(scope="module")
+def rollback_on_timeout_server() -> Iterator[PrivateServer]:
+    yield from private_server(_RollbackOnTimeoutMariaDB)
+
+
+def test_a_server_that_rolls_back_a_transaction_on_a_lock_wait_timeout_gets_no_line(
+    rollback_on_timeout_server: PrivateServer, ns: str
+) -> None:
+    """With ``innodb_rollback_on_timeout``, the 1205 of the head's try at a busy row (NOWAIT) would roll back
+    the head's whole transaction, and the line's lock with it: the client finds the setting at open, and
+    its waiters wait without the line."""
+    name = f"{ns}m"
+    with permits.connect(rollback_on_timeout_server.url, auto_upgrade=True) as client:
+        client.create_semaphore(name, 1)
+        assert type(client._store._dialect) is MariaDBWithoutLine
+        _waits_without_the_line(client, name)
 
 
 def test_tasks_of_one_asyncio_client_take_turns_through_the_line(url: str, ns: str) -> None:

@@ -13,12 +13,13 @@ from permits.dialects.mysql import (
     MariaDB,
     MariaDB105,
     MariaDBCluster,
-    MariaDBStatementLog,
+    MariaDBWithoutLine,
     MySQL,
     MySQLCluster,
     is_multi_primary,
     logs_statements,
     mysql_family_dialect,
+    rolls_back_on_timeout,
 )
 
 
@@ -55,6 +56,17 @@ def test_a_binary_log_of_statements_is_told_from_the_server_variables(
     assert logs_statements(variables) is expected
 
 
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [([], False), ([("innodb_rollback_on_timeout", "OFF")], False), ([("INNODB_ROLLBACK_ON_TIMEOUT", "on")], True)],
+)
+def test_a_rollback_of_the_whole_transaction_on_a_lock_wait_timeout_is_told_from_the_server_variables(
+    variables: list[tuple[str, str]], expected: bool
+) -> None:
+    """There the head of the line, whose try at a busy row is a lock wait timeout, would lose the line."""
+    assert rolls_back_on_timeout(variables) is expected
+
+
 def test_each_server_gets_its_dialect() -> None:
     assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False)) is MariaDB
     assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False, version=(10, 11, 19))) is MariaDB
@@ -66,9 +78,10 @@ def test_each_server_gets_its_dialect() -> None:
     assert not MySQL().has("ACQUIRE_MANY")
     assert type(mysql_family_dialect(is_mariadb=False, multi_primary=False)) is MySQL
     assert type(mysql_family_dialect(is_mariadb=True, multi_primary=True)) is MariaDBCluster
-    # A binary log of statements: no line (tests/concurrency/test_mariadb_line.py runs one).
-    assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False, statement_log=True)) is MariaDBStatementLog
-    assert MariaDBStatementLog().has("ACQUIRE_ONE") and not MariaDBStatementLog().has("LINE_WAIT")
+    # A binary log of statements, or a rollback of the whole transaction on a lock wait timeout: no line
+    # (tests/concurrency/test_mariadb_line.py runs both).
+    assert type(mysql_family_dialect(is_mariadb=True, multi_primary=False, no_line=True)) is MariaDBWithoutLine
+    assert MariaDBWithoutLine().has("ACQUIRE_ONE") and not MariaDBWithoutLine().has("LINE_WAIT")
     assert type(mysql_family_dialect(is_mariadb=False, multi_primary=True)) is MySQLCluster
 
 

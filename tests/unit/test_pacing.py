@@ -136,6 +136,11 @@ def test_the_next_waiter_asks_again_within_half_the_time_since_it_became_next_ho
     assert p.next_sleep(2.5) == (0.0, False)
     p.refused(2.6, 2)  # passed over after all (another request of the same queue came first): by its rate again
     assert p.next_sleep(2.6)[0] > 0.1
+    p.refused(3.0, 1)  # next again: the time counts from now, not from when it was next before
+    assert p.next_sleep(3.0)[0] == QUEUE_MIN_SLEEP
+    p.refused(3.2, None)  # no longer queued (its place lapsed): no such bound
+    p.refused(3.3, 1)
+    assert p.next_sleep(3.3)[0] == QUEUE_MIN_SLEEP
 
 
 def test_a_waiter_asks_in_the_servers_line_until_refused_there_in_line_tries_times_in_a_row() -> None:

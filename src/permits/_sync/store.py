@@ -71,7 +71,7 @@ from permits._models import (
 )
 from permits._pacing import LINE_BUSY_SECONDS, LINE_HEAD_WAIT_SECONDS, LINE_SEATS
 from permits.dialects.base import Dialect, Fault, SettingFix, dialect_for_url
-from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, logs_statements, mysql_family_dialect
+from permits.dialects.mysql import MULTI_PRIMARY_PROBE, is_multi_primary, mysql_family_dialect, without_line
 from permits.dialects.pg_functions import (
     CREATED_MEANWHILE,
     DIRECT_FUNCTIONS,
@@ -455,8 +455,8 @@ class SQLStore:
             engine_dialect = self._engine.dialect
             version = getattr(engine_dialect, "server_version_info", None)
             is_mariadb = getattr(engine_dialect, "is_mariadb", True)
-            statement_log = logs_statements(variables)
-            self._use_dialect(mysql_family_dialect(is_mariadb, multi_primary, version, statement_log=statement_log))
+            no_line = without_line(variables)
+            self._use_dialect(mysql_family_dialect(is_mariadb, multi_primary, version, no_line=no_line))
         head = _schema.head()
         if revision != head:
             if _schema.newer_than_this_code(revision):

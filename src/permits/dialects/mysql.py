@@ -202,51 +202,54 @@ _LINE_WAIT = f"""
                 END IF;
             END;
             SELECT @permits_line, @permits_sem, @permits_fits, @permits_fair"""
-# The UPDATE of the line's grants: by the semaphore's primary key, which LINE_WAIT read (see LINE_HEAD). It
-# never waits for the row's lock: a lock wait of 0 s is MariaDB's NOWAIT (error 1205 at once, caught where it
-# runs), and the head takes a row busy with another writer as one more refusal, and asks again. An UPDATE that
-# waited for a row's lock (a grant, a release, a change of capacity in flight), then found its WHERE false on
-# the row as that writer left it, keeps the lock to the end of its transaction, even under READ COMMITTED
-# (MariaDB 10.11; a row it reached without waiting it lets go of). The head's transaction lasts its whole
-# wait, so the release it waited for then waited for it, up to LINE_HEAD_WAIT_SECONDS and longer on a fair
-# semaphore: on a fair mutex, where the fair queue's grants come between the head's tries, holds of 20 ms
-# took 60 ms (the release's wait), and the line fell from 42 turns a second to 13 after one slow holder. (A
-# server started with innodb_rollback_on_timeout, off by default, rolls the head's whole transaction back at
-# a 1205: the head then goes on asking outside the line's order for the rest of its wait, and the UPDATE's
-# WHERE still decides every grant.)
-_TAKE_IN_LINE = _TAKE_ONE.replace("WHERE name = :name AND", "WHERE id = :sem_id AND").replace(
-    _LOCK_WAIT_BOUND, "SET STATEMENT innodb_lock_wait_timeout = 0 FOR"
-)
+# The UPDATE of the line's grants: by the semaphore's primary key, which LINE_WAIT read (see LINE_HEAD). An
+# UPDATE that waited for a row's lock (a grant, a release, a change of capacity in flight), then found its
+# WHERE false on the row as that writer left it, keeps the lock to the end of its transaction, even under
+# READ COMMITTED (MariaDB 10.11; a row it reached without waiting it lets go of). The head's transaction
+# lasts its whole wait, so the release it waited for then waited for it. On a fair semaphore with places
+# in its fair queue ahead of the head, the queue's grants write the row between the head's tries, and the
+# head's wait starts again as the queue moves: there holds of 20 ms took 60 ms (the release's wait), and
+# the line fell from 42 turns a second to 13 after one slow holder. So there (LINE_HEAD_FAIR, while places
+# are ahead) the UPDATE never waits for the row's lock: a lock wait of 0 s is MariaDB's NOWAIT, whose
+# error (1205, at once) the head catches and takes as one more refusal. Elsewhere nothing but a release
+# writes the row between the head's tries, mostly (a grant over several semaphores, a change of capacity,
+# a service's hand-over can), and after a release the head finds room: there it waits for the lock, which
+# it is handed the moment the release commits. NOWAIT there too cost 5-13% at 64 clients on the hot
+# benchmark (docs/benchmarks.md); the rare wait that ends in a refusal keeps the row no longer than the
+# head's wait, 50 ms. LINE_GRANT, the head's first try, waits too (its one UPDATE rarely meets a grant in
+# flight, and wrapping it for the error cost as much). A server started with innodb_rollback_on_timeout
+# (off by default) would roll the head's whole transaction back at a 1205: there the store uses no line
+# (``without_line``).
+_TAKE_IN_LINE = _TAKE_ONE.replace("WHERE name = :name AND", "WHERE id = :sem_id AND")
+_TAKE_NOWAIT = _TAKE_IN_LINE.replace(_LOCK_WAIT_BOUND, "SET STATEMENT innodb_lock_wait_timeout = 0 FOR")
 _GRANT_IN_LINE = (
     _LEASE_ONE + """:sem_id, :count, @permits_token FROM DUAL WHERE @permits_token IS NOT NULL;""" + _PLACES_GIVEN_UP
 )
 # At the head of the line (after LINE_WAIT, in its transaction): ask once, and commit if granted, which lets
 # the line go; refused, the transaction stays open (the line held) for LINE_HEAD. Only a client that was alive
-# at its turn sends this. params: ACQUIRE_ONE's, sem_id -> as ACQUIRE_ONE
+# at its turn sends this. params: ACQUIRE_ONE's, sem_id, fair (LINE_WAIT's) -> as ACQUIRE_ONE
 _LINE_GRANT = (
-    """SET @permits_token = NULL;
-            BEGIN NOT ATOMIC
-                DECLARE CONTINUE HANDLER FOR 1205 BEGIN END;"""
-    + _TAKE_IN_LINE.replace("\n", "\n    ")
-    + """;
-            END;"""
+    "SET @permits_token = NULL;"
+    + _TAKE_IN_LINE
+    + ";"
     + _GRANT_IN_LINE
     + """
             BEGIN NOT ATOMIC IF @permits_token IS NOT NULL THEN COMMIT; END IF; END"""
 )
-# Still at the head, refused: ask again every 1 ms and then every 2 ms (0.2 ms after a try that found the row
-# busy: the writer in flight is most often a release, which lets go of it within a fraction of a
-# millisecond), up to ``tries`` times, in this one request, as PostgreSQL's queued grant waits at the head
-# (pg_functions.py); then the lease, or nothing, and
-# the COMMIT that lets the line go. A grant for a waiter that died meanwhile is possible only within this
-# wait (``LINE_HEAD_WAIT_SECONDS``), as for any grant whose reply is lost. No UPDATE here may keep the
-# semaphore row locked when it finds no room, or the release the head waits for would wait for the head:
-# READ COMMITTED lets go of a row the UPDATE reached by its primary key, without waiting for its lock (see
-# _TAKE_IN_LINE), and did not change (through the unique index on the name InnoDB kept the lock to the end
-# of the transaction), and nothing reads the row in the loop's condition (MariaDB makes such a read, and a
-# SET from a subquery, a locking one; a SELECT ... INTO is not).
+# Still at the head, refused: ask again every 1 ms and then every 2 ms (in LINE_HEAD_FAIR, 0.2 ms after a try
+# that found the row busy, which counts as a tenth of a try: the writer in flight lets go of it within a
+# fraction of a millisecond), up to ``tries`` times, in this one request, as PostgreSQL's queued
+# grant waits at the head (pg_functions.py); then the lease, or nothing, and the COMMIT that lets the line
+# go. A grant for a waiter that died meanwhile is possible only within this wait (``LINE_HEAD_WAIT_SECONDS``),
+# as for any grant whose reply is lost. No UPDATE here may keep the semaphore row locked when it finds no
+# room, or the release the head waits for would wait for the head: READ COMMITTED lets go of a row the
+# UPDATE reached by its primary key, without waiting for its lock (where it may wait, see _TAKE_IN_LINE),
+# and did not change (through the unique index on the name InnoDB kept the
+# lock to the end of the transaction), and nothing reads the row in the loop's condition (MariaDB makes
+# such a read, and a SET from a subquery, a locking one; a SELECT ... INTO is not).
 #
-# On a fair semaphore (``fair``, LINE_WAIT's), live places in its fair queue ahead of the head keep the room
+# On a fair semaphore (LINE_WAIT's ``fair``: the flow sends LINE_HEAD_FAIR), live places in its fair queue
+# ahead of the head keep the room
 # for their waiters, who ask outside the line; each time fewer of the places that were ahead at the head's
 # first refusal here remain (one was served, or given up), its ``tries`` start again, until the caller's
 # time ends (@permits_ends, which LINE_WAIT noted before its wait; ``most_tries`` too, in case SYSDATE is
@@ -256,8 +259,8 @@ _LINE_GRANT = (
 # the queue, and the next head behind it, for as long as waiters came: six processes on a fair mutex held
 # 20 ms, 42 turns a second, took 12 to 17 a second after one hold of 0.3 s, for the ten seconds measured
 # (tests/concurrency/test_mariadb_line.py). Unlike PostgreSQL's, ``{now}`` here may be read again at each
-# count, so a place that lapses during the wait counts as served. params: LINE_GRANT's, tries, most_tries,
-# fair -> as ACQUIRE_ONE
+# count, so a place that lapses during the wait counts as served. params: LINE_GRANT's, tries, most_tries ->
+# as ACQUIRE_ONE
 _PLACES_AHEAD = """FROM permits_waiter w
                         WHERE w.semaphore_id = :sem_id AND w.expires_at_ms > {now}
                           AND w.ticket < COALESCE(
@@ -269,34 +272,56 @@ _LINE_HEAD = (
             SET @permits_token = NULL;
             BEGIN NOT ATOMIC
                 DECLARE tries INT DEFAULT 0;
-                DECLARE asked INT DEFAULT 0;
+                head: LOOP"""
+    + _TAKE_IN_LINE.replace("\n", "\n        ")
+    + """;
+                    SET tries = tries + 1;
+                    IF @permits_token IS NOT NULL OR tries >= :tries OR SYSDATE(6) >= @permits_ends THEN
+                        LEAVE head;
+                    END IF;
+                    DO SLEEP(IF(tries < 10, 0.001, 0.002));
+                END LOOP;
+            END;"""
+    + _GRANT_IN_LINE
+    + """
+            COMMIT"""
+)
+# LINE_HEAD on a fair semaphore. Each try first reads the places ahead, and while there are some, its UPDATE
+# does not wait for the row's lock (see _TAKE_IN_LINE); a busy try asks again 0.2 ms later and counts as a
+# tenth of a try.
+_LINE_HEAD_FAIR = (
+    """
+            SET @permits_token = NULL;
+            BEGIN NOT ATOMIC
+                DECLARE tries DECIMAL(10, 1) DEFAULT 0;
+                DECLARE asked DECIMAL(10, 1) DEFAULT 0;
                 DECLARE horizon BIGINT DEFAULT NULL;
                 DECLARE ahead BIGINT DEFAULT NULL;
                 DECLARE last_ahead BIGINT DEFAULT NULL;
+                DECLARE waiting BIGINT DEFAULT 0;
+                DECLARE newest BIGINT DEFAULT NULL;
                 DECLARE busy INT DEFAULT 0;
                 DECLARE CONTINUE HANDLER FOR 1205 SET busy = 1;
                 head: LOOP
-                    SET busy = 0;"""
-    + _TAKE_IN_LINE.replace("\n", "\n        ")
+                    SET busy = 0;
+                    SELECT COUNT(*), COUNT(CASE WHEN w.ticket <= horizon THEN 1 END), MAX(w.ticket)
+                    INTO waiting, ahead, newest
+                    """
+    + _PLACES_AHEAD
     + """;
-                    SET tries = tries + 1, asked = asked + 1;
+                    IF last_ahead IS NULL THEN SET ahead = waiting, horizon = newest; END IF;
+                    IF ahead < last_ahead THEN SET tries = 0; END IF;
+                    SET last_ahead = ahead;
+                    IF waiting > 0 THEN"""
+    + _TAKE_NOWAIT.replace("\n", "\n            ")
+    + """;
+                    ELSE"""
+    + _TAKE_IN_LINE.replace("\n", "\n            ")
+    + """;
+                    END IF;
+                    SET tries = tries + IF(busy, 0.1, 1), asked = asked + IF(busy, 0.1, 1);
                     IF @permits_token IS NOT NULL OR asked >= :most_tries OR SYSDATE(6) >= @permits_ends THEN
                         LEAVE head;
-                    END IF;
-                    IF :fair THEN
-                        IF last_ahead IS NULL THEN
-                            SELECT COUNT(*), MAX(w.ticket) INTO ahead, horizon
-                            """
-    + _PLACES_AHEAD
-    + """;
-                        ELSE
-                            SELECT COUNT(*) INTO ahead
-                            """
-    + _PLACES_AHEAD
-    + """ AND w.ticket <= horizon;
-                        END IF;
-                        IF ahead < last_ahead THEN SET tries = 0; END IF;
-                        SET last_ahead = ahead;
                     END IF;
                     IF tries >= :tries THEN LEAVE head; END IF;
                     DO SLEEP(IF(busy, 0.0002, IF(tries < 10, 0.001, 0.002)));
@@ -309,7 +334,9 @@ _LINE_HEAD = (
 
 
 #: The statements of the line, for the dialects that have none.
-_NO_LINE: dict[str, str | None] = dict.fromkeys(("ACQUIRE_ONE_LINE_FREE", "LINE_WAIT", "LINE_GRANT", "LINE_HEAD"))
+_NO_LINE: dict[str, str | None] = dict.fromkeys(
+    ("ACQUIRE_ONE_LINE_FREE", "LINE_WAIT", "LINE_GRANT", "LINE_HEAD", "LINE_HEAD_FAIR")
+)
 
 
 class MariaDB(Dialect):
@@ -353,6 +380,7 @@ class MariaDB(Dialect):
         "LINE_WAIT": _LINE_WAIT,
         "LINE_GRANT": _LINE_GRANT,
         "LINE_HEAD": _LINE_HEAD,
+        "LINE_HEAD_FAIR": _LINE_HEAD_FAIR,
         # Acquire several semaphores in one request (see self_committing), all or none, as PostgreSQL's
         # ACQUIRE_MANY does. The optimizer takes a user variable as a constant, so a statement whose WHERE
         # tests one that is not 1 reads no row and locks none ("Impossible WHERE"). First a plain read, which
@@ -633,11 +661,12 @@ class MySQL(MariaDB):
 # (codership/mysql-wsrep#191). On these clusters every statement therefore goes as a request of its own,
 # inside a transaction the store begins and commits, so that each abort is seen before COMMIT.
 
-#: Which multi-primary replication a MariaDB or MySQL server runs, if any, and how it logs its writes (see
-#: logs_statements). -> Variable_name, Value
+#: Which multi-primary replication a MariaDB or MySQL server runs, if any, how it logs its writes and what a
+#: lock wait timeout rolls back (see without_line). -> Variable_name, Value
 MULTI_PRIMARY_PROBE = """
     SHOW GLOBAL VARIABLES
-    WHERE Variable_name IN ('wsrep_on', 'group_replication_group_name', 'log_bin', 'binlog_format')"""
+    WHERE Variable_name IN (
+        'wsrep_on', 'group_replication_group_name', 'log_bin', 'binlog_format', 'innodb_rollback_on_timeout')"""
 
 
 class MariaDBCluster(MariaDB):
@@ -670,6 +699,20 @@ def logs_statements(variables: list[tuple[str, str]]) -> bool:
     return found.get("log_bin", "OFF") in ("ON", "1") and found.get("binlog_format", "") == "STATEMENT"
 
 
+def rolls_back_on_timeout(variables: list[tuple[str, str]]) -> bool:
+    """``variables``: the answer to MULTI_PRIMARY_PROBE. A lock wait timeout (1205) rolls back the whole
+    transaction, not the statement (``innodb_rollback_on_timeout``, off by default). The head of a fair
+    semaphore's line takes a row busy with another writer as a 1205 (NOWAIT, see _TAKE_IN_LINE), which
+    would end its transaction, the line's lock with it, and go on at the session's isolation level."""
+    found = {str(name).lower(): str(value).upper() for name, value in variables}
+    return found.get("innodb_rollback_on_timeout", "OFF") in ("ON", "1")
+
+
+def without_line(variables: list[tuple[str, str]]) -> bool:
+    """``variables``: the answer to MULTI_PRIMARY_PROBE. The server's settings rule the line out."""
+    return logs_statements(variables) or rolls_back_on_timeout(variables)
+
+
 def is_multi_primary(variables: list[tuple[str, str]]) -> bool:
     """``variables``: the answer to MULTI_PRIMARY_PROBE. Galera with wsrep on, or any server that has the
     Group Replication plugin loaded (its single-primary mode is not told apart: the cost is a few round
@@ -690,10 +733,11 @@ class MariaDB105(MariaDB):
     }
 
 
-class MariaDBStatementLog(MariaDB):
-    """A MariaDB server that writes its binary log as statements (``binlog_format = STATEMENT``): InnoDB
-    refuses writes under READ COMMITTED there, and the line's grants are such writes, so its waiters wait
-    without the line."""
+class MariaDBWithoutLine(MariaDB):
+    """A MariaDB server whose settings rule the line out (``without_line``), so its waiters wait without
+    it: a binary log of statements (``binlog_format = STATEMENT``), where InnoDB refuses writes under READ
+    COMMITTED, which the line's grants are; or ``innodb_rollback_on_timeout``, which would end the head's
+    transaction at a try that found the row busy."""
 
     overrides: ClassVar[dict[str, str | None]] = {**MariaDB.overrides, **_NO_LINE}
 
@@ -703,17 +747,17 @@ JSON_TABLE_SINCE = (10, 6)
 
 
 def mysql_family_dialect(
-    is_mariadb: bool, multi_primary: bool, version: tuple[int, ...] | None = None, statement_log: bool = False
+    is_mariadb: bool, multi_primary: bool, version: tuple[int, ...] | None = None, no_line: bool = False
 ) -> MariaDB:
     """The dialect for a server the ``mysql://`` URL turned out to reach (``version``: the server's, as
-    SQLAlchemy read it; None where unknown, taken as recent; ``statement_log``: see ``logs_statements``)."""
+    SQLAlchemy read it; None where unknown, taken as recent; ``no_line``: see ``without_line``)."""
     if multi_primary:
         return MariaDBCluster() if is_mariadb else MySQLCluster()
     if not is_mariadb:
         return MySQL()
     if version is not None and tuple(version[:2]) < JSON_TABLE_SINCE:
         return MariaDB105()
-    return MariaDBStatementLog() if statement_log else MariaDB()
+    return MariaDBWithoutLine() if no_line else MariaDB()
 
 
 def _aiomysql_connect_within(seconds: float) -> Any:
