@@ -184,7 +184,7 @@ _LINE_FREE = f"""
 # in the line (1;
 # its transaction stays open for LINE_GRANT on the same connection) or not (0: timed out, or no wait could
 # help; nothing is open), the semaphore's id (NULL: no such semaphore), whether the count fits, and whether
-# the semaphore is fair (for LINE_HEAD)
+# the semaphore is fair (the flow then sends LINE_HEAD_FAIR)
 _LINE_WAIT = f"""
             SET @permits_ends = SYSDATE(6) + INTERVAL :wait_ms * 1000 MICROSECOND;
             SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
@@ -215,9 +215,14 @@ _LINE_WAIT = f"""
 # writes the row between the head's tries, mostly (a grant over several semaphores, a change of capacity,
 # a service's hand-over can), and after a release the head finds room: there it waits for the lock, which
 # it is handed the moment the release commits. NOWAIT there too cost 5-13% at 64 clients on the hot
-# benchmark (docs/benchmarks.md); the rare wait that ends in a refusal keeps the row no longer than the
-# head's wait, 50 ms. LINE_GRANT, the head's first try, waits too (its one UPDATE rarely meets a grant in
-# flight, and wrapping it for the error cost as much). A server started with innodb_rollback_on_timeout
+# benchmark (docs/benchmarks.md); the rare wait that ends in a refusal (a grant outside the line: a try that
+# does not wait, a count above one, a grant over several semaphores, a client older than the line; a change
+# of capacity) keeps the row no longer than the head's wait, 50 ms. LINE_GRANT, the head's first try, waits
+# too: its one UPDATE seldom meets a grant in flight, and wrapping it for the error cost as much. Where it
+# does, on a fair semaphore with places ahead, the head keeps the row through LINE_HEAD_FAIR, whose wait
+# starts again as places ahead lapse or are given up, within the caller's time: a risk left, not measured
+# apart (the slow-hold benchmark, which would show it, recovered in every run). A server started with
+# innodb_rollback_on_timeout
 # (off by default) would roll the head's whole transaction back at a 1205: there the store uses no line
 # (``without_line``).
 _TAKE_IN_LINE = _TAKE_ONE.replace("WHERE name = :name AND", "WHERE id = :sem_id AND")
@@ -227,7 +232,7 @@ _GRANT_IN_LINE = (
 )
 # At the head of the line (after LINE_WAIT, in its transaction): ask once, and commit if granted, which lets
 # the line go; refused, the transaction stays open (the line held) for LINE_HEAD. Only a client that was alive
-# at its turn sends this. params: ACQUIRE_ONE's, sem_id, fair (LINE_WAIT's) -> as ACQUIRE_ONE
+# at its turn sends this. params: ACQUIRE_ONE's, sem_id -> as ACQUIRE_ONE
 _LINE_GRANT = (
     "SET @permits_token = NULL;"
     + _TAKE_IN_LINE
