@@ -175,6 +175,7 @@ def sweep_out(result: SweepResult) -> dict[str, Any]:
         "leases": result.leases,
         "batches": result.batches,
         "keys": [{"owner": owner, "key": key} for owner, key in result.keys],
+        "complete": result.complete,
     }
 
 
@@ -184,6 +185,8 @@ def sweep_in(data: dict[str, Any]) -> SweepResult:
             leases=int(data["leases"]),
             batches=int(data["batches"]),
             keys=[(str(k["owner"]), str(k["key"])) for k in data.get("keys", [])],
+            # A service older than the field does not say: taken as complete, as it was taken before.
+            complete=bool(data.get("complete", True)),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise _malformed("sweep result", exc) from exc

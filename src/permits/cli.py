@@ -482,28 +482,46 @@ def revoke(key: str, reason: str, timeout: float | None, owner: str | None, db: 
 
 @main.command()
 @click.option("--batch-size", type=int, default=500, show_default=True)
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    callback=_wait_seconds,
+    help="Start no batch after this many seconds, and say whether the sweep was complete; over a link that"
+    " hangs, give up soon after it (exit 1, storage_unavailable)  [default: sweep until none is left]",
+)
 @_db_option
-def sweep(batch_size: int, db: str | None) -> None:
+def sweep(batch_size: int, timeout: float | None, db: str | None) -> None:
     """End every expired lease, in short batches."""
-    with _client(db) as client:
-        result = client.sweep(batch_size=batch_size)
+    with _within(timeout), _client(db) as client:
+        result = client.sweep(batch_size=batch_size, timeout=timeout)
     click.echo(f"swept {result.leases} lease(s) in {result.batches} batch(es)")
+    if not result.complete:
+        click.echo("stopped at --timeout: more leases may be expired (sweep again to go on)", err=True)
 
 
 @main.command()
 @click.option("--repair", is_flag=True, help="Fix what drifted: true counts, token counters, orphaned permit rows.")
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    callback=_wait_seconds,
+    help="Start no repair after this many seconds (the drift left is shown unrepaired, exit 1); over a link"
+    " that hangs, give up soon after it (exit 1, storage_unavailable)  [default: the store's own bounds]",
+)
 @_db_option
-def reconcile(repair: bool, db: str | None) -> None:
+def reconcile(repair: bool, timeout: float | None, db: str | None) -> None:
     """Check each semaphore's count and token counter against its permit rows; exit 1 if drift remains."""
-    with _client(db) as client:
-        drift = client.reconcile(repair=repair)
+    with _within(timeout), _client(db) as client:
+        drift = client.reconcile(repair=repair, timeout=timeout)
     for d in drift:
         state = "repaired" if d.repaired else "DRIFT"
         what = {"used": "permits in use", "last_token": "last token"}.get(d.field, "permit rows without a lease")
         click.echo(f"{state}: {d.name}: {what} recorded {d.recorded}, actual {d.actual}")
     if not drift:
         click.echo("no drift")
-    elif not repair:
+    elif not all(d.repaired for d in drift):  # a check's, or what a repair's --timeout left
         sys.exit(EXIT_FAILED)
 
 

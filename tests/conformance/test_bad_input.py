@@ -138,6 +138,8 @@ def test_a_bad_timeout_for_a_read_or_a_change_is_refused_and_changes_nothing(cli
         "create_rwlock": lambda bad: client.create_rwlock(f"{ns}new3", timeout=bad),
         "set_capacity": lambda bad: client.set_capacity(name, 5, reason="more", timeout=bad),
         "delete_semaphore": lambda bad: client.delete_semaphore(name, force=True, timeout=bad),
+        "sweep": lambda bad: client.sweep(timeout=bad),
+        "reconcile": lambda bad: client.reconcile(repair=True, timeout=bad),
     }
     for bad in (-1, math.nan, "soon", True):
         for what, call in calls.items():

@@ -297,6 +297,27 @@ def test_sweep(client: Any, ns: str) -> None:
     assert client.reconcile() == []
 
 
+def test_a_sweep_with_a_timeout_starts_no_batch_after_it_and_says_it_is_incomplete(client: Any, ns: str) -> None:
+    """With ``timeout``, the sweep's first batch runs, and no other starts once the time is up: the result
+    says the sweep was not complete (as ``max_batches`` ending it does), and the next sweep finishes it.
+    Through the service the time left goes with the request, and the service holds to it."""
+    client.create_semaphore(f"{ns}s", 5)
+    short = {client.try_acquire(f"{ns}s", ttl=0.2).key for _ in range(4)}
+    keep = client.try_acquire(f"{ns}s", ttl=60)
+    time.sleep(0.4)
+    first = client.sweep(batch_size=1, timeout=0)
+    assert (first.leases, first.batches, first.complete) == (1, 1, False), first
+    capped = client.sweep(batch_size=1, max_batches=2)
+    assert (capped.leases, capped.batches, capped.complete) == (2, 2, False), capped
+    rest = client.sweep(batch_size=1, timeout=30)
+    assert rest.complete and rest.leases >= 1, rest
+    swept = {key for result in (first, capped, rest) for _, key in result.keys}
+    assert short <= swept and keep.key not in swept
+    assert client.sweep(timeout=30) == permits.SweepResult(complete=True)
+    assert client.get_semaphore(f"{ns}s").used == 1
+    assert client.reconcile(timeout=30) == []
+
+
 def test_revoke_ends_the_lease_with_its_reason(make_client: Any, ns: str) -> None:
     admin, holder = make_client(owner=f"{ns}admin"), make_client(owner=f"{ns}worker")
     admin.create_semaphore(f"{ns}s", 1)
@@ -437,6 +458,32 @@ def test_reconcile_finds_and_repairs_drift(client: Any, db_url: str, ns: str) ->
     assert [(d.recorded, d.actual, d.repaired) for d in repaired] == [(4, 2, True)]
     assert client.get_semaphore(f"{ns}s").used == 2
     assert [d for d in client.reconcile() if d.name == f"{ns}s"] == []
+
+
+def test_a_repair_with_a_timeout_starts_none_after_it_and_reports_the_drift_left(
+    client: Any, db_url: str, ns: str
+) -> None:
+    """``reconcile(repair=True, timeout=...)``: no repair starts once the time is up, and the drift left is
+    reported as found (not repaired); nothing is changed by it, and a repair with time enough fixes it all."""
+    from sqlalchemy import create_engine, text
+
+    from tests.conftest import sqlalchemy_url
+
+    names = [f"{ns}a", f"{ns}b"]
+    for name in names:
+        client.create_semaphore(name, 5)
+        client.try_acquire({name: 2})
+    engine = create_engine(sqlalchemy_url(db_url))
+    with engine.begin() as conn:  # damage the counts behind permits' back
+        damage = text("UPDATE permits_semaphore SET used = 4 WHERE name IN (:a, :b)")
+        conn.execute(damage, {"a": names[0], "b": names[1]})
+    engine.dispose()
+    left = sorted((d.name, d.recorded, d.actual, d.repaired) for d in client.reconcile(repair=True, timeout=0))
+    assert [row for row in left if row[0] in names] == [(name, 4, 2, False) for name in names]
+    assert [client.get_semaphore(name).used for name in names] == [4, 4]
+    repaired = [d for d in client.reconcile(repair=True, timeout=30) if d.name in names]
+    assert sorted((d.name, d.repaired) for d in repaired) == [(name, True) for name in names]
+    assert [client.get_semaphore(name).used for name in names] == [2, 2]
 
 
 def test_reconcile_raises_a_lagging_token_counter(client: Any, db_url: str, ns: str) -> None:

@@ -493,12 +493,12 @@ def test_reads_and_changes_of_semaphores_with_a_timeout_over_a_link_that_hangs_g
     db_url: str, flavour: str, backend: str, ns: str
 ) -> None:
     """The reads (a lease, holders, waiters, a semaphore, the list, the capacity history) and the changes
-    of semaphores (create, capacity, delete) with ``timeout=1`` over a link that stalls raise the outage soon
-    after their second, as ``release`` does, not after every attempt's reply deadline and the store's
-    retries. Whether a change was made is then unknown (the proxy delivers what it held once the link
-    flows again), so the changes here leave the same state either way, or one of two. ``permits sem ls``,
-    ``sem show``, ``sem set`` and ``lease`` with ``--timeout`` hold to it too, their client's opening
-    included. The calls are made at once, each on a thread of its own."""
+    of semaphores (create, capacity, delete), a sweep and a reconcile with ``timeout=1`` over a link that
+    stalls raise the outage soon after their second, as ``release`` does, not after every attempt's reply
+    deadline and the store's retries. Whether a change was made is then unknown (the proxy delivers what it
+    held once the link flows again), so the changes here leave the same state either way, or one of two.
+    ``permits sem ls``, ``sem show``, ``sem set``, ``lease``, ``sweep`` and ``reconcile`` with ``--timeout``
+    hold to it too, their client's opening included. The calls are made at once, each on a thread of its own."""
     name = f"{ns}hangs"
     with permits.connect(db_url) as direct, CuttingProxy.before(db_url) as proxy:
         direct.create_semaphore(name, 3, fair=True)
@@ -517,6 +517,8 @@ def test_reads_and_changes_of_semaphores_with_a_timeout_over_a_link_that_hangs_g
                 "create_semaphore": lambda: client.create_semaphore(f"{ns}new", 1, timeout=1),
                 "set_capacity": lambda: client.set_capacity(name, 3, reason="the same", timeout=1),
                 "delete_semaphore": lambda: client.delete_semaphore(f"{ns}gone", timeout=1),
+                "sweep": lambda: client.sweep(timeout=1),
+                "reconcile": lambda: client.reconcile(repair=True, timeout=1),
             }
             if flavour == "sync" and backend == "postgresql":  # the CLI's opening is the same on both servers
                 for argv in (
@@ -524,6 +526,8 @@ def test_reads_and_changes_of_semaphores_with_a_timeout_over_a_link_that_hangs_g
                     ["sem", "show", name],
                     ["sem", "set", name, "--capacity", "3", "--reason", "the same"],
                     ["lease", lease.key, "--owner", lease.owner],
+                    ["sweep"],
+                    ["reconcile", "--repair"],
                 ):
                     argv += ["--timeout", "1", "--db", url]
                     calls[f"permits {' '.join(argv[:2])}"] = functools.partial(_exits_with_the_outage, argv)
@@ -654,8 +658,9 @@ def test_a_service_answers_what_does_not_wait_over_a_link_that_hangs_soon(db_url
     ``storage_unavailable`` soon (15 s), which the client sends again; not after the store's retries, with each
     resend another handler waiting beside the first (before: 30 s for the extend, about 2 minutes for the
     release, whose turn in its semaphore's line was held to no deadline, and which was then tried again alone).
-    So too a revoke, a read of the API and one of the dashboard's, which it polls (before: 70, 80 and 75 s).
-    Asked at once, each on a thread of its own."""
+    So too a revoke, a read of the API and one of the dashboard's, which it polls (before: 70, 80 and 75 s),
+    and a sweep and a reconcile, held to the timeout their body gives (before it, 50 s). Asked at once, each
+    on a thread of its own."""
     name = f"{ns}hung"
     with CuttingProxy.before(db_url) as proxy:
         service = Service.started(proxy.url_for(db_url), env={"PERMITS_MAINTENANCE__ENABLED": "false"})
@@ -679,6 +684,8 @@ def test_a_service_answers_what_does_not_wait_over_a_link_that_hangs_soon(db_url
                     "revoke": ("POST", "/v1/leases/revoke", {"key": "v", "owner": leases["v"]["owner"], "reason": "x"}),
                     "holders": ("GET", f"/v1/holders/{name}", None),
                     "overview": ("GET", "/v1/overview", None),
+                    "sweep": ("POST", "/v1/sweep", {"timeout": 1}),
+                    "reconcile": ("POST", "/v1/reconcile", {"repair": True, "timeout": 1}),
                 }
                 with ThreadPoolExecutor(len(asked)) as pool:
                     futures = {what: pool.submit(answer, *request) for what, request in asked.items()}

@@ -293,6 +293,13 @@ CASES: dict[str, Case] = {
         lambda ctx: ctx.client.create_semaphore(ctx.s, 3, exist_ok="no"),
         lambda ctx: ("POST", "/v1/semaphores", {"name": ctx.s, "capacity": 3, "exist_ok": "no"}),
     ),
+    "sweep-timeout-negative": Case(
+        lambda ctx: ctx.client.sweep(timeout=-1), lambda ctx: ("POST", "/v1/sweep", {"timeout": -1})
+    ),
+    "reconcile-timeout-nan": Case(
+        lambda ctx: ctx.client.reconcile(repair=True, timeout=math.nan),
+        lambda ctx: ("POST", "/v1/reconcile", {"repair": True, "timeout": math.nan}),
+    ),
     "path-not-utf8": Case(None, lambda ctx: ("GET", "/v1/holders/%ff", None)),
     "query-not-utf8": Case(None, lambda ctx: ("GET", "/v1/semaphores?prefix=%ff", None)),
     "query-twice": Case(None, lambda ctx: ("DELETE", f"/v1/semaphores/{ctx.s}?force=false&force=true", None)),

@@ -707,16 +707,31 @@ class AsyncClient:
 
     # --------------------------------------------------------------------------------------- maintenance
 
-    async def sweep(self, *, batch_size: int = 500, max_batches: int | None = None) -> SweepResult:
-        """End every expired lease, in short transactions of ``batch_size`` leases."""
+    async def sweep(
+        self, *, batch_size: int = 500, max_batches: int | None = None, timeout: Seconds | None = None
+    ) -> SweepResult:
+        """End every expired lease, in short transactions of ``batch_size`` leases.
+
+        With ``timeout``, no batch starts after that many seconds (the first always runs), and the result
+        says whether the sweep was ``complete``, as it does when ``max_batches`` ends it; over a link that
+        hangs, it gives up soon after the timeout, as ``release`` does, raising ``StorageUnavailable``
+        (the batches before it stay done; sweeping again is safe)."""
         if max_batches is not None:
             _validate.batch_size(max_batches, "max_batches")
-        return await self._store.sweep(_validate.batch_size(batch_size), max_batches)
+        batch_size = _validate.batch_size(batch_size)
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.sweep(batch_size, max_batches)
 
-    async def reconcile(self, *, repair: bool = False) -> list[Drift]:
+    async def reconcile(self, *, repair: bool = False, timeout: Seconds | None = None) -> list[Drift]:
         """Compare each semaphore's count of permits in use with its held permit rows, and report drift.
-        With ``repair``, recount each drifted semaphore under its row lock and store the true count."""
-        return await self._store.reconcile(_validate.flag(repair, "repair"))
+        With ``repair``, recount each drifted semaphore under its row lock and store the true count.
+
+        With ``timeout``, no repair starts after that many seconds: the drift left is returned as found
+        (``repaired`` false); over a link that hangs, it gives up soon after the timeout, raising
+        ``StorageUnavailable`` (the repairs before it stay done; asking again is safe)."""
+        repair = _validate.flag(repair, "repair")
+        with caller_deadline(_deadline_after(timeout)):
+            return await self._store.reconcile(repair)
 
     async def ping(self, *, timeout: Seconds | None = None) -> None:
         """One cheap round trip to the database (or the service); raises ``StorageUnavailable``

@@ -1197,17 +1197,26 @@ class AsyncSQLStore:
         return await self._run(lambda: flows.count_held(identity), readonly=True)
 
     async def sweep(self, batch_size: int, max_batches: int | None) -> SweepResult:
-        # One short transaction per batch: a sweep never holds locks for long.
+        # One short transaction per batch: a sweep never holds locks for long. The caller's deadline (the
+        # client's timeout) ends it between batches, as max_batches does: the first batch always runs, and
+        # what the batches ended is returned, marked incomplete. A batch over a link that hangs gives up
+        # within the deadline's grace, as every call does.
+        deadline = CALLER_DEADLINE.get()
         keys: list[tuple[str, str]] = []
         batches = 0
+        complete = asked = False
         while max_batches is None or batches < max_batches:
+            if asked and deadline is not None and monotonic() >= deadline:
+                break
             found, ended = await self._run(lambda: flows.sweep_batch(batch_size))
+            asked = True
             if found:
                 batches += 1
                 keys.extend(ended)
             if found < batch_size:
+                complete = True
                 break
-        return SweepResult(leases=len(keys), batches=batches, keys=keys)
+        return SweepResult(leases=len(keys), batches=batches, keys=keys, complete=complete)
 
     # ---------------------------------------------------------------------- service maintenance (SQL only)
 
@@ -1264,8 +1273,14 @@ class AsyncSQLStore:
         drift = await self._run(flows.find_drift, readonly=True)
         if not repair:
             return drift
+        # Each drift is repaired in a transaction of its own. None starts after the caller's deadline (the
+        # client's timeout): those left are reported as found, not repaired, as a check reports them.
+        deadline = CALLER_DEADLINE.get()
         repaired: list[Drift] = []
-        for found in drift:
+        for at, found in enumerate(drift):
+            if deadline is not None and monotonic() >= deadline:
+                repaired.extend(drift[at:])
+                break
             fixed = await self._run(
                 lambda name=found.name, field=found.field: flows.repair_drift(name, field)  # type: ignore[misc]
             )

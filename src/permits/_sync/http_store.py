@@ -29,7 +29,7 @@ import httpx
 from permits import _wire
 from permits._backoff import RETRY_BACKOFF
 from permits._config import DEFAULT_TTL, Settings
-from permits._deadline import past_giving_up, reply_within
+from permits._deadline import CALLER_DEADLINE, past_giving_up, reply_within
 from permits._exceptions import (
     AcquireTimeout,
     ConfigurationError,
@@ -485,12 +485,24 @@ class HTTPStore:
         self._call("GET", "/readyz")
 
     def sweep(self, batch_size: int, max_batches: int | None) -> SweepResult:
+        self.open()
         body = {"batch_size": batch_size, "max_batches": max_batches}
-        return _wire.sweep_in(self._call("POST", "/v1/sweep", json=body))
+        return _wire.sweep_in(self._call("POST", "/v1/sweep", body=lambda: self._upkeep_body(body)))
 
     def reconcile(self, repair: bool) -> list[Drift]:
-        data = self._call("POST", "/v1/reconcile", json={"repair": repair})
+        self.open()
+        data = self._call("POST", "/v1/reconcile", body=lambda: self._upkeep_body({"repair": repair}))
         return [_wire.drift_in(d) for d in data["drift"]]
+
+    def _upkeep_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A sweep's or a reconcile's body, with the time the caller has left (made anew for each send): the
+        service starts no batch (no repair) after it, and answers with what was done. A service older than
+        that feature is not sent it (it would refuse the field); its work then runs on after the caller has
+        given up, as before."""
+        deadline = CALLER_DEADLINE.get()
+        if deadline is None or "upkeep_timeout" not in self._features:
+            return body
+        return {**body, "timeout": max(0.0, deadline - monotonic())}
 
     def upgrade_schema(self) -> str:
         raise UsageError(

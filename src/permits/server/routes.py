@@ -53,7 +53,7 @@ router = APIRouter(prefix="/v1", route_class=body.Route)
 #: ``lease_ttl`` (an extend without ``ttl`` renews by the lease's own TTL, not the service's default);
 #: ``request_id`` (an acquire's field: a ``new_only`` request's retries know its lease as their own);
 #: ``release_own`` (a release's ``request_id``: only the lease that request got).
-FEATURES = ("keep_place", "new_only", "lease_ttl", "request_id", "release_own")
+FEATURES = ("keep_place", "new_only", "lease_ttl", "request_id", "release_own", "upkeep_timeout")
 
 # The error statuses each route may answer with, as its OpenAPI operation lists them (errors.py maps each
 # error to its status). Every route: 401 without a valid token, 422 for bad input (a query parameter
@@ -172,9 +172,10 @@ def held_to_arrival() -> caller_deadline:
     held to its wait: over a link to the database that hangs, the store gives up after one reply's least wait
     and its grace, and the answer is a 503 that the client may send again; not minutes of the store's
     retries, with every resend another handler waiting beside the first (docs/deployment.md, "A link that
-    hangs"). Not for a sweep or a reconcile, whose batches a large database may keep busy for longer, nor for
-    a semaphore's delete (see there). On a database that is merely slow it gives up sooner too: a pooled
-    connection is waited for 10 s, not 30, and a transaction's reply 15 s, not 20 (the defaults)."""
+    hangs"). Not for a sweep or a reconcile, whose batches a large database may keep busy for longer (they
+    hold to the timeout their caller sends), nor for a semaphore's delete (see there). On a database that is
+    merely slow it gives up sooner too: a pooled connection is waited for 10 s, not 30, and a transaction's
+    reply 15 s, not 20 (the defaults)."""
     return caller_deadline(monotonic())
 
 
@@ -547,10 +548,11 @@ async def sweep(
     body: Annotated[schemas.SweepIn | None, Body()] = None,
 ) -> dict[str, Any]:
     """End every expired lease now, in short batches (admin). The service also does this on its own.
-    Every field has a default, so the body may be left out (``curl -X POST .../v1/sweep``)."""
+    Every field has a default, so the body may be left out (``curl -X POST .../v1/sweep``). With a
+    ``timeout``, no batch starts after it, and the answer says whether the sweep was complete."""
     identity.require_admin("sweeping")  # again, as each admin action checks itself (see _AdminOnly)
     body = body or schemas.SweepIn()
-    result = await state.client.sweep(batch_size=body.batch_size, max_batches=body.max_batches)
+    result = await state.client.sweep(batch_size=body.batch_size, max_batches=body.max_batches, timeout=body.timeout)
     if result.leases:
         state.metrics.reclaims.labels("swept").inc(result.leases)
     return _wire.sweep_out(result)
@@ -568,4 +570,5 @@ async def reconcile(
     may be left out: a check that repairs nothing."""
     identity.require_admin("reconciling")  # again, as each admin action checks itself (see _AdminOnly)
     body = body or schemas.ReconcileIn()
-    return {"drift": [_wire.drift_out(d) for d in await state.client.reconcile(repair=body.repair)]}
+    drift = await state.client.reconcile(repair=body.repair, timeout=body.timeout)
+    return {"drift": [_wire.drift_out(d) for d in drift]}

@@ -200,10 +200,16 @@ class SetCapacityIn(_Strict):
 class SweepIn(_Strict):
     batch_size: BatchSize = 500
     max_batches: BatchSize | None = None
+    timeout: Seconds | None = Field(
+        default=None, description="start no batch after this many seconds; the answer then says complete: false"
+    )
 
 
 class ReconcileIn(_Strict):
     repair: StrictBool = False
+    timeout: Seconds | None = Field(
+        default=None, description="start no repair after this many seconds; the drift left is answered unrepaired"
+    )
 
 
 # ------------------------------------------------------------------------------------------- responses
@@ -301,6 +307,7 @@ class SweepOut(BaseModel):
     leases: int
     batches: int
     keys: list[dict[str, str]]
+    complete: bool = Field(description="false: max_batches or the timeout ended the sweep, and more may be expired")
 
 
 class DriftOut(BaseModel):
