@@ -252,5 +252,5 @@ class SweepResult:
     batches: int = 0
     keys: list[tuple[str, str]] = field(default_factory=list)  # (owner, key) of each lease it ended
     #: Whether the sweep ran until a batch found fewer expired leases than it holds, none being left then;
-    #: false where ``max_batches`` or the caller's ``timeout`` ended it first.
+    #: false where ``max_batches`` or the caller's ``timeout`` ended it first: more may be left.
     complete: bool = True

@@ -145,3 +145,50 @@ def test_a_release_by_request_id_is_refused_by_the_client_before_an_instance_wit
                     client.release("k", request_id="r-1")
                 assert asked == []
         monkeypatch.undo()
+
+
+def test_a_sweep_with_a_timeout_sends_the_time_left_and_waits_for_its_answer_that_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The service works on a sweep up to its ``timeout``: the client sends the time left, and waits for the
+    answer that long and the service's grace (before, at most 30 s, whatever the timeout: a sweep of a large
+    backlog was cut, and sent again while the first still ran). A reconcile alike."""
+    read_timeouts: list[float] = []
+
+    def answer(body: dict[str, Any], n: int) -> httpx.Response:
+        if "repair" in body:
+            return httpx.Response(200, json={"drift": []})
+        return httpx.Response(200, json={"leases": 0, "batches": 1, "keys": [], "complete": False})
+
+    asked, instance = _serving(["upkeep_timeout"], answer)
+
+    def timed_instance(request: httpx.Request) -> httpx.Response:
+        read_timeouts.append(request.extensions["timeout"]["read"])
+        return instance(request)
+
+    with _connect_through(monkeypatch, timed_instance) as client:
+        assert client.sweep(timeout=100).complete is False
+        assert client.reconcile(repair=True, timeout=100) == []
+        assert client.sweep().complete is False
+    assert 99 < asked[0]["timeout"] <= 100 and 99 < asked[1]["timeout"] <= 100 and "timeout" not in asked[2]
+    assert read_timeouts[1] > 100 and read_timeouts[2] > 100, read_timeouts  # [0] is whoami's
+
+
+def test_a_sweep_to_an_older_instance_is_sent_no_timeout_and_reads_as_complete(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service without ``upkeep_timeout`` is not sent the field; one that listed it but has an older
+    instance behind the same address (a rolling upgrade) is asked again without it, and from then on. An
+    older service's answer has no ``complete``: taken as complete, as before."""
+    old_answer = httpx.Response(200, json={"leases": 0, "batches": 0, "keys": []})
+    asked, instance = _serving([], lambda body, n: old_answer)
+    with _connect_through(monkeypatch, instance) as client:
+        assert client.sweep(timeout=5).complete is True
+    assert asked == [{"batch_size": 500, "max_batches": None}]
+    monkeypatch.undo()
+
+    asked, instance = _serving(
+        ["upkeep_timeout"], lambda body, n: _refused_field("timeout") if "timeout" in body else old_answer
+    )
+    with _connect_through(monkeypatch, instance) as client:
+        assert client.sweep(timeout=5).complete is True
+        assert client.sweep(timeout=5).complete is True
+    assert ["timeout" in body for body in asked] == [True, False, False]

@@ -15,6 +15,7 @@ A request that is not idempotent is sent again only after an answer that says it
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import ssl
@@ -83,6 +84,11 @@ MAX_PLACELESS = 10_000
 
 #: httpcore's trace events that hand over a new connection's stream (``return_value``), TLS's included.
 NEW_STREAM_EVENTS = ("connect_tcp.complete", "connect_unix_socket.complete", "start_tls.complete")
+
+
+def _with_time_left(body: dict[str, Any], deadline: float | None) -> dict[str, Any]:
+    """``body`` with the ``timeout`` left before ``deadline`` (``monotonic()`` time), if there is one."""
+    return body if deadline is None else {**body, "timeout": max(0.0, deadline - monotonic())}
 
 
 def path_part(value: str) -> str:
@@ -485,24 +491,32 @@ class HTTPStore:
         self._call("GET", "/readyz")
 
     def sweep(self, batch_size: int, max_batches: int | None) -> SweepResult:
-        self.open()
         body = {"batch_size": batch_size, "max_batches": max_batches}
-        return _wire.sweep_in(self._call("POST", "/v1/sweep", body=lambda: self._upkeep_body(body)))
+        return _wire.sweep_in(self._upkeep("/v1/sweep", body))
 
     def reconcile(self, repair: bool) -> list[Drift]:
-        self.open()
-        data = self._call("POST", "/v1/reconcile", body=lambda: self._upkeep_body({"repair": repair}))
+        data = self._upkeep("/v1/reconcile", {"repair": repair})
         return [_wire.drift_in(d) for d in data["drift"]]
 
-    def _upkeep_body(self, body: dict[str, Any]) -> dict[str, Any]:
-        """A sweep's or a reconcile's body, with the time the caller has left (made anew for each send): the
-        service starts no batch (no repair) after it, and answers with what was done. A service older than
-        that feature is not sent it (it would refuse the field); its work then runs on after the caller has
-        given up, as before."""
+    def _upkeep(self, path: str, body: dict[str, Any]) -> Any:
+        """A sweep or a reconcile, with the time the caller has left in its body (made anew for each send):
+        the service starts no batch (no repair) after it, and answers with what was done; each send waits
+        for its answer that long, and the service's grace, as a long poll waits for its wait. A service older
+        than that feature is not sent it (it would refuse the field): its work then runs on after the caller
+        has given up, as before."""
+        self.open()
         deadline = CALLER_DEADLINE.get()
-        if deadline is None or "upkeep_timeout" not in self._features:
-            return body
-        return {**body, "timeout": max(0.0, deadline - monotonic())}
+        while True:
+            timed = deadline is not None and "upkeep_timeout" in self._features
+            try:
+                sends = functools.partial(_with_time_left, body, deadline if timed else None)
+                return self._call("POST", path, body=sends)
+            except InvalidArgument as exc:
+                # An instance of an older version, behind the same address as a newer one (a rolling upgrade),
+                # refuses the field: ask again without it, and from now on.
+                if not (timed and exc.details.get("field") == "timeout"):
+                    raise
+                self._features -= {"upkeep_timeout"}
 
     def upgrade_schema(self) -> str:
         raise UsageError(
@@ -567,7 +581,9 @@ class HTTPStore:
         while True:
             if failures and body is not None:
                 sent = body()
-            waits = float(sent.get("wait") or 0.0) if sent is not None else 0.0
+            # A long poll's wait, or the time a sweep or a reconcile is given (the service works that long):
+            # its answer may come that much later.
+            waits = float(sent.get("wait") or 0.0) + float(sent.get("timeout") or 0.0) if sent is not None else 0.0
             # Past the caller's deadline and the service's grace, a send waits no longer for its answer, and
             # none is sent again for want of one (``permits._deadline``).
             replies = reply_within(RESPONSE_MARGIN + waits, self._grace, self._grace)

@@ -52,7 +52,8 @@ router = APIRouter(prefix="/v1", route_class=body.Route)
 #: ``keep_place`` (an acquire's field, and ``POST /v1/leases/give-up``); ``new_only`` (an acquire's field);
 #: ``lease_ttl`` (an extend without ``ttl`` renews by the lease's own TTL, not the service's default);
 #: ``request_id`` (an acquire's field: a ``new_only`` request's retries know its lease as their own);
-#: ``release_own`` (a release's ``request_id``: only the lease that request got).
+#: ``release_own`` (a release's ``request_id``: only the lease that request got); ``upkeep_timeout`` (a sweep's
+#: and a reconcile's ``timeout``: no batch, no repair, starts after it).
 FEATURES = ("keep_place", "new_only", "lease_ttl", "request_id", "release_own", "upkeep_timeout")
 
 # The error statuses each route may answer with, as its OpenAPI operation lists them (errors.py maps each
@@ -567,7 +568,8 @@ async def reconcile(
     body: Annotated[schemas.ReconcileIn | None, Body()] = None,
 ) -> dict[str, Any]:
     """Compare each semaphore's count with its permit rows, and repair drift if asked (admin). The body
-    may be left out: a check that repairs nothing."""
+    may be left out: a check that repairs nothing. With a ``timeout``, no repair starts after it, and the
+    drift left is answered as found (``repaired`` false)."""
     identity.require_admin("reconciling")  # again, as each admin action checks itself (see _AdminOnly)
     body = body or schemas.ReconcileIn()
     drift = await state.client.reconcile(repair=body.repair, timeout=body.timeout)
