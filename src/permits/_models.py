@@ -254,3 +254,11 @@ class SweepResult:
     #: Whether the sweep ran until a batch found fewer expired leases than it holds, none being left then;
     #: false where ``max_batches`` or the caller's ``timeout`` ended it first: more may be left.
     complete: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "leases": self.leases,
+            "batches": self.batches,
+            "keys": [{"owner": owner, "key": key} for owner, key in self.keys],
+            "complete": self.complete,
+        }

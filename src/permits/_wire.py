@@ -171,12 +171,7 @@ def drift_in(data: dict[str, Any]) -> Drift:
 
 
 def sweep_out(result: SweepResult) -> dict[str, Any]:
-    return {
-        "leases": result.leases,
-        "batches": result.batches,
-        "keys": [{"owner": owner, "key": key} for owner, key in result.keys],
-        "complete": result.complete,
-    }
+    return result.to_dict()
 
 
 def sweep_in(data: dict[str, Any]) -> SweepResult:

@@ -490,11 +490,15 @@ def revoke(key: str, reason: str, timeout: float | None, owner: str | None, db: 
     help="Start no batch after this many seconds, and say whether the sweep was complete; over a link that"
     " hangs, give up soon after it (exit 1, storage_unavailable)  [default: sweep until none is left]",
 )
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of a line: leases, batches, keys, complete.")
 @_db_option
-def sweep(batch_size: int, timeout: float | None, db: str | None) -> None:
+def sweep(batch_size: int, timeout: float | None, as_json: bool, db: str | None) -> None:
     """End every expired lease, in short batches."""
     with _within(timeout), _client(db) as client:
         result = client.sweep(batch_size=batch_size, timeout=timeout)
+    if as_json:
+        _echo_json(result.to_dict())
+        return
     click.echo(f"swept {result.leases} lease(s) in {result.batches} batch(es)")
     if not result.complete:
         click.echo("stopped at --timeout: more leases may be expired (sweep again to go on)", err=True)
@@ -507,21 +511,26 @@ def sweep(batch_size: int, timeout: float | None, db: str | None) -> None:
     type=float,
     default=None,
     callback=_wait_seconds,
-    help="Start no repair after this many seconds (the drift left is shown unrepaired, exit 1); over a link"
-    " that hangs, give up soon after it (exit 1, storage_unavailable)  [default: the store's own bounds]",
+    help="Start no repair after this many seconds (the drift left is shown unrepaired, exit 1); the check's"
+    " read, over a link that hangs, gives up soon after it (exit 1, storage_unavailable)  [default: the store's"
+    " own bounds]",
 )
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of lines: a list of drift, [] for none.")
 @_db_option
-def reconcile(repair: bool, timeout: float | None, db: str | None) -> None:
+def reconcile(repair: bool, timeout: float | None, as_json: bool, db: str | None) -> None:
     """Check each semaphore's count and token counter against its permit rows; exit 1 if drift remains."""
     with _within(timeout), _client(db) as client:
         drift = client.reconcile(repair=repair, timeout=timeout)
-    for d in drift:
-        state = "repaired" if d.repaired else "DRIFT"
-        what = {"used": "permits in use", "last_token": "last token"}.get(d.field, "permit rows without a lease")
-        click.echo(f"{state}: {d.name}: {what} recorded {d.recorded}, actual {d.actual}")
-    if not drift:
-        click.echo("no drift")
-    elif not all(d.repaired for d in drift):  # a check's, or what a repair's --timeout left
+    if as_json:
+        _echo_json([d.to_dict() for d in drift])
+    else:
+        for d in drift:
+            state = "repaired" if d.repaired else "DRIFT"
+            what = {"used": "permits in use", "last_token": "last token"}.get(d.field, "permit rows without a lease")
+            click.echo(f"{state}: {d.name}: {what} recorded {d.recorded}, actual {d.actual}")
+        if not drift:
+            click.echo("no drift")
+    if not all(d.repaired for d in drift):  # a check's, or what a repair's --timeout left
         sys.exit(EXIT_FAILED)
 
 

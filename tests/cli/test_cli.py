@@ -203,6 +203,42 @@ def test_lease_commands(db_url: str, ns: str) -> None:
     assert "swept" in _permits(db_url, "sweep").stdout
 
 
+def test_sweep_and_reconcile_with_a_timeout_say_what_they_left_as_json_too(db_url: str, ns: str) -> None:
+    """``permits sweep --timeout`` starts no batch after it and says the sweep was incomplete (a note on
+    stderr; ``complete`` in the JSON); ``permits reconcile --repair --timeout`` starts no repair after it,
+    shows the drift left unrepaired and exits 1; with time enough both finish, and exit 0."""
+    from sqlalchemy import create_engine, text
+
+    from tests.conftest import sqlalchemy_url
+
+    name = f"{ns}swept"
+    _permits(db_url, "sem", "create", name, "--capacity", "5")
+    for i in range(3):
+        _permits(db_url, "acquire", name, "--key", f"{ns}k{i}", "--ttl", "0.2")
+    time.sleep(0.4)
+    first = json.loads(_permits(db_url, "sweep", "--batch-size", "1", "--timeout", "0", "--json").stdout)
+    assert (first["leases"], first["batches"], first["complete"]) == (1, 1, False), first
+    noted = _permits(db_url, "sweep", "--batch-size", "1", "--timeout", "0")
+    assert noted.stdout.startswith("swept 1 lease(s) in 1 batch(es)") and "stopped at --timeout" in noted.stderr
+    rest = json.loads(_permits(db_url, "sweep", "--timeout", "30", "--json").stdout)
+    assert rest["complete"] is True, rest
+    with permits.connect(db_url, owner="cli-tests") as client:
+        assert {client.get_lease(f"{ns}k{i}").end_reason for i in range(3)} == {permits.EndReason.SWEPT}
+
+    _permits(db_url, "acquire", f"{name}:2", "--key", f"{ns}held", "--ttl", "60")
+    engine = create_engine(sqlalchemy_url(db_url))
+    with engine.begin() as conn:  # damage the count behind permits' back
+        conn.execute(text("UPDATE permits_semaphore SET used = 4 WHERE name = :n"), {"n": name})
+    engine.dispose()
+    left = _permits(db_url, "reconcile", "--repair", "--timeout", "0", "--json", check=False)
+    assert left.returncode == 1, left.stderr
+    mine = [d for d in json.loads(left.stdout) if d["name"] == name]
+    assert mine == [{"name": name, "field": "used", "recorded": 4, "actual": 2, "repaired": False}], mine
+    repaired = json.loads(_permits(db_url, "reconcile", "--repair", "--timeout", "30", "--json").stdout)
+    assert [d["repaired"] for d in repaired if d["name"] == name] == [True]
+    assert all(d["name"] != name for d in json.loads(_permits(db_url, "reconcile", "--json").stdout))
+
+
 def test_revoke_ends_anyones_lease_by_owner_and_key(db_url: str, ns: str) -> None:
     """An operator's end of a stuck holder's lease: ``permits sem show`` lists the owner and key, ``permits
     revoke`` ends it with a reason, and its permits are free at once; the holder's next extend is refused."""
