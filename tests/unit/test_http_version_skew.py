@@ -169,9 +169,34 @@ def test_a_sweep_with_a_timeout_sends_the_time_left_and_waits_for_its_answer_tha
     with _connect_through(monkeypatch, timed_instance) as client:
         assert client.sweep(timeout=100).complete is False
         assert client.reconcile(repair=True, timeout=100) == []
-        assert client.sweep().complete is False
+        assert client.reconcile(repair=True) == []
     assert 99 < asked[0]["timeout"] <= 100 and 99 < asked[1]["timeout"] <= 100 and "timeout" not in asked[2]
     assert read_timeouts[1] > 100 and read_timeouts[2] > 100, read_timeouts  # [0] is whoami's
+    assert read_timeouts[3] == 30, read_timeouts  # no timeout: a reply's usual wait
+
+
+def test_a_sweep_without_a_timeout_goes_in_parts_and_none_is_sent_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no timeout of the caller's, a sweep through a service goes in parts, each held to
+    SWEEP_PART_SECONDS there and so answered well within a reply's wait, until one is complete; the result
+    adds them up. A part whose answer is lost is not sent again (another sweep would run beside it): its
+    outcome is unknown. (Before, one sweep of a long backlog was cut at 30 s and sent again while it ran.)"""
+    keys = [{"owner": "o", "key": key} for key in "abc"]
+    parts = [
+        {"leases": 2, "batches": 2, "keys": keys[:2], "complete": False},
+        {"leases": 1, "batches": 1, "keys": keys[2:], "complete": True},
+    ]
+    asked, instance = _serving(["upkeep_timeout"], lambda body, n: httpx.Response(200, json=parts[n - 1]))
+    with _connect_through(monkeypatch, instance) as client:
+        swept = client.sweep(max_batches=10)
+    assert swept == permits.SweepResult(leases=3, batches=3, keys=[("o", "a"), ("o", "b"), ("o", "c")], complete=True)
+    assert [body["max_batches"] for body in asked] == [10, 8]
+    assert all(19 < body["timeout"] <= 20 for body in asked), asked
+    monkeypatch.undo()
+
+    asked, instance = _serving(["upkeep_timeout"], lambda body, n: httpx.ReadError("reset"))
+    with _connect_through(monkeypatch, instance) as client, pytest.raises(permits.StorageUnavailable, match="may"):
+        client.sweep()
+    assert len(asked) == 1
 
 
 def test_a_sweep_to_an_older_instance_is_sent_no_timeout_and_reads_as_complete(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,7 @@ import httpx
 from permits import _wire
 from permits._backoff import RETRY_BACKOFF
 from permits._config import DEFAULT_TTL, Settings
-from permits._deadline import CALLER_DEADLINE, past_giving_up, reply_within
+from permits._deadline import CALLER_DEADLINE, caller_deadline, past_giving_up, reply_within
 from permits._exceptions import (
     AcquireTimeout,
     ConfigurationError,
@@ -60,6 +60,9 @@ from permits._models import (
 logger = logging.getLogger("permits.http")
 #: How long to wait for the service beyond the time a request may legitimately wait for room.
 RESPONSE_MARGIN = 30.0
+#: A sweep through a service for a caller with no timeout goes in parts of this many seconds each (the
+#: service starts no batch after it), each answered well within a reply's wait, until it is complete.
+SWEEP_PART_SECONDS = 20.0
 #: The longest Retry-After this client honours; the service asks for seconds, not minutes.
 MAX_RETRY_AFTER = 5.0
 #: Transport failures that come before a request is sent: no connection was made, or none was free.
@@ -491,8 +494,22 @@ class HTTPStore:
         self._call("GET", "/readyz")
 
     def sweep(self, batch_size: int, max_batches: int | None) -> SweepResult:
-        body = {"batch_size": batch_size, "max_batches": max_batches}
-        return _wire.sweep_in(self._upkeep("/v1/sweep", body))
+        self.open()
+        if CALLER_DEADLINE.get() is not None or "upkeep_timeout" not in self._features:
+            body = {"batch_size": batch_size, "max_batches": max_batches}
+            return _wire.sweep_in(self._upkeep("/v1/sweep", body))
+        # No time of the caller's: in parts, each held to SWEEP_PART_SECONDS on the service. One sweep of a
+        # long backlog would outlast a reply's wait, and be cut (its outcome unknown) while it went on.
+        leases = batches = 0
+        keys: list[tuple[str, str]] = []
+        while True:
+            body = {"batch_size": batch_size, "max_batches": None if max_batches is None else max_batches - batches}
+            with caller_deadline(monotonic() + SWEEP_PART_SECONDS):
+                part = _wire.sweep_in(self._upkeep("/v1/sweep", body))
+            leases, batches = leases + part.leases, batches + part.batches
+            keys.extend(part.keys)
+            if part.complete or (max_batches is not None and batches >= max_batches) or not part.batches:
+                return SweepResult(leases=leases, batches=batches, keys=keys, complete=part.complete)
 
     def reconcile(self, repair: bool) -> list[Drift]:
         data = self._upkeep("/v1/reconcile", {"repair": repair})
@@ -510,7 +527,9 @@ class HTTPStore:
             timed = deadline is not None and "upkeep_timeout" in self._features
             try:
                 sends = functools.partial(_with_time_left, body, deadline if timed else None)
-                return self._call("POST", path, body=sends)
+                # Not sent again once it may have reached the service: a second sweep (repair) would run
+                # beside the first, and the answer would count only its own.
+                return self._call("POST", path, body=sends, idempotent=False)
             except InvalidArgument as exc:
                 # An instance of an older version, behind the same address as a newer one (a rolling upgrade),
                 # refuses the field: ask again without it, and from now on.
