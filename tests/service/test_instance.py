@@ -572,6 +572,34 @@ def test_sweep_task_reclaims_expired_leases(db_url: str, ns: str) -> None:
     _run(scenario())
 
 
+def test_a_sweep_run_ends_within_its_share_of_the_lease_and_says_it_left_some(
+    db_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run of the sweep starts no batch after its share of the task's lease (SWEEP_RUN_SHARE, half: the
+    lease outlives it, and no other instance sweeps beside it); its first batch always runs. A run that
+    left some says so (``complete: False`` in its log), and the next runs go on. With the share at 0, each
+    run ends one batch of one lease."""
+    monkeypatch.setattr("permits.server.maintenance.SWEEP_RUN_SHARE", 0.0)
+
+    async def scenario() -> list[dict[str, Any]]:
+        state = _state(db_url, maintenance=Maintenance(sweep_batch=1))
+        async with state.client as client:
+            await client.create_semaphore(f"{ns}s", 5)
+            short = [await client.acquire(f"{ns}s", ttl=0.1, owner=f"{ns}w") for _ in range(3)]
+            await asyncio.sleep(0.3)
+            maintainer = Maintainer(state)
+            runs = [await maintainer.sweep()]
+            while "complete" in runs[-1] and len(runs) < 100:
+                runs.append(await maintainer.sweep())
+            for lease in short:
+                assert (await client.get_lease(lease.key, owner=f"{ns}w")).end_reason == EndReason.SWEPT
+            return runs
+
+    runs = _run(scenario())
+    assert runs[0] == {"leases": 1, "batches": 1, "complete": False}, runs
+    assert len(runs) >= 3 and "complete" not in runs[-1], runs
+
+
 @pytest.fixture
 def liveness_server() -> Iterator[str]:
     """Answers /check/<owner>: 200 for owners containing "alive", 404 for "dead", 500 otherwise."""

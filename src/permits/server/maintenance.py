@@ -40,6 +40,15 @@ LivenessProbe = Callable[[str], "bool | Awaitable[bool | None] | None"]
 SEMAPHORE_PREFIX = "permits:maintenance:"
 #: How long one liveness HTTP callback may take.
 LIVENESS_TIMEOUT = 5.0
+#: A sweep's run starts no batch after this share of its lease's TTL (its first batch always runs), so
+#: that the lease outlives it and no other instance sweeps beside it: the next runs sweep what is left.
+SWEEP_RUN_SHARE = 0.5
+
+
+def task_lease_ttl(interval: float) -> float:
+    """The TTL of the lease a task's run holds: it outlives a slow run (so no second instance starts
+    meanwhile) but not a dead one."""
+    return max(30.0, interval * 2)
 
 
 @dataclass(frozen=True)
@@ -86,10 +95,11 @@ class Maintainer:
         started = monotonic()
         try:
             await client.create_semaphore(name, 1, exist_ok=True)
-            # The lease outlives a slow run (so no second instance starts meanwhile) but not a dead one.
-            ttl = max(30.0, task.interval * 2)
             lease = await client.try_acquire(
-                name, owner="permits-maintenance", key=f"{self.instance}-{uuid.uuid4().hex}", ttl=ttl
+                name,
+                owner="permits-maintenance",
+                key=f"{self.instance}-{uuid.uuid4().hex}",
+                ttl=task_lease_ttl(task.interval),
             )
             if lease is None:
                 outcome, summary = "skipped", {}
@@ -122,10 +132,12 @@ class Maintainer:
     # ---------------------------------------------------------------------------------------------- tasks
 
     async def sweep(self) -> dict[str, Any]:
-        result = await self.state.client.sweep(batch_size=self.config.sweep_batch)
+        within = SWEEP_RUN_SHARE * task_lease_ttl(self.config.sweep_interval)
+        result = await self.state.client.sweep(batch_size=self.config.sweep_batch, timeout=within)
         if result.leases:
             self.state.metrics.reclaims.labels("swept").inc(result.leases)
-        return {"leases": result.leases, "batches": result.batches}
+        # Said only when the run left some: a complete sweep is routine (see run_once's log level).
+        return {"leases": result.leases, "batches": result.batches, **({} if result.complete else {"complete": False})}
 
     async def liveness(self) -> dict[str, Any]:
         store = self.state.sql_store
