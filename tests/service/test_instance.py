@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -573,12 +574,28 @@ def test_sweep_task_reclaims_expired_leases(db_url: str, ns: str) -> None:
 
 
 def test_a_sweep_run_ends_within_its_share_of_the_lease_and_says_it_left_some(
-    db_url: str, ns: str, monkeypatch: pytest.MonkeyPatch
+    db_url: str, ns: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A run of the sweep starts no batch after its share of the task's lease (SWEEP_RUN_SHARE, half: the
     lease outlives it, and no other instance sweeps beside it); its first batch always runs. A run that
     left some says so (``complete: False`` in its log), and the next runs go on. With the share at 0, each
-    run ends one batch of one lease."""
+    run ends one batch of one lease. By default a run is given 15 s: half of its lease's 30 s."""
+    given: list[float | None] = []
+
+    async def default_timeout() -> None:
+        state = _state(db_url)
+        async with state.client as client:
+            sweep = client.sweep
+
+            async def noted(**options: Any) -> Any:
+                given.append(options.get("timeout"))
+                return await sweep(**options)
+
+            client.sweep = noted  # type: ignore[method-assign]
+            await Maintainer(state).sweep()
+
+    _run(default_timeout())
+    assert given == [15.0], given
     monkeypatch.setattr("permits.server.maintenance.SWEEP_RUN_SHARE", 0.0)
 
     async def scenario() -> list[dict[str, Any]]:
@@ -588,8 +605,11 @@ def test_a_sweep_run_ends_within_its_share_of_the_lease_and_says_it_left_some(
             short = [await client.acquire(f"{ns}s", ttl=0.1, owner=f"{ns}w") for _ in range(3)]
             await asyncio.sleep(0.3)
             maintainer = Maintainer(state)
+            with caplog.at_level(logging.INFO, logger="permits.maintenance"):
+                assert await maintainer.run_once(next(t for t in maintainer.tasks() if t.name == "sweep")) == "done"
+            assert "maintenance sweep done, left some for the next run" in caplog.messages, caplog.messages
             runs = [await maintainer.sweep()]
-            while "complete" in runs[-1] and len(runs) < 100:
+            while "complete" in runs[-1] and len(runs) < 10_000:  # other tests' expired leases too
                 runs.append(await maintainer.sweep())
             for lease in short:
                 assert (await client.get_lease(lease.key, owner=f"{ns}w")).end_reason == EndReason.SWEPT

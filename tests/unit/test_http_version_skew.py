@@ -185,12 +185,27 @@ def test_a_sweep_without_a_timeout_goes_in_parts_and_none_is_sent_twice(monkeypa
         {"leases": 2, "batches": 2, "keys": keys[:2], "complete": False},
         {"leases": 1, "batches": 1, "keys": keys[2:], "complete": True},
     ]
+    read_timeouts: list[float] = []
     asked, instance = _serving(["upkeep_timeout"], lambda body, n: httpx.Response(200, json=parts[n - 1]))
-    with _connect_through(monkeypatch, instance) as client:
+
+    def timed_instance(request: httpx.Request) -> httpx.Response:
+        read_timeouts.append(request.extensions["timeout"]["read"])
+        return instance(request)
+
+    with _connect_through(monkeypatch, timed_instance) as client:
         swept = client.sweep(max_batches=10)
     assert swept == permits.SweepResult(leases=3, batches=3, keys=[("o", "a"), ("o", "b"), ("o", "c")], complete=True)
     assert [body["max_batches"] for body in asked] == [10, 8]
     assert all(19 < body["timeout"] <= 20 for body in asked), asked
+    assert all(44 < wait <= 45 for wait in read_timeouts[1:]), read_timeouts  # the part's 20 s and the grace
+    monkeypatch.undo()
+
+    # A part that ended no batch and is not complete (a service that did nothing): no part after it.
+    stuck = {"leases": 0, "batches": 0, "keys": [], "complete": False}
+    asked, instance = _serving(["upkeep_timeout"], lambda body, n: httpx.Response(200, json=stuck))
+    with _connect_through(monkeypatch, instance) as client:
+        assert client.sweep() == permits.SweepResult(complete=False)
+    assert len(asked) == 1
     monkeypatch.undo()
 
     asked, instance = _serving(["upkeep_timeout"], lambda body, n: httpx.ReadError("reset"))

@@ -120,11 +120,13 @@ class Maintainer:
         did_something = any(isinstance(v, int) and v for v in summary.values())
         level = logging.WARNING if outcome == "failed" else logging.INFO if did_something else logging.DEBUG
         if logger.isEnabledFor(level):
+            left = ", left some for the next run" if summary.get("complete") is False else ""
             logger.log(
                 level,
-                "maintenance %s %s",
+                "maintenance %s %s%s",
                 task.name,
                 outcome,
+                left,
                 extra={"task": task.name, "outcome": outcome, "seconds": round(monotonic() - started, 3), **summary},
             )
         return outcome
