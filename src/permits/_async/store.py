@@ -1204,17 +1204,16 @@ class AsyncSQLStore:
         deadline = CALLER_DEADLINE.get()
         keys: list[tuple[str, str]] = []
         batches = 0
-        complete = asked = False
+        complete = False
         while max_batches is None or batches < max_batches:
-            if asked and deadline is not None and monotonic() >= deadline:
-                break
             found, ended = await self._run(lambda: flows.sweep_batch(batch_size))
-            asked = True
             if found:
                 batches += 1
                 keys.extend(ended)
             if found < batch_size:
                 complete = True
+                break
+            if deadline is not None and monotonic() >= deadline:
                 break
         return SweepResult(leases=len(keys), batches=batches, keys=keys, complete=complete)
 
