@@ -225,12 +225,14 @@ class Drift:
     ``field`` says what disagrees: ``"used"``, the count of permits in use, against the sum over the
     permit rows of held leases; ``"last_token"``, the last fencing token handed out, which must be at
     least the highest token of any permit row (else the next grant would meet a token already given, and
-    the unique key would refuse every grant of that semaphore); or ``"orphaned_permits"``, permit rows
-    whose lease is gone (``recorded`` of them, where there should be none)."""
+    the unique key would refuse every grant of that semaphore); ``"orphaned_permits"``, permit rows
+    whose lease is gone (``recorded`` of them, where there should be none); or ``"last_ticket"``, the
+    last ticket of a fair queue (on PostgreSQL, of the sequence every semaphore shares), which must be at
+    least the highest ticket of any place in the queue."""
 
     name: str
-    recorded: int  # the value on the semaphore row
-    actual: int  # what the permit rows say it should be (the true count; the highest token)
+    recorded: int  # the value on the semaphore row (PostgreSQL's ticket counter: its sequence)
+    actual: int  # what the permit rows, or the queue's places, say it should be
     repaired: bool = False
     field: str = "used"
 

@@ -504,8 +504,21 @@ def sweep(batch_size: int, timeout: float | None, as_json: bool, db: str | None)
         click.echo("stopped at --timeout: more leases may be expired (sweep again to go on)", err=True)
 
 
+#: How ``permits reconcile`` names each kind of drift (Drift.field)
+_DRIFT_FIELDS = {
+    "used": "permits in use",
+    "last_token": "last token",
+    "orphaned_permits": "permit rows without a lease",
+    "last_ticket": "last queue ticket",
+}
+
+
 @main.command()
-@click.option("--repair", is_flag=True, help="Fix what drifted: true counts, token counters, orphaned permit rows.")
+@click.option(
+    "--repair",
+    is_flag=True,
+    help="Fix what drifted: true counts, token and ticket counters (only raised), orphaned permit rows.",
+)
 @click.option(
     "--timeout",
     type=float,
@@ -518,7 +531,8 @@ def sweep(batch_size: int, timeout: float | None, as_json: bool, db: str | None)
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of lines: a list of drift, [] for none.")
 @_db_option
 def reconcile(repair: bool, timeout: float | None, as_json: bool, db: str | None) -> None:
-    """Check each semaphore's count and token counter against its permit rows; exit 1 if drift remains."""
+    """Check each semaphore's count, token counter and queue's ticket counter against its rows; exit 1 if
+    drift remains."""
     with _within(timeout), _client(db) as client:
         drift = client.reconcile(repair=repair, timeout=timeout)
     if as_json:
@@ -526,7 +540,7 @@ def reconcile(repair: bool, timeout: float | None, as_json: bool, db: str | None
     else:
         for d in drift:
             state = "repaired" if d.repaired else "DRIFT"
-            what = {"used": "permits in use", "last_token": "last token"}.get(d.field, "permit rows without a lease")
+            what = _DRIFT_FIELDS.get(d.field, d.field)
             click.echo(f"{state}: {d.name}: {what} recorded {d.recorded}, actual {d.actual}")
         if not drift:
             click.echo("no drift")

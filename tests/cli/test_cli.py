@@ -230,6 +230,8 @@ def test_sweep_and_reconcile_with_a_timeout_say_what_they_left_as_json_too(db_ur
     with engine.begin() as conn:  # damage the count behind permits' back
         conn.execute(text("UPDATE permits_semaphore SET used = 4 WHERE name = :n"), {"n": name})
     engine.dispose()
+    shown = _permits(db_url, "reconcile", check=False)
+    assert f"DRIFT: {name}: permits in use recorded 4, actual 2" in shown.stdout.splitlines(), shown.stdout
     left = _permits(db_url, "reconcile", "--repair", "--timeout", "0", "--json", check=False)
     assert left.returncode == 1, left.stderr
     mine = [d for d in json.loads(left.stdout) if d["name"] == name]
@@ -238,6 +240,16 @@ def test_sweep_and_reconcile_with_a_timeout_say_what_they_left_as_json_too(db_ur
     assert [d["repaired"] for d in repaired if d["name"] == name] == [True]
     checked = _permits(db_url, "reconcile", "--json", check=False)  # other tests' drift is theirs
     assert all(d["name"] != name for d in json.loads(checked.stdout)), checked.stdout
+
+
+def test_reconcile_names_every_kind_of_drift_the_service_can_report() -> None:
+    """Each ``Drift.field`` the service's schema allows has words of its own in ``permits reconcile``."""
+    from typing import get_args
+
+    from permits.cli import _DRIFT_FIELDS
+    from permits.server.schemas import DriftOut
+
+    assert set(_DRIFT_FIELDS) == set(get_args(DriftOut.model_fields["field"].annotation))
 
 
 def test_revoke_ends_anyones_lease_by_owner_and_key(db_url: str, ns: str) -> None:

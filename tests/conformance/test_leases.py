@@ -514,6 +514,70 @@ def test_reconcile_raises_a_lagging_token_counter(client: Any, db_url: str, ns: 
     assert [d for d in client.reconcile() if d.name == name] == []
 
 
+def _expired_places_past_the_ticket_counter(db_url: str, name: str, after: list[int]) -> list[int]:
+    """Expired places in ``name``'s fair queue, behind permits' back, on the tickets ``after`` the last one
+    handed out (a restore of the semaphore rows older than the queue's, or a hand edit); their tickets."""
+    from sqlalchemy import create_engine, text
+
+    from tests.conftest import sqlalchemy_url
+
+    engine = create_engine(sqlalchemy_url(db_url))
+    # PostgreSQL's counter is one sequence; one never called yet hands out its last_value next
+    sequence = "(SELECT last_value - 1 + is_called::int FROM permits_ticket)"
+    counter = sequence if engine.dialect.name == "postgresql" else "last_ticket"
+    with engine.begin() as conn:
+        sem_id, last = conn.execute(
+            text(f"SELECT id, {counter} FROM permits_semaphore WHERE name = :n"), {"n": name}
+        ).one()
+        tickets = [int(last) + n for n in after]
+        for ticket in tickets:
+            conn.execute(
+                text(
+                    "INSERT INTO permits_waiter (semaphore_id, ticket, owner, lease_key, count, enqueued_at_ms,"
+                    " expires_at_ms) VALUES (:s, :t, 'gone', :k, 1, 1, 2)"
+                ),
+                {"s": sem_id, "t": ticket, "k": f"{name}-{ticket}"},
+            )
+    engine.dispose()
+    return tickets
+
+
+def test_reconcile_raises_a_lagging_ticket_counter(client: Any, db_url: str, ns: str) -> None:
+    """A fair queue's ticket counter behind a place's ticket would give a waiter a ticket a place holds
+    (see the next test). reconcile finds it and repair raises the counter (PostgreSQL's is one sequence for
+    every semaphore); it never lowers one."""
+    name = f"{ns}q"
+    client.create_semaphore(name, 1, fair=True)
+    held = client.try_acquire(name)
+    [ahead] = _expired_places_past_the_ticket_counter(db_url, name, [1000])
+    found = [(d.field, d.actual, d.repaired) for d in client.reconcile() if d.name == name]
+    assert found == [("last_ticket", ahead, False)]
+    repaired = [d for d in client.reconcile(repair=True) if d.name == name]
+    assert [(d.field, d.actual, d.repaired) for d in repaired] == [("last_ticket", ahead, True)]
+    assert repaired[0].recorded < ahead
+    assert [d for d in client.reconcile() if d.name == name] == []
+    with pytest.raises(permits.AcquireTimeout):  # a wait takes a place (a new ticket) again
+        client.acquire(name, timeout=0.3)
+    client.release(held)
+    client.release(client.acquire(name, timeout=5))
+
+
+def test_a_wait_heals_a_ticket_counter_behind_its_queue(client: Any, db_url: str, ns: str) -> None:
+    """Where a fair queue's ticket counter is behind a place's ticket, the wait that meets that place's key
+    raises the counter past it and takes a place; before, every try met the same key again (the refused
+    enqueue rolled its ticket back, on MariaDB and SQLite) and the wait ended in "an operation kept
+    restarting"."""
+    name = f"{ns}h"
+    client.create_semaphore(name, 1, fair=True)
+    held = client.try_acquire(name)
+    _expired_places_past_the_ticket_counter(db_url, name, [1, 2, 3])
+    with pytest.raises(permits.AcquireTimeout):  # it waited in the queue, rather than giving up at once
+        client.acquire(name, timeout=0.5)
+    client.release(held)
+    client.release(client.acquire(name, timeout=5))
+    assert [d for d in client.reconcile() if d.name == name] == []
+
+
 def test_reconcile_removes_permit_rows_without_a_lease(client: Any, db_url: str, ns: str) -> None:
     """A permit row whose lease is gone (the other half of the Galera batch bug) counts nothing held, but a
     lease that one day reused its id would inherit it. reconcile reports it; repair deletes it, and raises

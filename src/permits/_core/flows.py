@@ -267,19 +267,34 @@ class Queued:
         self.short = short
 
 
-def _enqueue(d: Dialect, req: Request, fair: Mapping[str, int], first: bool = False) -> Flow[Queued]:
+def _enqueue(
+    d: Dialect, req: Request, fair: Mapping[str, int], first: bool = False, heal: bool = False
+) -> Flow[Queued]:
     """Keep this request's places in the fair queues, or take them, so that every semaphore orders any two
     requests alike: one ticket for all of them from the dialect's sequence (``TICKET_NEXT``), or else a
     ticket per fair semaphore from its row's counter, taken in name order under each row's lock.
-    ``first``: this is the transaction's first statement (it may then run alone, see ``ENQUEUE``)."""
+    ``first``: this is the transaction's first statement (it may then run alone, see ``ENQUEUE``).
+
+    A place's key (semaphore, ticket) met on the way is the same request enqueued at the same time by
+    another attempt of its own, or a ticket counter behind its queue (a restore of the semaphore rows
+    older than the queue's, or a hand edit: ``reconcile`` reports it). The attempt then starts again with
+    ``heal``: each ticket counter is first raised to its queue's highest ticket, as ``reconcile --repair``
+    would. Without it, where the counter is the row's, every enqueue rolled back the ticket it took and met
+    the same key again, until the operation gave up ("kept restarting")."""
     place = {"owner": req.owner, "key": req.key, "place_ms": req.queue_ms, "wake": req.wake}
+    if heal:
+        for want in req.wants:  # in name order, as the tickets are taken
+            if want.name in fair:
+                highest = yield Stmt("TICKET_HIGHEST_ONE", {"sem_id": fair[want.name]})
+                yield Stmt("SEM_RAISE_TICKET", {"id": fair[want.name], "ticket": int(highest.rows[0][0] or 0)})
+        first = False
     if d.has("ENQUEUE"):
         queues = [(fair[w.name], w.count) for w in req.wants if w.name in fair]
         params = {**place, "sem_ids": [sid for sid, _ in queues], "counts": [count for _, count in queues]}
         try:
             placed = yield Stmt("ENQUEUE", params, alone=first and d.free_autocommit)
-        except DuplicateKey:  # the same request, enqueued at the same time by another attempt of its own
-            raise Restart(lambda: _enqueue(d, req, fair, first=True)) from None
+        except DuplicateKey:
+            raise Restart(lambda: _enqueue(d, req, fair, first=True, heal=True)) from None
         return Queued(max(int(row[0]) for row in placed.rows)) if placed.rows else Queued()
     kept = yield Stmt("WAITERS_REFRESH", place)
     if kept.rowcount == 0:
@@ -293,7 +308,7 @@ def _enqueue(d: Dialect, req: Request, fair: Mapping[str, int], first: bool = Fa
             try:
                 yield Stmt("WAITER_INSERT", {**place, "sem_id": fair[want.name], "ticket": ticket, "count": want.count})
             except DuplicateKey:
-                raise Restart(lambda: _enqueue(d, req, fair, first=True)) from None
+                raise Restart(lambda: _enqueue(d, req, fair, first=True, heal=True)) from None
     return (yield from queue_place(req.owner, req.key)) or Queued()
 
 
@@ -1054,23 +1069,29 @@ def delete_history_batch(older_than_ms: int, limit: int) -> Flow[int]:
 
 def find_drift() -> Flow[list[Drift]]:
     """Compare each semaphore row with its permit rows, from one snapshot: the stored count with the sum
-    over held permits, and the last fencing token with the highest token handed out."""
+    over held permits, the last fencing token with the highest token handed out, and the last ticket of
+    its fair queue with the highest ticket a place holds."""
     found = yield Stmt("DRIFT_CHECK")
     drift: list[Drift] = []
-    for _, name, used, actual, last_token, highest, orphaned in found.rows:
+    for _, name, used, actual, last_token, highest, orphaned, last_ticket, highest_ticket in found.rows:
         if int(used) != int(actual):
             drift.append(Drift(name=str(name), recorded=int(used), actual=int(actual)))
         if int(last_token) < int(highest):
             drift.append(Drift(name=str(name), recorded=int(last_token), actual=int(highest), field="last_token"))
         if int(orphaned):
             drift.append(Drift(name=str(name), recorded=int(orphaned), actual=0, field="orphaned_permits"))
+        if int(last_ticket) < int(highest_ticket):
+            drift.append(
+                Drift(name=str(name), recorded=int(last_ticket), actual=int(highest_ticket), field="last_ticket")
+            )
     return drift
 
 
 def repair_drift(name: str, field: str = "used") -> Flow[Drift | None]:
     """Under the semaphore's row lock: store the true count (``used``), raise the token counter to the
-    highest token handed out (``last_token``; never lowered), or delete the permit rows whose lease is gone
-    (``orphaned_permits``; their tokens stay spent)."""
+    highest token handed out (``last_token``; never lowered), delete the permit rows whose lease is gone
+    (``orphaned_permits``; their tokens stay spent), or raise the ticket counter to the highest ticket of
+    the semaphore's queue (``last_ticket``; never lowered)."""
     locked = yield Stmt("SEMS_LOCK", {"names": [name]})
     if not locked.rows:
         return None
@@ -1089,6 +1110,15 @@ def repair_drift(name: str, field: str = "used") -> Flow[Drift | None]:
             return None
         yield Stmt("SEM_RAISE_TOKEN", {"id": sem_id, "token": top})
         return Drift(name=name, recorded=last_token, actual=top, repaired=True, field="last_token")
+    if field == "last_ticket":
+        counter = yield Stmt("TICKET_COUNTER_ONE", {"id": sem_id})
+        last_ticket = int(counter.rows[0][0])
+        highest = yield Stmt("TICKET_HIGHEST_ONE", {"sem_id": sem_id})
+        top = int(highest.rows[0][0] or 0)
+        if top <= last_ticket:
+            return None
+        yield Stmt("SEM_RAISE_TICKET", {"id": sem_id, "ticket": top})
+        return Drift(name=name, recorded=last_ticket, actual=top, repaired=True, field="last_ticket")
     used = int(locked.rows[0][3])
     actual = yield Stmt("USED_ACTUAL_ONE", {"sem_id": sem_id})
     true_used = int(actual.rows[0][0] or 0) if actual.rows else 0

@@ -332,7 +332,9 @@ PORTABLE_SQL: dict[str, str] = {
                s.last_token,
                COALESCE((SELECT MAX(p.token) FROM permits_permit p WHERE p.semaphore_id = s.id), 0),
                (SELECT COUNT(*) FROM permits_permit p WHERE p.semaphore_id = s.id
-                AND NOT EXISTS (SELECT 1 FROM permits_lease l WHERE l.id = p.lease_id))
+                AND NOT EXISTS (SELECT 1 FROM permits_lease l WHERE l.id = p.lease_id)),
+               {ticket_counter},
+               COALESCE((SELECT MAX(w.ticket) FROM permits_waiter w WHERE w.semaphore_id = s.id), 0)
         FROM permits_semaphore s
         LEFT JOIN (SELECT p.semaphore_id, SUM(p.count) AS used FROM permits_lease l{held_index}
                    {held_join} permits_permit p ON p.lease_id = l.id
@@ -346,6 +348,12 @@ PORTABLE_SQL: dict[str, str] = {
     # params: sem_id -> the highest fencing token of the semaphore's permit rows (held or not)
     "TOKEN_HIGHEST_ONE": """
         SELECT COALESCE(MAX(token), 0) FROM permits_permit WHERE semaphore_id = :sem_id""",
+    # params: sem_id -> the highest ticket of the semaphore's places in its fair queue (live or not: an
+    # expired place keeps its ticket, and its key, until purged)
+    "TICKET_HIGHEST_ONE": """
+        SELECT COALESCE(MAX(ticket), 0) FROM permits_waiter WHERE semaphore_id = :sem_id""",
+    # params: id -> the last ticket handed out for the semaphore's fair queue
+    "TICKET_COUNTER_ONE": "SELECT {ticket_counter} FROM permits_semaphore s WHERE s.id = :id",
     # params: sem_id -> sum(count) over held leases
     "USED_ACTUAL_ONE": """
         SELECT COALESCE(SUM(p.count), 0) FROM permits_lease l{held_index}
@@ -395,6 +403,9 @@ PORTABLE_SQL: dict[str, str] = {
     "SEM_RAISE_TOKEN": """
         UPDATE permits_semaphore SET last_token = :token, updated_at_ms = {now}
         WHERE id = :id AND last_token < :token""",
+    # params: id, ticket (never lowers the counter)
+    "SEM_RAISE_TICKET": """
+        UPDATE permits_semaphore SET last_ticket = :ticket WHERE id = :id AND last_ticket < :ticket""",
 }
 
 
@@ -417,6 +428,8 @@ class Dialect:
     #: few leases are held (tests/conformance/test_history_reads.py).
     held_index: ClassVar[str] = ""
     held_join: ClassVar[str] = "JOIN"
+    #: ``{ticket_counter}``: the last ticket handed out to semaphore ``s``'s fair queue (``SEM_TICKET``)
+    ticket_counter: ClassVar[str] = "s.last_ticket"
     #: INSERT ... RETURNING is available
     insert_returning: ClassVar[bool] = True
     #: switching a pooled connection to autocommit and back costs no round trip (see Stmt.alone)
@@ -460,6 +473,7 @@ class Dialect:
                 fair_gate=gate,
                 held_index=self.held_index,
                 held_join=self.held_join,
+                ticket_counter=self.ticket_counter,
             )
             clause = text(filled.strip())
             expanding: list[Any] = [bindparam(p, expanding=True) for p in _EXPANDING if _expands(template, p)]

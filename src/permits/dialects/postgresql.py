@@ -172,6 +172,9 @@ class PostgreSQL(Dialect):
     free_autocommit = True
     # SQLAlchemy's work per statement was most of the client's CPU per operation: see docs/design.md
     statements_on_driver = True
+    # Tickets come from one sequence for every semaphore (TICKET_NEXT); ``is_called`` false: its
+    # ``last_value`` is the next one, not yet handed out.
+    ticket_counter = "(SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM permits_ticket)"
     overrides: ClassVar[dict[str, str | None]] = {
         # A server session whose link the reply deadline cut (see the store's ``_end_cut_sessions``): a pid
         # is reused once its backend exits, so a session is told by its pid and start, and its server by
@@ -443,6 +446,13 @@ class PostgreSQL(Dialect):
         # nextval locks no row, so an arriving waiter does not hold the semaphore row, which every grant
         # and release writes, through its enqueue and commit. -> ticket
         "TICKET_NEXT": "SELECT nextval('permits_ticket')",
+        # The sequence raised to a ticket, never lowered (setval is not undone by a rollback). A nextval
+        # between this statement's read of the sequence and its set is handed out again only if it passed
+        # the ticket in that instant; the queue's key would refuse it, and that enqueue take another.
+        # params: id (unused: one sequence serves every semaphore), ticket
+        "SEM_RAISE_TICKET": """
+            SELECT setval('permits_ticket', GREATEST(CAST(:ticket AS BIGINT), last_value), true)
+            FROM permits_ticket WHERE CAST(:id AS BIGINT) IS NOT NULL""",
         # The enqueue in one statement (flows._enqueue does it in four elsewhere): keep the request's places
         # (and say where to call it now), or else take one ticket from the sequence for all of its fair
         # queues and a place in each; then how many permits it is short of fitting, per queue, as

@@ -312,7 +312,7 @@ class SweepOut(BaseModel):
 
 class DriftOut(BaseModel):
     name: str
-    field: Literal["used", "last_token", "orphaned_permits"]
+    field: Literal["used", "last_token", "orphaned_permits", "last_ticket"]
     recorded: int
     actual: int
     repaired: bool
