@@ -279,17 +279,19 @@ def _enqueue(
     another attempt of its own, or a ticket counter behind its queue (a restore of the semaphore rows
     older than the queue's, or a hand edit: ``reconcile`` reports it). The attempt then starts again with
     ``heal``: each ticket counter is first raised to its queue's highest ticket, as ``reconcile --repair``
-    would. Without it, where the counter is the row's, every enqueue rolled back the ticket it took and met
-    the same key again, until the operation gave up ("kept restarting")."""
+    would (a sequence shared by every queue: to the highest of the request's queues). Without it, where
+    the counter is the row's, every enqueue rolled back the ticket it took and met the same key again,
+    until the operation gave up ("kept restarting")."""
     place = {"owner": req.owner, "key": req.key, "place_ms": req.queue_ms, "wake": req.wake}
-    if heal:
-        for want in req.wants:  # in name order, as the tickets are taken
-            if want.name in fair:
-                highest = yield Stmt("TICKET_HIGHEST_ONE", {"sem_id": fair[want.name]})
-                yield Stmt("SEM_RAISE_TICKET", {"id": fair[want.name], "ticket": int(highest.rows[0][0] or 0)})
-        first = False
     if d.has("ENQUEUE"):
         queues = [(fair[w.name], w.count) for w in req.wants if w.name in fair]
+        if heal:  # one sequence for every queue: raised once, past the highest of the request's queues
+            highest = 0
+            for sem_id, _ in queues:
+                highest = max(highest, int((yield Stmt("TICKET_HIGHEST_ONE", {"sem_id": sem_id})).rows[0][0] or 0))
+            if highest:
+                yield Stmt("SEM_RAISE_TICKET", {"id": queues[0][0], "ticket": highest})
+            first = False
         params = {**place, "sem_ids": [sid for sid, _ in queues], "counts": [count for _, count in queues]}
         try:
             placed = yield Stmt("ENQUEUE", params, alone=first and d.free_autocommit)
@@ -303,6 +305,9 @@ def _enqueue(
             if want.name not in fair:
                 continue
             ticket = shared
+            if ticket is None and heal:  # takes the row's lock before SEM_TICKET would, in name order too
+                highest = yield Stmt("TICKET_HIGHEST_ONE", {"sem_id": fair[want.name]})
+                yield Stmt("SEM_RAISE_TICKET", {"id": fair[want.name], "ticket": int(highest.rows[0][0] or 0)})
             if ticket is None:
                 ticket = d.taken_token((yield Stmt("SEM_TICKET", {"id": fair[want.name]})))
             try:

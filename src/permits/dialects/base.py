@@ -326,7 +326,9 @@ PORTABLE_SQL: dict[str, str] = {
         WHERE state = 1 AND expires_at_ms <= {now}
         ORDER BY expires_at_ms LIMIT :limit""",
     # Each semaphore's stored count beside the sum over its held permit rows, in one statement so both come
-    # from one snapshot. -> id, name, used, actual
+    # from one snapshot; its token counter beside its highest token; its permit rows without a lease; its
+    # fair queue's ticket counter beside the highest ticket of a place. -> id, name, used, actual,
+    # last_token, highest_token, orphaned, last_ticket, highest_ticket
     "DRIFT_CHECK": """
         SELECT s.id, s.name, s.used, COALESCE(h.used, 0),
                s.last_token,

@@ -446,13 +446,13 @@ class PostgreSQL(Dialect):
         # nextval locks no row, so an arriving waiter does not hold the semaphore row, which every grant
         # and release writes, through its enqueue and commit. -> ticket
         "TICKET_NEXT": "SELECT nextval('permits_ticket')",
-        # The sequence raised to a ticket, never lowered (setval is not undone by a rollback). A nextval
-        # between this statement's read of the sequence and its set is handed out again only if it passed
-        # the ticket in that instant; the queue's key would refuse it, and that enqueue take another.
-        # params: id (unused: one sequence serves every semaphore), ticket
+        # The sequence raised to a ticket, only where it is behind it (setval is not undone by a rollback,
+        # and no row lock orders it: a nextval between this statement's read and its set is below the
+        # ticket, and stays handed out). params: id (unused: one sequence serves every semaphore), ticket
         "SEM_RAISE_TICKET": """
-            SELECT setval('permits_ticket', GREATEST(CAST(:ticket AS BIGINT), last_value), true)
-            FROM permits_ticket WHERE CAST(:id AS BIGINT) IS NOT NULL""",
+            SELECT setval('permits_ticket', CAST(:ticket AS BIGINT), true) FROM permits_ticket
+            WHERE CAST(:id AS BIGINT) IS NOT NULL
+                AND CASE WHEN is_called THEN last_value ELSE last_value - 1 END < CAST(:ticket AS BIGINT)""",
         # The enqueue in one statement (flows._enqueue does it in four elsewhere): keep the request's places
         # (and say where to call it now), or else take one ticket from the sequence for all of its fair
         # queues and a place in each; then how many permits it is short of fitting, per queue, as
