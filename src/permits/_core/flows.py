@@ -306,8 +306,8 @@ def _enqueue(
                 continue
             ticket = shared
             if ticket is None and heal:  # takes the row's lock before SEM_TICKET would, in name order too
-                highest = yield Stmt("TICKET_HIGHEST_ONE", {"sem_id": fair[want.name]})
-                yield Stmt("SEM_RAISE_TICKET", {"id": fair[want.name], "ticket": int(highest.rows[0][0] or 0)})
+                queue_top = yield Stmt("TICKET_HIGHEST_ONE", {"sem_id": fair[want.name]})
+                yield Stmt("SEM_RAISE_TICKET", {"id": fair[want.name], "ticket": int(queue_top.rows[0][0] or 0)})
             if ticket is None:
                 ticket = d.taken_token((yield Stmt("SEM_TICKET", {"id": fair[want.name]})))
             try:
