@@ -187,3 +187,61 @@ def test_places_kept_before_an_older_instance_refused_keep_place_are_given_up(se
     with permits.connect("http://127.0.0.1:9", owner="o") as client, pytest.raises(permits.AcquireTimeout):
         client.acquire("s", key="k", ttl=30, timeout=0.5)
     assert sent[-1].url.path == "/v1/leases/give-up"
+
+
+def _lost_then(refusal: Callable[[], httpx.Response], refusals: int) -> Answer:
+    """The first send's answer lost (the connection reset after it arrived: it may have been granted),
+    then ``refusals`` refusals that say "not carried out" (for their own send), then the lease."""
+    asked = 0
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        nonlocal asked
+        asked += 1
+        if asked == 1:
+            raise httpx.ReadError("connection reset by peer", request=request)
+        if asked <= 1 + refusals:
+            return refusal()
+        return httpx.Response(201, json={**LEASE, "key": json.loads(request.content)["key"]})
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        lambda: _error(429, "limit_exceeded", limit="max_waiters"),
+        lambda: _error(503, "service_unavailable", limit="shutdown"),
+        lambda: _error(409, "storage_conflict"),
+    ],
+)
+def test_a_refusal_after_a_lost_answer_says_the_request_may_have_been_carried_out(
+    service: Any, refusal: Callable[[], httpx.Response]
+) -> None:
+    """The first send of an acquire may have been granted (its answer was lost); the retries land where
+    they are refused with an answer that says "not carried out" for their own send (an instance's line
+    full, an instance draining). The caller is told the outcome is unknown (StorageUnavailable), not that
+    nothing was done: it raised LimitExceeded (or ServiceUnavailable, StorageConflict), and a caller that
+    trusted it and asked again under a new key took a second permit while the first was held to its TTL.
+    A waiting acquire rides it out as an outage and gets its lease, under the same key."""
+    sent = service(_lost_then(refusal, refusals=100))
+    with (
+        permits.connect("http://127.0.0.1:9", owner="o", retries=2) as client,
+        pytest.raises(permits.StorageUnavailable, match="may have been carried out"),
+    ):
+        client.try_acquire("s", key="k", ttl=30)
+    assert len(sent) in (2, 3)  # a try's conflict is final at once (the service retried it already)
+    sent = service(_lost_then(refusal, refusals=4))
+    with permits.connect("http://127.0.0.1:9", owner="o", retries=2) as client:
+        assert client.acquire("s", key="k", ttl=30, timeout=30).key == "k"
+    assert {json.loads(request.content)["key"] for request in sent} == {"k"}
+
+
+def test_a_refusal_with_no_lost_answer_before_it_is_raised_as_it_is(service: Any) -> None:
+    """The counter-check: with every earlier send answered, a full line's 429 is the LimitExceeded it says."""
+    sent = service(lambda request: _error(429, "limit_exceeded", limit="max_waiters"))
+    with (
+        permits.connect("http://127.0.0.1:9", owner="o", retries=2) as client,
+        pytest.raises(permits.LimitExceeded),
+    ):
+        client.try_acquire("s", key="k", ttl=30)
+    assert len(sent) == 3

@@ -596,6 +596,10 @@ class AsyncHTTPStore:
     ) -> Any:
         """``_call``'s sends, the first with ``sent`` as its body."""
         failures = 0
+        # An earlier send of this request may have reached the service and been carried out (its answer
+        # was lost, or was a proxy's page, or the service's database failed after a commit): a later
+        # refusal that says "not carried out" speaks only for its own send.
+        may_have_arrived = False
         while True:
             if failures and body is not None:
                 sent = body()
@@ -638,9 +642,13 @@ class AsyncHTTPStore:
                 pause = RETRY_BACKOFF.delay(failures) if not waiting else min(MAX_RECONNECT_PAUSE, 0.05 * 2**failures)
                 gave_up = past_giving_up(self._grace, pause)
                 if (failures >= self._settings.retries and not waiting) or gave_up:
+                    unknown = may_have_arrived or not not_sent
+                    carried = "; the request may have been carried out" if unknown and method != "GET" else ""
                     raise StorageUnavailable(
-                        f"permits service unavailable at {self.url}: {type(exc).__name__}: {exc}", url=self.url
+                        f"permits service unavailable at {self.url}: {type(exc).__name__}: {exc}{carried}",
+                        url=self.url,
                     ) from exc
+                may_have_arrived = may_have_arrived or not not_sent
                 await async_sleep(_within(pause, deadline))
                 failures += 1
                 continue
@@ -673,7 +681,14 @@ class AsyncHTTPStore:
                 or (conflicts_final and isinstance(error, StorageConflict))
                 or not (idempotent or isinstance(error, NOT_CARRIED_OUT))
             ):
+                if may_have_arrived and method != "GET" and isinstance(error, NOT_CARRIED_OUT):
+                    raise StorageUnavailable(
+                        f"permits service at {self.url} refused the request ({error.code}: {error}) after an"
+                        " earlier send of it got no answer: the request may have been carried out",
+                        url=self.url,
+                    ) from error
                 raise error
+            may_have_arrived = may_have_arrived or error is None or isinstance(error, StorageUnavailable)
             logger.debug("retrying after %s from the service", response.status_code if error is None else error.code)
             await async_sleep(_within(pause, deadline))
             failures += 1
