@@ -29,6 +29,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 import permits
+from permits import _validate
 from permits._backoff import OUTAGE_BACKOFF
 from permits._config import DEFAULT_URL
 from permits._deadline import caller_deadline
@@ -59,6 +60,16 @@ EXIT_NOT_ACQUIRED = 75  # EX_TEMPFAIL: try again later
 EXIT_LEASE_LOST = 76
 #: The signals ``permits run`` passes on to COMMAND, so a supervisor can stop it cleanly.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _handled_signals() -> tuple[signal.Signals, ...]:
+    """The forwarded signals this process was not started ignoring. One that was (``nohup``, a job started
+    with ``&`` by a shell without job control) stays ignored, here and in COMMAND, which inherits it
+    through exec as flock(1)'s and timeout(1)'s commands do; a handler would stop the run on it, and be
+    reset to the default action in COMMAND."""
+    return tuple(s for s in FORWARDED_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN)
+
+
 #: The file of the default database, in the working directory.
 DEFAULT_DATABASE_FILE = DEFAULT_URL.removeprefix("sqlite:///")
 #: How long ``permits run`` tries to release the lease once COMMAND has ended. A database that hangs would
@@ -693,6 +704,7 @@ def run(
         kill_after=kill_after,
     )
     parsed = parse_wants(tuple(specs))
+    _check_run_arguments(parsed, options, owner)
     started = monotonic()
     with _client(db, owner, lambda client: _reach_through_an_outage(client, parsed, options.timeout)) as client:
         if options.timeout is not None:  # one --timeout for the wait for the database and the wait for room
@@ -704,6 +716,22 @@ def run(
     if lost:
         sys.exit(EXIT_LEASE_LOST)
     sys.exit(status if status >= 0 else 128 - status)
+
+
+def _check_run_arguments(wants: list[Want], options: _RunOptions, owner: str | None) -> None:
+    """What the lease's request will check, checked before anything is asked: a bad --ttl must not wait
+    out an outage first, nor follow a --create that made the semaphore."""
+    try:
+        _validate.wants(wants)
+        if options.key is not None:
+            _validate.key(options.key)
+        if owner is not None:
+            _validate.owner(owner)
+        if options.ttl is not None:
+            _validate.ttl_ms(options.ttl)
+        _validate.max_hold(options.max_hold)
+    except InvalidArgument as exc:
+        _fail(exc, EXIT_USAGE)
 
 
 def _create_unless_there(client: Client, name: str, capacity: int) -> None:
@@ -731,7 +759,7 @@ def _reach_through_an_outage(client: Client, wants: list[Want], timeout: float |
     def stop(signum: int, _frame: object) -> None:
         raise _Stopped(signum)
 
-    previous = {s: signal.signal(s, stop) for s in FORWARDED_SIGNALS}
+    previous = {s: signal.signal(s, stop) for s in _handled_signals()}
     try:
         outages = 0
         while True:
@@ -787,6 +815,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
     passed_on: list[_Process] = []  # the processes below COMMAND that got a signal passed on: waited for
     stopped: list[int] = []  # the signal that stopped this run before COMMAND started
 
+    lost_at_release: list[LeaseLost] = []  # the release found the lease ended before COMMAND did
     loss_lock = threading.Lock()  # the watchdog's thread and the main one each may send the loss's signal
     loss_sent: list[bool] = []  # it was sent: once only (a second would cut a clean shutdown short)
 
@@ -806,10 +835,12 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
 
     def on_lost(why: str) -> None:
         if options.on_lost_signal == "NONE":
-            click.echo(f"permits: lease lost while the command ran ({why})", err=True)
+            _say(f"permits: lease lost while the command ran ({why})")
             return
-        click.echo(f"permits: lease lost while the command ran ({why}); sending SIG{options.on_lost_signal}", err=True)
+        # The signal first: a stderr that cannot be written (a closed pipe, a full disk) must not leave
+        # COMMAND working on unprotected.
         signal_the_loss()
+        _say(f"permits: lease lost while the command ran ({why}); sending SIG{options.on_lost_signal}")
         signum = getattr(signal, f"SIG{options.on_lost_signal}")
         with loss_lock:
             if child is not None and not stopping:  # COMMAND had ended: those it left get the signal below
@@ -855,7 +886,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
                 entered.__exit__(None, None, None)
         _exit_stopped(signum)
 
-    previous = {s: signal.signal(s, on_signal) for s in FORWARDED_SIGNALS}
+    previous = {s: signal.signal(s, on_signal) for s in _handled_signals()}
     try:
         # The lease's own context manager: its watchdog counts the lease's deadline from the request that
         # got it, and a stop while waiting releases by key whatever the grant became (but under --key).
@@ -904,10 +935,14 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             releasing = True
             try:
                 _release_within(held, RELEASE_PATIENCE)
-            except LeaseLost:
-                # Lost while COMMAND ran: said already, and the exit status says it (76). Or ran out only
-                # after COMMAND ended (an extend held up past the TTL): held for all its run, so no loss.
-                pass
+            except LeaseLost as exc:
+                # Lost while COMMAND ran: said already (the watchdog found it), and the exit status says it
+                # (76). Or lost after the watchdog's last look and before COMMAND ended (revoked, say):
+                # found only now, and said now, as 76 too. (One that ran out only after COMMAND ended, an
+                # extend held up past the TTL, is not raised: held for all its run.)
+                if not held.lost:
+                    lost_at_release.append(exc)
+                    _say(f"permits: the lease was lost before the command ended ({exc})")
             except PermitsError as exc:
                 # COMMAND has run: its status is the outcome. The lease runs out at its TTL instead.
                 click.echo(f"permits: could not release the lease (it expires at its TTL): {exc.code}: {exc}", err=True)
@@ -922,7 +957,13 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return status, held.lost
+    return status, held.lost or bool(lost_at_release)
+
+
+def _say(message: str) -> None:
+    """A line on stderr, as far as stderr can take it: none of ``permits run``'s duties waits on it."""
+    with suppress(OSError):
+        click.echo(message, err=True)
 
 
 def _release_within(held: Held, seconds: float) -> None:
@@ -1047,14 +1088,18 @@ def _start(
     command: list[str], environment: dict[str, str], before_exec: Callable[[], None] | None
 ) -> subprocess.Popen[bytes]:
     """COMMAND, started. A file the kernel will not run (a script without ``#!``) is run with /bin/sh, as
-    execvp(3) does, and so flock(1), env(1) and every shell: Popen's own exec does not."""
+    execvp(3) does, and so flock(1), env(1) and every shell: Popen's own exec does not. COMMAND inherits
+    the file descriptors this process was given (``3>file``, make's jobserver, systemd's sockets), as under
+    flock(1); those permits opens are close-on-exec (Python's own since PEP 446, libpq's and SQLite's)."""
     try:
-        return subprocess.Popen(command, env=environment, preexec_fn=before_exec)
+        return subprocess.Popen(command, env=environment, preexec_fn=before_exec, close_fds=False)
     except OSError as exc:
         if exc.errno != errno.ENOEXEC:
             raise
         found = shutil.which(command[0], path=environment.get("PATH")) if "/" not in command[0] else command[0]
-        return subprocess.Popen(["/bin/sh", found or command[0], *command[1:]], env=environment, preexec_fn=before_exec)
+        return subprocess.Popen(
+            ["/bin/sh", found or command[0], *command[1:]], env=environment, preexec_fn=before_exec, close_fds=False
+        )
 
 
 def _signal_the_command(child: subprocess.Popen[bytes], signum: int, tracked: list[_Process]) -> None:

@@ -1121,3 +1121,114 @@ def test_db_ping_of_a_service_needs_no_token(tmp_path: Path) -> None:
             timeout=60,
         )
     assert done.returncode == 0 and "answered in" in done.stdout, done.stderr
+
+
+def _revoke_the_holder(db_url: str, name: str, reason: str) -> None:
+    """Revoke the one lease on ``name``, once there is one, as an administrator would."""
+    _wait_until_held(db_url, name)
+    with permits.connect(db_url) as client:
+        [holder] = client.holders(name)
+        client.revoke(holder.key, owner=holder.owner, reason=reason)
+
+
+def test_run_exits_76_for_a_lease_lost_after_the_watchdogs_last_look(db_url: str, ns: str, tmp_path: Path) -> None:
+    """A lease revoked between two of the watchdog's extends (every ttl/3: 20 s here), just before COMMAND
+    ends: the release finds it ended, and permits says so and exits 76. It exited with COMMAND's status and
+    said nothing, though part of COMMAND's work ran without the lease."""
+    name, go = f"{ns}cron", tmp_path / "go"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    waits_for_go = f"while [ ! -e {go} ]; do sleep 0.05; done"
+    run = _in_background(db_url, "run", name, "--ttl", "60", "--", "sh", "-c", waits_for_go)
+    _revoke_the_holder(db_url, name, "host lost its disk")
+    go.touch()
+    assert run.wait(timeout=30) == 76
+    assert run.stderr is not None
+    told = run.stderr.read()
+    assert "the lease was lost before the command ended" in told and "revoked" in told, told
+
+
+def test_run_leaves_ignored_signals_ignored_as_nohup_asks(db_url: str, ns: str, tmp_path: Path) -> None:
+    """Started with SIGHUP ignored (``nohup``), ``permits run`` is not stopped by one while it waits for
+    permits, nor while COMMAND runs, and COMMAND inherits it ignored, as under flock(1). A handler made
+    SIGHUP stop the wait (exit 129), and exec reset COMMAND's to the default action."""
+    name, go, seen = f"{ns}cron", tmp_path / "go", tmp_path / "seen"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    code = (
+        "import pathlib, signal, time\n"
+        f"pathlib.Path({str(seen)!r}).write_text(str(int(signal.getsignal(signal.SIGHUP))))\n"
+        f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.05)\n"
+    )
+    with permits.connect(db_url) as client:
+        blocker = client.acquire(name)
+        run = subprocess.Popen(
+            [sys.executable, "-m", "permits", "run", "-w", "60", name, "--", sys.executable, "-c", code],
+            env={**os.environ, "PERMITS_DATABASE_URL": db_url},
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+        )
+        time.sleep(1.0)  # waiting for room
+        run.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+        assert run.poll() is None, run.stderr.read() if run.stderr else ""
+        client.release(blocker)
+    deadline = time.monotonic() + 30
+    while not seen.exists() or not seen.read_text():
+        assert time.monotonic() < deadline and run.poll() is None, "COMMAND never started"
+        time.sleep(0.05)
+    assert seen.read_text() == str(int(signal.SIG_IGN))
+    run.send_signal(signal.SIGHUP)
+    time.sleep(0.3)
+    go.touch()
+    assert run.wait(timeout=30) == 0, run.stderr.read() if run.stderr else ""
+
+
+def test_run_passes_its_open_file_descriptors_to_the_command(db_url: str, ns: str, tmp_path: Path) -> None:
+    """``permits run NAME -- CMD 3>file`` as under flock(1): COMMAND writes to the descriptor it was given
+    (Popen closed every descriptor above 2: "Bad file descriptor")."""
+    name, out = f"{ns}cron", tmp_path / "out"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    line = shlex.join([sys.executable, "-m", "permits", "run", name, "--", "sh", "-c", "echo through-fd-3 >&3"])
+    done = subprocess.run(
+        f"{line} 3>{shlex.quote(str(out))}",
+        shell=True,
+        env={**os.environ, "PERMITS_DATABASE_URL": db_url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert out.read_text() == "through-fd-3\n"
+
+
+def test_run_signals_the_command_for_a_lost_lease_even_when_stderr_is_gone(db_url: str, ns: str) -> None:
+    """The loss's message is written after the signal is sent: a stderr that cannot be written (a reader
+    gone, here) must not leave COMMAND working on unprotected until it ends by itself."""
+    name = f"{ns}cron"
+    _permits(db_url, "sem", "create", name, "--capacity", "1")
+    run = _in_background(db_url, "run", name, "--ttl", "3", "--", "sleep", "60")
+    _wait_until_held(db_url, name)
+    assert run.stderr is not None
+    run.stderr.close()  # nobody reads what permits run says any more: its writes fail (EPIPE)
+    started = time.monotonic()
+    _revoke_the_holder(db_url, name, "stop it")
+    assert run.wait(timeout=45) == 76
+    assert time.monotonic() - started < 20  # the next extend (ttl/3) finds the loss; sleep 60 is stopped
+
+
+def test_run_checks_its_arguments_before_it_creates_or_waits(tmp_path: Path) -> None:
+    """A bad --ttl, --key or count is exit 2 before anything is asked: no semaphore made by --create, and no
+    wait through an outage first (``-w 30`` against a server that is not there)."""
+    db_url = f"sqlite:///{tmp_path / 'p.db'}"
+    for bad in (["--ttl", "0"], ["--key", ""], ["--owner", "x" * 300]):
+        done = _permits(db_url, "run", "--create", "1", *bad, "made", "--", "true", check=False)
+        assert done.returncode == 2 and "invalid_argument" in done.stderr, (bad, done.stderr)
+    done = _permits(db_url, "run", "--create", "1", "made:0", "--", "true", check=False)
+    assert done.returncode == 2 and "invalid_argument" in done.stderr, done.stderr
+    with permits.connect(db_url) as client:
+        assert client.list_semaphores() == []
+    started = time.monotonic()
+    away = "mysql://root@127.0.0.1:1/nothing"
+    done = _permits(away, "run", "-w", "30", "--ttl", "-1", "m", "--", "true", check=False, timeout=40)
+    assert done.returncode == 2 and "ttl" in done.stderr, done.stderr
+    assert time.monotonic() - started < 15
