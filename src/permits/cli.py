@@ -703,6 +703,7 @@ def run(
         on_lost_signal=on_lost_signal,
         kill_after=kill_after,
     )
+    given = _given_descriptors()  # before permits opens any of its own
     parsed = parse_wants(tuple(specs))
     _check_run_arguments(parsed, options, owner)
     started = monotonic()
@@ -712,7 +713,7 @@ def run(
         if create_capacity is not None:
             for want in parsed:
                 _create_unless_there(client, want.name, create_capacity)
-        status, lost = _run_holding(client, parsed, command, options)
+        status, lost = _run_holding(client, parsed, command, replace(options, descriptors=given))
     if lost:
         sys.exit(EXIT_LEASE_LOST)
     sys.exit(status if status >= 0 else 128 - status)
@@ -802,6 +803,8 @@ class _RunOptions:
     on_lost_signal: str
     #: seconds from the loss signal to SIGKILL; None: never
     kill_after: float | None
+    #: the inheritable file descriptors above 2 this process was given, which COMMAND inherits
+    descriptors: tuple[int, ...] = ()
 
 
 def _run_holding(client: Client, wants: list[Want], command: list[str], options: _RunOptions) -> tuple[int, bool]:
@@ -918,7 +921,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
             # COMMAND did not exist to get it): a second one stops COMMAND. The window is Popen's own.
             starting = True
             try:
-                child = _start(command, environment, before_exec)
+                child = _start(command, environment, before_exec, options.descriptors)
             except OSError as exc:
                 click.echo(f"permits: cannot run {command[0]!r}: {exc}", err=True)
                 sys.exit(126 if isinstance(exc, PermissionError) else 127)
@@ -940,7 +943,7 @@ def _run_holding(client: Client, wants: list[Want], command: list[str], options:
                 # (76). Or lost after the watchdog's last look and before COMMAND ended (revoked, say):
                 # found only now, and said now, as 76 too. (One that ran out only after COMMAND ended, an
                 # extend held up past the TTL, is not raised: held for all its run.)
-                if not held.lost:
+                if not held.lost and child is not None:  # (a run stopped before COMMAND ran lost nothing)
                     lost_at_release.append(exc)
                     _say(f"permits: the lease was lost before the command ended ({exc})")
             except PermitsError as exc:
@@ -1085,21 +1088,39 @@ class _Process:
 
 
 def _start(
-    command: list[str], environment: dict[str, str], before_exec: Callable[[], None] | None
+    command: list[str], environment: dict[str, str], before_exec: Callable[[], None] | None, given: tuple[int, ...]
 ) -> subprocess.Popen[bytes]:
     """COMMAND, started. A file the kernel will not run (a script without ``#!``) is run with /bin/sh, as
     execvp(3) does, and so flock(1), env(1) and every shell: Popen's own exec does not. COMMAND inherits
     the file descriptors this process was given (``3>file``, make's jobserver, systemd's sockets), as under
-    flock(1); those permits opens are close-on-exec (Python's own since PEP 446, libpq's and SQLite's)."""
+    flock(1), and only those: not one a driver opened since (libpq marks its socket close-on-exec only after
+    making it, and a watchdog's reconnect may be between the two as COMMAND forks)."""
+    given = tuple(fd for fd in given if _still_inheritable(fd))
     try:
-        return subprocess.Popen(command, env=environment, preexec_fn=before_exec, close_fds=False)
+        return subprocess.Popen(command, env=environment, preexec_fn=before_exec, pass_fds=given)
     except OSError as exc:
         if exc.errno != errno.ENOEXEC:
             raise
         found = shutil.which(command[0], path=environment.get("PATH")) if "/" not in command[0] else command[0]
         return subprocess.Popen(
-            ["/bin/sh", found or command[0], *command[1:]], env=environment, preexec_fn=before_exec, close_fds=False
+            ["/bin/sh", found or command[0], *command[1:]], env=environment, preexec_fn=before_exec, pass_fds=given
         )
+
+
+def _given_descriptors() -> tuple[int, ...]:
+    """The inheritable file descriptors above 2 open now (at ``permits run``'s start: those it was given)."""
+    try:
+        opened = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: the range a shell's redirections use
+        opened = list(range(3, 10))
+    return tuple(fd for fd in sorted(opened) if fd > 2 and _still_inheritable(fd))
+
+
+def _still_inheritable(fd: int) -> bool:
+    try:
+        return os.get_inheritable(fd)
+    except OSError:  # closed (the listing's own descriptor, or one closed since)
+        return False
 
 
 def _signal_the_command(child: subprocess.Popen[bytes], signum: int, tracked: list[_Process]) -> None:

@@ -1185,10 +1185,11 @@ def test_run_leaves_ignored_signals_ignored_as_nohup_asks(db_url: str, ns: str, 
 
 def test_run_passes_its_open_file_descriptors_to_the_command(db_url: str, ns: str, tmp_path: Path) -> None:
     """``permits run NAME -- CMD 3>file`` as under flock(1): COMMAND writes to the descriptor it was given
-    (Popen closed every descriptor above 2: "Bad file descriptor")."""
+    (Popen closed every descriptor above 2: "Bad file descriptor"), and has no other above 2."""
     name, out = f"{ns}cron", tmp_path / "out"
     _permits(db_url, "sem", "create", name, "--capacity", "1")
-    line = shlex.join([sys.executable, "-m", "permits", "run", name, "--", "sh", "-c", "echo through-fd-3 >&3"])
+    command = "echo through-fd-3 >&3; ls /proc/$$/fd | sort -n | tr '\\n' ' ' >&3"
+    line = shlex.join([sys.executable, "-m", "permits", "run", name, "--", "sh", "-c", command])
     done = subprocess.run(
         f"{line} 3>{shlex.quote(str(out))}",
         shell=True,
@@ -1198,7 +1199,7 @@ def test_run_passes_its_open_file_descriptors_to_the_command(db_url: str, ns: st
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    assert out.read_text() == "through-fd-3\n"
+    assert out.read_text() == "through-fd-3\n0 1 2 3 "  # and none of those permits opened itself
 
 
 def test_run_signals_the_command_for_a_lost_lease_even_when_stderr_is_gone(db_url: str, ns: str) -> None:

@@ -326,7 +326,10 @@ class AsyncClient:
                         remaining = None if deadline is None else deadline - monotonic()
                         if remaining is not None and remaining <= 0:
                             raise
-                        if outage_since is None:
+                        # A service's refusal after a send of this request got no answer (``refused``: the
+                        # outcome is unknown, but the service answers) is asked again as an outage is, and is
+                        # none: an interrupt meanwhile still releases by key.
+                        if outage_since is None and not exc.details.get("refused"):
                             outage_since = monotonic()
                             logger.warning(
                                 "waiting for %s through an outage: %s; asking again until %s",

@@ -229,6 +229,10 @@ class AsyncHTTPStore:
         #: (owner, key) of requests whose last 409 said that the service kept no place for them (a plain
         #: semaphore's, say): their give-up would find nothing, so it is not sent
         self._placeless: set[tuple[str, str]] = set()
+        #: Acquires (owner, key) a send of which may have reached the service and got no answer: a refusal
+        #: that says "not carried out" for a later send, in this call or a later one (the client's ride-out
+        #: loop makes a new call), is raised as an unknown outcome. Forgotten at an answer for the key.
+        self._unanswered: set[tuple[str, str]] = set()
 
     def _new_pools(self) -> tuple[_Requests, _Requests]:
         """The connection pools: for plain requests, and for long polls (which close() cuts short)."""
@@ -352,8 +356,10 @@ class AsyncHTTPStore:
                     deadline=deadline,
                     idempotent=resendable,
                     conflicts_final=wait == 0,
+                    unanswered=(owner, key),
                 )
             except AcquireTimeout as exc:
+                self._unanswered.discard((owner, key))  # asked with its key: the lease under it is not there
                 if body.get("keep_place"):
                     # A service that does not say (an older version) may have kept one: give it up.
                     if exc.details.get("kept_place") is False:
@@ -387,6 +393,7 @@ class AsyncHTTPStore:
                     continue
                 raise
             self._placeless.discard((owner, key))
+            self._unanswered.discard((owner, key))
             return _wire.lease_in(data)
 
     def wake_calls(self, names: Sequence[str]) -> int | None:
@@ -558,6 +565,7 @@ class AsyncHTTPStore:
         deadline: float | None = None,
         idempotent: bool = True,
         conflicts_final: bool = False,
+        unanswered: tuple[str, str] | None = None,
         **kwargs: Any,
     ) -> Any:
         """One request, retried on a dropped connection or a retryable refusal; returns the JSON body.
@@ -578,7 +586,9 @@ class AsyncHTTPStore:
         requests = self._long_polls if long_poll else self._requests
         requests.admit()
         try:
-            return await self._send(requests, method, path, sent, body, deadline, idempotent, conflicts_final, kwargs)
+            return await self._send(
+                requests, method, path, sent, body, deadline, idempotent, conflicts_final, unanswered, kwargs
+            )
         finally:
             await requests.done()
 
@@ -592,14 +602,25 @@ class AsyncHTTPStore:
         deadline: float | None,
         idempotent: bool,
         conflicts_final: bool,
+        unanswered: tuple[str, str] | None,
         kwargs: dict[str, Any],
     ) -> Any:
-        """``_call``'s sends, the first with ``sent`` as its body."""
+        """``_call``'s sends, the first with ``sent`` as its body. ``unanswered``: the acquire's (owner, key),
+        whose unanswered sends are remembered across calls (``_unanswered``)."""
         failures = 0
         # An earlier send of this request may have reached the service and been carried out (its answer
         # was lost, or was a proxy's page, or the service's database failed after a commit): a later
         # refusal that says "not carried out" speaks only for its own send.
-        may_have_arrived = False
+        may_have_arrived = unanswered is not None and unanswered in self._unanswered
+
+        def arrived_maybe() -> None:
+            nonlocal may_have_arrived
+            may_have_arrived = True
+            if unanswered is not None:
+                if len(self._unanswered) >= MAX_PLACELESS:
+                    self._unanswered.clear()  # at worst, a refusal raised as it is
+                self._unanswered.add(unanswered)
+
         while True:
             if failures and body is not None:
                 sent = body()
@@ -648,7 +669,8 @@ class AsyncHTTPStore:
                         f"permits service unavailable at {self.url}: {type(exc).__name__}: {exc}{carried}",
                         url=self.url,
                     ) from exc
-                may_have_arrived = may_have_arrived or not not_sent
+                if not not_sent:
+                    arrived_maybe()
                 await async_sleep(_within(pause, deadline))
                 failures += 1
                 continue
@@ -682,13 +704,16 @@ class AsyncHTTPStore:
                 or not (idempotent or isinstance(error, NOT_CARRIED_OUT))
             ):
                 if may_have_arrived and method != "GET" and isinstance(error, NOT_CARRIED_OUT):
+                    # ``refused``: the service answered (a caller riding out an outage need not call it one).
                     raise StorageUnavailable(
                         f"permits service at {self.url} refused the request ({error.code}: {error}) after an"
                         " earlier send of it got no answer: the request may have been carried out",
                         url=self.url,
+                        refused=error.code,
                     ) from error
                 raise error
-            may_have_arrived = may_have_arrived or error is None or isinstance(error, StorageUnavailable)
+            if error is None or isinstance(error, StorageUnavailable):
+                arrived_maybe()
             logger.debug("retrying after %s from the service", response.status_code if error is None else error.code)
             await async_sleep(_within(pause, deadline))
             failures += 1
