@@ -358,6 +358,38 @@ def test_a_turn_hands_the_permits_released_here_to_the_line_in_order(db_url: str
 
 
 @turns
+def test_shutdown_answers_a_request_a_turn_may_have_granted_as_unknown(db_url: str, ns: str) -> None:
+    """A turn that cannot say why it granted nothing (its commit's reply lost, say) leaves its requests to
+    ask alone: any of them may hold a lease under its key. If the instance drains then, those are answered
+    503 ``storage_unavailable`` (the outcome is unknown: a retry under the same key gets the lease), not
+    ``service_unavailable``, which says the request was not carried out."""
+
+    async def scenario() -> list[BaseException | None]:
+        state = _state(db_url)
+        store: Any = state.sql_store
+
+        async def unseen(name: str, gone: Any, requests: Any, wait: Any = None) -> HandedOver:
+            state.waker.draining.set()  # the instance is stopped as the turn's outcome is lost
+            return HandedOver([False] * len(gone), [None] * len(requests), ask_alone=True)
+
+        async with state.client as client:
+            name = f"{ns}hot"
+            await client.create_semaphore(name, 1)
+            held = await client.acquire(name, ttl=30)
+            waiters = [asyncio.create_task(client.acquire(name, ttl=30, timeout=20)) for _ in range(3)]
+            await asyncio.sleep(0.3)
+            assert state.instance_store.handoff is not None and state.instance_store.handoff.queued(name) == 3
+            store.hand_over = unseen
+            await client.release(held)
+            done, pending = await asyncio.wait(waiters, timeout=5)
+            assert not pending
+            return [task.exception() for task in done]
+
+    answers = _run(scenario())
+    assert answers and all(isinstance(answer, permits.StorageUnavailable) for answer in answers), answers
+
+
+@turns
 def test_a_turn_with_a_key_granted_elsewhere_answers_it_from_its_lease(db_url: str, ns: str) -> None:
     """A request whose key has a lease already (granted through another instance, its reply lost) goes to
     the line like any other: its turn does nothing, and asked alone, it is answered from its lease, and the

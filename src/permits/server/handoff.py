@@ -340,9 +340,7 @@ class HandOff:
                 if self._waker.draining.is_set() and line.tickets:
                     for waiting in line.tickets:
                         if not waiting.future.done():
-                            waiting.future.set_exception(
-                                ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
-                            )
+                            waiting.future.set_exception(_drained(waiting))
                     line.tickets.clear()
                     continue  # the releases still go
                 if not line.tickets:  # releases only
@@ -629,3 +627,16 @@ class HandOff:
                 return
             # Heard just after a hand-off here: most likely the notification of that very release, whose
             # permit is taken. Asking again would be refused; a release elsewhere is found by the poll.
+
+
+def _drained(ticket: _Ticket) -> Exception:
+    """The answer to a request still in the line when the instance shuts down. "Not carried out"
+    (``service_unavailable``), unless a turn may have granted it, unseen (``alone``: the turn could not
+    say why it was not granted, see ``flows.HandedOver.ask_alone``): then its outcome is unknown
+    (``storage_unavailable``), and a retry on another instance, under the same key, gets its lease."""
+    if ticket.alone:
+        return StorageUnavailable(
+            "this instance is shutting down, and a turn may have granted this request unseen: retry on another"
+            " with the same key"
+        )
+    return ServiceUnavailable("this instance is shutting down; retry on another", limit="shutdown")
