@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import threading
 import time
 import uuid
@@ -36,6 +37,17 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 #: to keep the whole run short.
 THOROUGH = os.environ.get("PERMITS_THOROUGH", "").lower() in ("1", "true", "yes")
 _SESSION_DB = f"permits_t_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+# A test run started in the background by a shell without job control (``./.ci/run &``, a CI runner's
+# script) inherits SIGINT ignored, and passes that on to every process it starts; ``permits run``, as
+# Python itself and as nohup's commands do, leaves an ignored signal ignored. The tests that stop a
+# ``permits run`` by a signal model one started from a terminal or by a supervisor: the signals it is
+# sent are not ignored there, so not here either (a handler is reset to the default action at exec).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+for _stop in (signal.SIGTERM, signal.SIGHUP):
+    if signal.getsignal(_stop) is signal.SIG_IGN:
+        signal.signal(_stop, signal.SIG_DFL)
+
 #: Test directories whose tests need the machine to themselves: they start many processes and time them,
 #: kill servers, measure throughput, or change a shared server's global settings (the isolation level).
 #: They are marked ``alone``; scripts/test runs the other tests in parallel workers first, then these. A
